@@ -1,0 +1,3 @@
+from nemo_jax.config.model import NemotronHConfig
+
+__all__ = ["NemotronHConfig"]

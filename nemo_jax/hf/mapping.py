@@ -1,0 +1,111 @@
+"""The one declarative name/shape table between our parameter tree and HF `nemotron_h` tensors.
+
+Each `Entry` says: HF tensor `hf_name` (HF shape `hf_shape`) is `ours[path][index]` after `transform`.
+Loading reads the table forwards, saving backwards; nothing else knows HF names.
+
+Transforms:  "id" same layout; "T" Linear `[out, in]` <-> kernel `[in, out]`; "conv" `[C, 1, K]` <-> `[K, C]`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from nemo_jax.model.spec import ParamSpec, param_specs, path_str
+
+
+@dataclass(frozen=True)
+class Entry:
+    hf_name: str
+    path: str  # our leaf path, e.g. layers/moe/mixer/experts/up_proj
+    index: tuple[int, ...]  # leading indices into our leaf (layer in stack, expert)
+    transform: str  # "id" | "T" | "conv"
+    hf_shape: tuple[int, ...]
+
+
+def to_hf_layout(x: np.ndarray, transform: str) -> np.ndarray:
+    if transform == "T":
+        return x.T
+    if transform == "conv":
+        return x.T[:, None, :]
+    return x
+
+
+def from_hf_layout(x: np.ndarray, transform: str) -> np.ndarray:
+    if transform == "T":
+        return x.T
+    if transform == "conv":
+        return x[:, 0, :].T
+    return x
+
+
+def _hf_leaf_name(sub: str) -> tuple[str, str]:
+    """Our sub-path inside a layer (e.g. 'mixer/in_proj/kernel') -> (HF suffix, transform)."""
+    parts = sub.split("/")
+    last = parts[-1]
+    if parts[-2:] == ["conv1d", "kernel"]:
+        return ".".join(parts[:-1]) + ".weight", "conv"
+    if parts[-2:] == ["gate", "correction_bias"]:
+        return ".".join(parts[:-1]) + ".e_score_correction_bias", "id"
+    if last == "kernel":
+        return ".".join(parts[:-1]) + ".weight", "T"
+    if last in ("scale", "embedding"):
+        return ".".join(parts[:-1]) + ".weight", "id"
+    return ".".join(parts), "id"
+
+
+def _hf_shape(shape: tuple[int, ...], transform: str) -> tuple[int, ...]:
+    if transform == "T":
+        return tuple(reversed(shape))
+    if transform == "conv":
+        return (shape[1], 1, shape[0])
+    return tuple(shape)
+
+
+def _layer_entries(stacks: dict, kinds: tuple[str, ...], prefix: str, our_prefix: str, layer_offset: int = 0):
+    out = []
+    seen: dict[str, int] = {}
+    for li, kind in enumerate(kinds):
+        k = seen.get(kind, 0)
+        seen[kind] = k + 1
+        leaves = jax.tree_util.tree_flatten_with_path(stacks[kind], is_leaf=lambda x: isinstance(x, ParamSpec))[0]
+        for p, spec in leaves:
+            sub = path_str(p)
+            ours = f"{our_prefix}/{kind}/{sub}"
+            shape = spec.shape[1:]
+            base = f"{prefix}.{li + layer_offset}."
+            if sub.startswith("mixer/experts/"):
+                proj = sub.split("/")[-1]
+                for j in range(shape[0]):
+                    out.append(Entry(f"{base}mixer.experts.{j}.{proj}.weight", ours, (k, j), "T", _hf_shape(shape[1:], "T")))
+                continue
+            suffix, tr = _hf_leaf_name(sub)
+            out.append(Entry(base + suffix, ours, (k,), tr, _hf_shape(shape, tr)))
+    return out
+
+
+def build_table(cfg) -> list[Entry]:
+    """Every HF tensor of this config, in HF order (embeddings, layers, norm_f, lm_head, mtp)."""
+    specs = param_specs(cfg)
+    V, D = cfg.vocab_size, cfg.hidden_size
+    table = [Entry("backbone.embeddings.weight", "embeddings/embedding", (), "id", (V, D))]
+    table += _layer_entries(specs["layers"], cfg.layer_kinds, "backbone.layers", "layers")
+    table.append(Entry("backbone.norm_f.weight", "norm_f/scale", (), "id", (D,)))
+    table.append(Entry("lm_head.weight", "lm_head/kernel", (), "T", (V, D)))
+    n = len(cfg.mtp_layer_kinds)
+    for d in range(cfg.num_nextn_predict_layers):
+        first, last = f"mtp.layers.{d * n}.", f"mtp.layers.{d * n + n - 1}."
+        table.append(Entry(first + "enorm.weight", f"mtp/{d}/enorm/scale", (), "id", (D,)))
+        table.append(Entry(first + "hnorm.weight", f"mtp/{d}/hnorm/scale", (), "id", (D,)))
+        table.append(Entry(first + "eh_proj.weight", f"mtp/{d}/eh_proj/kernel", (), "T", (D, 2 * D)))
+        table += _layer_entries(specs["mtp"][d]["layers"], cfg.mtp_layer_kinds, "mtp.layers", f"mtp/{d}/layers", d * n)
+        table.append(Entry(last + "final_layernorm.weight", f"mtp/{d}/final_layernorm/scale", (), "id", (D,)))
+    return table
+
+
+def leaf_specs(cfg) -> dict[str, ParamSpec]:
+    """Our leaves by path."""
+    flat = jax.tree_util.tree_flatten_with_path(param_specs(cfg), is_leaf=lambda x: isinstance(x, ParamSpec))[0]
+    return {path_str(p): s for p, s in flat}

@@ -1,0 +1,67 @@
+"""NoPE grouped-query attention: no RoPE, no QK-norm, no biases, scale head_dim**-0.5, causal.
+
+q head i reads kv head i // (nh / nkv). Logits and softmax in fp32.
+Training: `segment_ids` mask attention across packed documents. Cached: a KV cache of fixed length
+with a per-slot validity mask; all rows share the write position `pos` (prompts are left-padded).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from nemo_jax.model.layers import linear
+
+_NEG = -1e30
+
+
+class KVCache(NamedTuple):
+    k: jax.Array  # [b, S, nkv, hd]
+    v: jax.Array  # [b, S, nkv, hd]
+
+
+def _attend(q, k, v, mask, dtype):
+    """q [b, l, kv, r, hd], k/v [b, s, kv, hd], mask [b, l, s] -> [b, l, kv*r*hd]."""
+    hd = q.shape[-1]
+    logits = jnp.einsum("blkrh,bskh->bkrls", q, k, preferred_element_type=jnp.float32) * (hd ** -0.5)
+    logits = jnp.where(mask[:, None, None], logits, _NEG)
+    probs = jax.nn.softmax(logits, axis=-1)
+    out = jnp.einsum("bkrls,bskh->blkrh", probs.astype(dtype), v, preferred_element_type=jnp.float32)
+    b, l = q.shape[:2]
+    return out.astype(dtype).reshape(b, l, -1)
+
+
+def attention(p: dict, u: jax.Array, cfg, dtype, *, segment_ids=None, cache: KVCache | None = None,
+              valid_cache=None, pos=None):
+    """u [b, l, D] -> (out [b, l, D], new KVCache or None).
+
+    With `cache`: the chunk's keys/values are written at [pos, pos+l); `valid_cache` [b, S] is the
+    validity of every cache slot *after* the write (the caller owns it, shared by all layers).
+    """
+    b, l, _ = u.shape
+    nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    q = linear(u, p["q_proj"], dtype).reshape(b, l, nkv, nh // nkv, hd)
+    k = linear(u, p["k_proj"], dtype).reshape(b, l, nkv, hd)
+    v = linear(u, p["v_proj"], dtype).reshape(b, l, nkv, hd)
+    if cache is None:
+        causal = jnp.tril(jnp.ones((l, l), bool))[None]
+        if segment_ids is not None:
+            causal = causal & (segment_ids[:, :, None] == segment_ids[:, None, :])
+        out = _attend(q, k, v, causal, dtype)
+        new_cache = None
+    else:
+        kc = jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), (0, pos, 0, 0))
+        vc = jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), (0, pos, 0, 0))
+        S = kc.shape[1]
+        causal = jnp.arange(S)[None, :] <= (pos + jnp.arange(l))[:, None]  # [l, S]
+        mask = causal[None] & valid_cache[:, None, :]
+        out = _attend(q, kc.astype(dtype), vc.astype(dtype), mask, dtype)
+        new_cache = KVCache(kc, vc)
+    return linear(out, p["o_proj"], dtype), new_cache
+
+
+def init_cache(cfg, batch: int, max_len: int, dtype) -> KVCache:
+    shape = (batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))

@@ -1,0 +1,75 @@
+"""Small building blocks: norms, linear maps, the relu^2 MLP, embeddings and a chunked cross-entropy."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def linear(x: jax.Array, p: dict, dtype) -> jax.Array:
+    """x [..., in] @ kernel [in, out] -> [..., out] in `dtype` (fp32 accumulation)."""
+    k = p["kernel"].astype(dtype)
+    return jnp.einsum("...i,io->...o", x.astype(dtype), k, preferred_element_type=jnp.float32).astype(dtype)
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm in fp32, result in x's dtype: (scale * x / rms(x))."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (scale.astype(jnp.float32) * y).astype(x.dtype)
+
+
+def gated_rms_norm(y: jax.Array, z: jax.Array, scale: jax.Array, groups: int, eps: float) -> jax.Array:
+    """Mamba2 output norm: g = y * silu(z) first, then RMS-normalise in `groups` groups, then * scale.
+
+    y, z: [..., Di]; scale: [Di]. Math in fp32, result fp32.
+    """
+    g = y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
+    *lead, d = g.shape
+    gg = g.reshape(*lead, groups, d // groups)
+    gg = gg * jax.lax.rsqrt(jnp.mean(gg * gg, axis=-1, keepdims=True) + eps)
+    return scale.astype(jnp.float32) * gg.reshape(*lead, d)
+
+
+def relu2(x: jax.Array) -> jax.Array:
+    r = jax.nn.relu(x)
+    return r * r
+
+
+def mlp(p: dict, x: jax.Array, dtype) -> jax.Array:
+    """Non-gated relu^2 MLP: down(relu(up(x))**2). x [..., D] -> [..., D]."""
+    return linear(relu2(linear(x, p["up_proj"], dtype)), p["down_proj"], dtype)
+
+
+def embed(p: dict, tokens: jax.Array, dtype) -> jax.Array:
+    """tokens [B, T] int -> [B, T, D]."""
+    return jnp.take(p["embedding"], tokens, axis=0).astype(dtype)
+
+
+def logits_from_hidden(h: jax.Array, lm_head: dict) -> jax.Array:
+    """h [B, T, D] -> fp32 logits [B, T, V]."""
+    return jnp.einsum("btd,dv->btv", h, lm_head["kernel"].astype(h.dtype), preferred_element_type=jnp.float32)
+
+
+def chunked_cross_entropy(h: jax.Array, lm_head: dict, targets: jax.Array, chunk: int = 1024) -> jax.Array:
+    """Per-token -log p(target) without materialising all fp32 logits at once.
+
+    h [B, T, D], targets [B, T] -> nll [B, T] fp32. The vocabulary projection is recomputed per
+    chunk of tokens in the backward pass (jax.checkpoint), so peak memory is one chunk of logits.
+    """
+    B, T, D = h.shape
+    n = B * T
+    c = min(chunk, n)
+    pad = (-n) % c
+    hf = jnp.pad(h.reshape(n, D), ((0, pad), (0, 0))).reshape(-1, c, D)
+    tf = jnp.pad(targets.reshape(n), (0, pad)).reshape(-1, c)
+
+    @jax.checkpoint
+    def one(hc, tc):
+        logits = jnp.einsum("cd,dv->cv", hc, lm_head["kernel"].astype(hc.dtype), preferred_element_type=jnp.float32)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        tgt = jnp.take_along_axis(logits, tc[:, None], axis=-1)[:, 0]
+        return lse - tgt
+
+    nll = jax.lax.map(lambda a: one(*a), (hf, tf))
+    return nll.reshape(-1)[:n].reshape(B, T)

@@ -1,0 +1,223 @@
+"""Mamba2 mixer: causal depthwise conv, chunked SSD scan (segment-aware), sequential reference.
+
+Shapes: b batch, l length, h SSM heads, p head dim, g B/C groups, n state size, c conv channels,
+K conv kernel. Head `i` reads B/C group `i // (h // g)`.
+
+All SSM math (dt, A*dt, cumulative sums, segment sums, exp, the state) is fp32.
+
+Two ways of feeding a sequence:
+* training / packed: `segment_ids` [b, l]; conv window and SSM state reset where the id changes
+  (documents must be contiguous). Each document gets exactly the result it would get alone.
+* cached (prefill / decode / continuation): a `MambaState` holding the last K-1 conv inputs and the
+  SSM state, plus `valid` [b, l] where padding is only at the left of each row's new chunk. Padding
+  never enters the state: its dt is 0 (the state passes through unchanged) and the conv taps skip it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from nemo_jax.model.layers import gated_rms_norm, linear
+
+
+class MambaState(NamedTuple):
+    conv: jax.Array  # [b, K-1, c] last conv inputs (compute dtype)
+    ssm: jax.Array  # [b, h, p, n] fp32
+
+
+# --------------------------------------------------------------------------- conv
+def causal_conv(xbc: jax.Array, kernel: jax.Array, bias, segment_ids=None) -> jax.Array:
+    """Depthwise causal conv. xbc [b, l, c], kernel [K, c] (tap K-1 is the current token) -> [b, l, c] fp32."""
+    K = kernel.shape[0]
+    x = xbc.astype(jnp.float32)
+    w = kernel.astype(jnp.float32)
+    out = x * w[K - 1]
+    for m in range(1, K):
+        shifted = jnp.pad(x, ((0, 0), (m, 0), (0, 0)))[:, : x.shape[1]]
+        if segment_ids is not None:
+            same = jnp.pad(segment_ids, ((0, 0), (m, 0)), constant_values=-1)[:, : x.shape[1]] == segment_ids
+            shifted = shifted * same[..., None]
+        out = out + shifted * w[K - 1 - m]
+    if bias is not None:
+        out = out + bias.astype(jnp.float32)
+    return out
+
+
+def causal_conv_cached(xbc, kernel, bias, window, n_pad):
+    """Conv over [window | chunk] where the first n_pad[b] chunk positions are padding to skip.
+
+    xbc [b, l, c]; window [b, K-1, c]; n_pad [b] int. Returns (out [b, l, c] fp32, new window [b, K-1, c]).
+    """
+    K = kernel.shape[0]
+    b, l, c = xbc.shape
+    seq = jnp.concatenate([window.astype(xbc.dtype), xbc], axis=1)  # [b, K-1+l, c]
+    j = jnp.arange(l + 1)[None, :, None]  # chunk positions, plus one past the end for the new window
+    m = jnp.arange(K)[None, None, :]  # lag
+    v = j - m
+    npad = n_pad[:, None, None]
+    idx = jnp.where(v >= npad, (K - 1) + v, (K - 1) - npad + v)
+    idx = jnp.clip(idx, 0, K - 2 + l)  # [b, l+1, K]
+    taps = jnp.take_along_axis(seq[:, :, None, :], idx.reshape(b, -1)[:, :, None, None], axis=1)
+    taps = taps.reshape(b, l + 1, K, c)
+    w = kernel.astype(jnp.float32)[::-1]  # lag m uses kernel[K-1-m]
+    out = jnp.einsum("bjmc,mc->bjc", taps[:, :l].astype(jnp.float32), w)
+    if bias is not None:
+        out = out + bias.astype(jnp.float32)
+    new_window = taps[:, l, 1:][:, ::-1]  # lags K-1..1 of the virtual next token, oldest first
+    return out, new_window.astype(window.dtype)
+
+
+# --------------------------------------------------------------------------- SSD
+def _segsum(x: jax.Array) -> jax.Array:
+    """Stable segment sum: x [..., T] -> [..., T, T] with out[i, j] = sum_{j<k<=i} x[k], -inf above diagonal."""
+    T = x.shape[-1]
+    xx = jnp.broadcast_to(x[..., :, None], (*x.shape, T))  # [..., k, j]
+    lower = jnp.tril(jnp.ones((T, T), bool), -1)
+    xx = jnp.where(lower, xx, 0.0)
+    ss = jnp.cumsum(xx, axis=-2)
+    return jnp.where(jnp.tril(jnp.ones((T, T), bool)), ss, -jnp.inf)
+
+
+def ssd_chunked(x, dt, A, B, C, chunk_size: int, segment_ids=None, initial_state=None):
+    """Chunked SSD scan.
+
+    x [b, l, h, p], dt [b, l, h] (already softplus'd/clamped), A [h] (negative), B/C [b, l, g, n].
+    Returns y [b, l, h, p] (without the D skip) and the final state [b, h, p, n], fp32.
+    """
+    f32 = jnp.float32
+    b, l, h, p = x.shape
+    g, n = B.shape[2], B.shape[3]
+    hg = h // g
+    cs = min(chunk_size, l)
+    pad = (-l) % cs
+    x, dt, B, C = (t.astype(f32) for t in (x, dt, B, C))
+    if pad:
+        x, dt, B, C = (jnp.pad(t, [(0, 0), (0, pad)] + [(0, 0)] * (t.ndim - 2)) for t in (x, dt, B, C))
+    seg = None
+    if segment_ids is not None:
+        seg = jnp.pad(segment_ids, ((0, 0), (0, pad)), mode="edge") if pad else segment_ids
+    L = l + pad
+    nc = L // cs
+    x = x.reshape(b, nc, cs, g, hg, p)
+    dt = dt.reshape(b, nc, cs, h)
+    B = B.reshape(b, nc, cs, g, n)
+    C = C.reshape(b, nc, cs, g, n)
+    dA = dt * A.astype(f32)  # [b, c, s, h]
+    dA_cs = jnp.cumsum(dA, axis=2)
+    xdt = x * dt.reshape(b, nc, cs, g, hg)[..., None]
+
+    # 1. within each chunk (quadratic form)
+    Lmat = jnp.exp(_segsum(jnp.moveaxis(dA, 3, 2)))  # [b, c, h, i, j]
+    if seg is not None:
+        sc = seg.reshape(b, nc, cs)
+        Lmat = Lmat * (sc[:, :, :, None] == sc[:, :, None, :])[:, :, None]
+    CB = jnp.einsum("bcign,bcjgn->bcgij", C, B)
+    M = CB[:, :, :, None] * Lmat.reshape(b, nc, g, hg, cs, cs)
+    y_diag = jnp.einsum("bcgkij,bcjgkp->bcigkp", M, xdt)
+
+    # 2. state of each chunk from its own tokens
+    decay_states = jnp.exp(dA_cs[:, :, -1:, :] - dA_cs)  # [b, c, s, h]
+    if seg is not None:
+        decay_states = decay_states * (sc == sc[:, :, -1:])[..., None]
+    states = jnp.einsum("bcjgn,bcjgkp->bcgkpn", B, xdt * decay_states.reshape(b, nc, cs, g, hg)[..., None])
+    states = states.reshape(b, nc, h, p, n)
+
+    # 3. pass states between chunks
+    init = jnp.zeros((b, h, p, n), f32) if initial_state is None else initial_state.astype(f32)
+    states = jnp.concatenate([init[:, None], states], axis=1)  # [b, c+1, h, p, n]
+    totals = jnp.pad(dA_cs[:, :, -1, :], ((0, 0), (1, 0), (0, 0)))  # [b, c+1, h]
+    decay_chunk = jnp.exp(_segsum(jnp.moveaxis(totals, 2, 1)))  # [b, h, z, c]
+    if seg is not None:
+        owner = jnp.concatenate([seg[:, :1], sc[:, :, -1]], axis=1)  # segment each state belongs to
+        decay_chunk = decay_chunk * (owner[:, :, None] == owner[:, None, :])[:, None]
+    new_states = jnp.einsum("bhzc,bchpn->bzhpn", decay_chunk, states)
+    prev_states, final_state = new_states[:, :-1], new_states[:, -1]
+
+    # 4. contribution of the incoming state to each token
+    out_decay = jnp.exp(dA_cs)  # [b, c, s, h]
+    if seg is not None:
+        out_decay = out_decay * (sc == owner[:, :-1, None])[..., None]
+    y_off = jnp.einsum("bcign,bcgkpn->bcigkp", C, prev_states.reshape(b, nc, g, hg, p, n))
+    y_off = y_off * out_decay.reshape(b, nc, cs, g, hg)[..., None]
+    y = (y_diag + y_off).reshape(b, L, h, p)[:, :l]
+    return y, final_state
+
+
+def ssd_sequential(x, dt, A, B, C, segment_ids=None, initial_state=None):
+    """Reference: the per-token recurrence h_t = exp(dt A) h_{t-1} + dt x_t B_t, y_t = C_t h_t. Same I/O as ssd_chunked."""
+    f32 = jnp.float32
+    b, l, h, p = x.shape
+    g = B.shape[2]
+    rep = h // g
+    Bh = jnp.repeat(B.astype(f32), rep, axis=2)  # [b, l, h, n]
+    Ch = jnp.repeat(C.astype(f32), rep, axis=2)
+    state = jnp.zeros((b, h, p, B.shape[3]), f32) if initial_state is None else initial_state.astype(f32)
+    seg = jnp.zeros((b, l), jnp.int32) if segment_ids is None else segment_ids
+    prev = jnp.concatenate([seg[:, :1], seg[:, :-1]], axis=1)
+
+    def step(s, inp):
+        xt, dtt, bt, ct, reset = inp
+        s = jnp.where(reset[:, None, None, None], 0.0, s)
+        s = s * jnp.exp(dtt * A.astype(f32))[:, :, None, None] + (dtt[:, :, None] * xt)[..., None] * bt[:, :, None, :]
+        return s, jnp.einsum("bhpn,bhn->bhp", s, ct)
+
+    xs = (jnp.moveaxis(x.astype(f32), 1, 0), jnp.moveaxis(dt.astype(f32), 1, 0), jnp.moveaxis(Bh, 1, 0),
+          jnp.moveaxis(Ch, 1, 0), jnp.moveaxis(seg != prev, 1, 0))
+    final, ys = jax.lax.scan(step, state, xs)
+    return jnp.moveaxis(ys, 0, 1), final
+
+
+SCANS = {"chunked": ssd_chunked, "sequential": lambda x, dt, A, B, C, chunk_size, **kw: ssd_sequential(x, dt, A, B, C, **kw)}
+
+
+# --------------------------------------------------------------------------- mixer
+def mamba_mixer(p: dict, u: jax.Array, cfg, dtype, *, segment_ids=None, state: MambaState | None = None,
+                valid=None, scan: str = "chunked"):
+    """u [b, l, D] -> (y [b, l, D], new MambaState).
+
+    Without `state`: packed training forward (segment_ids optional); the returned state is the one
+    after the last token (meaningful when the row holds one document). With `state`: continue it,
+    `valid` [b, l] marking real tokens (padding only at the left).
+    """
+    b, l, _ = u.shape
+    H, P, G, N, Di = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.n_groups, cfg.ssm_state_size, cfg.d_inner
+    zxbcdt = linear(u, p["in_proj"], dtype)
+    z, xbc, dt_raw = jnp.split(zxbcdt, [Di, Di + cfg.conv_dim], axis=-1)
+    bias = p["conv1d"].get("bias")
+    if state is None:
+        xbc_c = causal_conv(xbc, p["conv1d"]["kernel"], bias, segment_ids)
+        K = cfg.conv_kernel
+        window = jnp.pad(xbc, ((0, 0), (max(K - 1 - l, 0), 0), (0, 0)))[:, -(K - 1):] if K > 1 else xbc[:, :0]
+        init = None
+    else:
+        n_pad = l - jnp.sum(valid, axis=1).astype(jnp.int32)
+        xbc_c, window = causal_conv_cached(xbc, p["conv1d"]["kernel"], bias, state.conv, n_pad)
+        init = state.ssm
+    xbc_c = jax.nn.silu(xbc_c)
+    x, Bm, Cm = jnp.split(xbc_c, [Di, Di + G * N], axis=-1)
+    dt = jax.nn.softplus(dt_raw.astype(jnp.float32) + p["dt_bias"].astype(jnp.float32))
+    lo, hi = cfg.time_step_limit
+    if cfg.clamp_dt:
+        lo = max(lo, cfg.time_step_min)
+    if lo > 0.0 or hi != float("inf"):
+        dt = jnp.clip(dt, lo, hi)
+    if valid is not None:
+        dt = dt * valid[..., None]
+    A = -jnp.exp(p["A_log"].astype(jnp.float32))
+    xh = x.reshape(b, l, H, P)
+    y, final = SCANS[scan](xh, dt, A, Bm.reshape(b, l, G, N), Cm.reshape(b, l, G, N), chunk_size=cfg.chunk_size,
+                           segment_ids=segment_ids, initial_state=init)
+    y = y + p["D"].astype(jnp.float32)[:, None] * xh
+    y = gated_rms_norm(y.reshape(b, l, Di), z, p["norm"]["scale"], G, cfg.layer_norm_epsilon)
+    out = linear(y.astype(dtype), p["out_proj"], dtype)
+    return out, MambaState(window.astype(dtype), final)
+
+
+def init_state(cfg, batch: int, dtype) -> MambaState:
+    return MambaState(
+        jnp.zeros((batch, cfg.conv_kernel - 1, cfg.conv_dim), dtype),
+        jnp.zeros((batch, cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size), jnp.float32),
+    )

@@ -1,0 +1,261 @@
+"""The Nemotron-H forward pass, top to bottom.
+
+    h = embed(tokens)
+    for each layer: h = h + mixer(rms_norm(h))        # mixer in {mamba, attention, mlp, moe}
+    logits = lm_head(rms_norm(h))                      # fp32, never tied, no embedding scale
+
+Layers are grouped into repeated *units* of at most one Mamba, one attention and one FFN (mlp or moe)
+layer, in that order ("MEMEM*E" -> ME, ME, M*E). The units are run with one `lax.scan`, so compile time is
+flat in depth. A layer kind present in every unit is scanned over as `xs`; one present in only some units
+(attention in Nano 3 / Super) is read from its stack by index under `lax.cond`. `scan=False` is the plain
+unrolled reference path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nemo_jax.model import attention as attn_lib
+from nemo_jax.model import mamba2, moe as moe_lib
+from nemo_jax.model.cache import DecodeState
+from nemo_jax.model.layers import embed, linear, logits_from_hidden, mlp, rms_norm
+
+KIND_ORDER = ("mamba", "attention", "mlp", "moe")
+_SLOTS = (("mamba",), ("attention",), ("mlp", "moe"))
+REMAT_POLICIES = ("none", "layer", "save_matmuls")
+
+
+@dataclass(frozen=True)
+class Options:
+    """How to run the forward (never what the network is)."""
+
+    dtype: Any = jnp.float32  # compute dtype; params stay fp32, router/norms/softmax/SSM in fp32
+    scan: bool = True  # scan over repeated units (False: unrolled reference)
+    ssd: str = "chunked"  # "chunked" | "sequential" (reference)
+    moe_dispatch: str = "sorted"  # see moe.DISPATCHES
+    capacity_factor: float = 1.25
+    remat: str = "none"  # "none" | "layer" | "save_matmuls"
+
+    def __post_init__(self):
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"remat: {self.remat!r} not in {REMAT_POLICIES}")
+        if self.moe_dispatch not in moe_lib.DISPATCHES:
+            raise ValueError(f"moe_dispatch: {self.moe_dispatch!r} not in {moe_lib.DISPATCHES}")
+        if self.ssd not in mamba2.SCANS:
+            raise ValueError(f"ssd: {self.ssd!r} not in {tuple(mamba2.SCANS)}")
+
+
+def units(kinds: tuple[str, ...]) -> list[dict[str, int]]:
+    """Group layers into units: [{kind: index within that kind's stack}], in layer order."""
+    out, i, seen = [], 0, {}
+    while i < len(kinds):
+        unit = {}
+        for slot in _SLOTS:
+            if i < len(kinds) and kinds[i] in slot:
+                unit[kinds[i]] = seen.get(kinds[i], 0)
+                seen[kinds[i]] = unit[kinds[i]] + 1
+                i += 1
+        out.append(unit)
+    return out
+
+
+# --------------------------------------------------------------------------- one layer
+@dataclass
+class _Ctx:
+    cfg: Any
+    opts: Options
+    segment_ids: Any = None
+    valid: Any = None  # [b, l] for cached runs
+    valid_cache: Any = None  # [b, S]
+    pos: Any = None
+
+
+def _zero_aux(kind: str, cfg) -> dict:
+    if kind == "moe":
+        return {"aux_loss": jnp.zeros((), jnp.float32), "load": jnp.zeros((cfg.n_routed_experts,), jnp.float32),
+                "dropped": jnp.zeros((), jnp.int32)}
+    return {}
+
+
+def apply_layer(kind: str, p: dict, h: jax.Array, ctx: _Ctx, cache=None):
+    """h + mixer(rms_norm(h)). Returns (h, new cache for this layer or None, aux dict)."""
+    cfg, dtype = ctx.cfg, ctx.opts.dtype
+    u = rms_norm(h, p["norm"]["scale"], cfg.layer_norm_epsilon)
+    aux, new = {}, None
+    if kind == "mamba":
+        y, st = mamba2.mamba_mixer(p["mixer"], u, cfg, dtype, segment_ids=ctx.segment_ids, state=cache,
+                                   valid=ctx.valid, scan=ctx.opts.ssd)
+        new = st if cache is not None else None
+    elif kind == "attention":
+        y, new = attn_lib.attention(p["mixer"], u, cfg, dtype, segment_ids=ctx.segment_ids, cache=cache,
+                                    valid_cache=ctx.valid_cache, pos=ctx.pos)
+    elif kind == "mlp":
+        y = mlp(p["mixer"], u, dtype)
+    elif kind == "moe":
+        mask = ctx.valid if ctx.valid is not None else (None if ctx.segment_ids is None else ctx.segment_ids > 0)
+        y, aux = moe_lib.moe(p["mixer"], u, cfg, dtype, dispatch=ctx.opts.moe_dispatch,
+                             capacity_factor=ctx.opts.capacity_factor, token_mask=mask)
+    else:
+        raise ValueError(f"unknown layer kind {kind!r}")
+    return (h + y.astype(h.dtype)).astype(h.dtype), new, aux
+
+
+def _index(tree, i):
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
+
+
+def _update(tree, new, i):
+    return jax.tree.map(lambda a, b: jax.lax.dynamic_update_index_in_dim(a, b.astype(a.dtype), i, 0), tree, new)
+
+
+# --------------------------------------------------------------------------- the layer stack
+def run_layers(stacks: dict, h: jax.Array, kinds: tuple[str, ...], ctx: _Ctx, caches: dict | None = None):
+    """Run all layers. stacks: {kind: params stacked [n_kind, ...]}; caches: {kind: stacked cache}.
+
+    Returns (h, new caches {kind: stacked}, aux {kind: {name: [n_kind, ...]}}).
+    """
+    caches = caches or {}
+    if not ctx.opts.scan:
+        return _run_unrolled(stacks, h, kinds, ctx, caches)
+    us = units(kinds)
+    U = len(us)
+    present = [k for k in KIND_ORDER if k in stacks]
+    every = {k: all(k in u for u in us) for k in present}
+    has = {k: jnp.asarray(np.array([k in u for u in us])) for k in present if not every[k]}
+    idx = {k: jnp.asarray(np.array([u.get(k, 0) for u in us], np.int32)) for k in present if not every[k]}
+    xs_params = {k: stacks[k] for k in present if every[k]}
+    xs_caches = {k: caches[k] for k in present if every[k] and k in caches}
+    carry_caches = {k: caches[k] for k in present if not every[k] and k in caches}
+
+    def body(carry, xs):
+        h, cstacks = carry
+        p_xs, c_xs, has_u, idx_u = xs
+        new_xs, aux_u = {}, {}
+        cstacks = dict(cstacks)
+        for k in present:
+            if every[k]:
+                h, new, aux_u[k] = apply_layer(k, p_xs[k], h, ctx, c_xs.get(k))
+                if k in c_xs:
+                    new_xs[k] = new
+            else:
+                def yes(h, cs, k=k, i=idx_u[k]):
+                    c = _index(cs[k], i) if k in cs else None
+                    h2, new, aux = apply_layer(k, _index(stacks[k], i), h, ctx, c)
+                    if k in cs:
+                        cs = dict(cs, **{k: _update(cs[k], new, i)})
+                    return h2, cs, aux
+
+                def no(h, cs, k=k):
+                    return h, cs, _zero_aux(k, ctx.cfg)
+
+                sub = {k: cstacks[k]} if k in cstacks else {}
+                h, sub, aux_u[k] = jax.lax.cond(has_u[k], yes, no, h, sub)
+                cstacks.update(sub)
+        return (h, cstacks), (new_xs, aux_u)
+
+    if ctx.opts.remat == "layer":
+        body = jax.checkpoint(body)
+    elif ctx.opts.remat == "save_matmuls":
+        body = jax.checkpoint(body, policy=jax.checkpoint_policies.checkpoint_dots)
+    (h, carry_caches), (ys_caches, ys_aux) = jax.lax.scan(body, (h, carry_caches), (xs_params, xs_caches, has, idx),
+                                                          length=U)
+    new_caches = {**ys_caches, **carry_caches}
+    aux = {}
+    for k, a in ys_aux.items():
+        if not a:
+            continue
+        sel = np.array([i for i, u in enumerate(us) if k in u])
+        aux[k] = a if every[k] else jax.tree.map(lambda x: x[sel], a)
+    return h, new_caches, aux
+
+
+def _run_unrolled(stacks, h, kinds, ctx, caches):
+    seen: dict[str, int] = {}
+    new_caches = {k: [] for k in caches}
+    auxs: dict[str, list] = {}
+    for kind in kinds:
+        i = seen.get(kind, 0)
+        seen[kind] = i + 1
+        p = jax.tree.map(lambda a: a[i], stacks[kind])
+        c = jax.tree.map(lambda a: a[i], caches[kind]) if kind in caches else None
+        h, new, aux = apply_layer(kind, p, h, ctx, c)
+        if kind in caches:
+            new_caches[kind].append(new)
+        if aux:
+            auxs.setdefault(kind, []).append(aux)
+    new_caches = {k: jax.tree.map(lambda *xs: jnp.stack(xs), *v) for k, v in new_caches.items()}
+    aux = {k: jax.tree.map(lambda *xs: jnp.stack(xs), *v) for k, v in auxs.items()}
+    return h, new_caches, aux
+
+
+# --------------------------------------------------------------------------- public entry points
+def hidden_states(params: dict, tokens: jax.Array, cfg, segment_ids=None, *, opts: Options = Options()):
+    """tokens [B, T] -> (final-normed hidden [B, T, D] in opts.dtype, aux)."""
+    ctx = _Ctx(cfg, opts, segment_ids=segment_ids)
+    h = embed(params["embeddings"], tokens, opts.dtype)
+    h, _, aux = run_layers(params["layers"], h, cfg.layer_kinds, ctx)
+    return rms_norm(h, params["norm_f"]["scale"], cfg.layer_norm_epsilon), _summarise_aux(aux)
+
+
+def forward(params: dict, tokens: jax.Array, cfg, segment_ids=None, *, opts: Options = Options(), mtp: bool = True):
+    """tokens [B, T] int -> (logits [B, T, V] fp32, aux).
+
+    aux: `aux_loss` (MoE balance loss, mean over MoE layers), `load` [n_moe, E] token-slot counts,
+    `dropped`, and `mtp_logits` (list over MTP depths of [B, T, V]; depth d at t predicts t+2+d) when the
+    config has MTP layers and `mtp` is set.
+    """
+    h, aux = hidden_states(params, tokens, cfg, segment_ids, opts=opts)
+    logits = logits_from_hidden(h, params["lm_head"])
+    if mtp and cfg.num_nextn_predict_layers and "mtp" in params:
+        aux["mtp_logits"] = [logits_from_hidden(m, params["lm_head"])
+                             for m in mtp_hidden(params, h, tokens, cfg, segment_ids, opts=opts)]
+    return logits, aux
+
+
+def mtp_hidden(params: dict, h: jax.Array, tokens: jax.Array, cfg, segment_ids=None, *, opts: Options = Options()):
+    """Multi-token prediction: for depth d, eh_proj(concat(enorm(embed(t+1+d)), hnorm(h_t))) -> MTP layers ->
+    final_layernorm. h is the main model's final-normed hidden state. Returns a list of [B, T, D]."""
+    ctx = _Ctx(cfg, dataclasses.replace(opts, scan=False), segment_ids=segment_ids)
+    outs, prev = [], h
+    for d, p in enumerate(params["mtp"]):
+        nxt = jnp.pad(tokens[:, 1 + d:], ((0, 0), (0, 1 + d)))
+        e = rms_norm(embed(params["embeddings"], nxt, opts.dtype), p["enorm"]["scale"], cfg.layer_norm_epsilon)
+        hh = rms_norm(prev, p["hnorm"]["scale"], cfg.layer_norm_epsilon)
+        x = linear(jnp.concatenate([e, hh], axis=-1), p["eh_proj"], opts.dtype)
+        x, _, _ = run_layers(p["layers"], x, cfg.mtp_layer_kinds, ctx)
+        prev = rms_norm(x, p["final_layernorm"]["scale"], cfg.layer_norm_epsilon)
+        outs.append(prev)
+    return outs
+
+
+def _summarise_aux(aux: dict) -> dict:
+    out: dict[str, Any] = {}
+    if "moe" in aux:
+        m = aux["moe"]
+        out["aux_loss"] = jnp.mean(m["aux_loss"])
+        out["load"] = m["load"]
+        out["dropped"] = jnp.sum(m["dropped"])
+    return out
+
+
+def forward_cached(params: dict, tokens: jax.Array, valid: jax.Array, state: DecodeState, cfg, *,
+                   opts: Options = Options()):
+    """Append a chunk to a decode state. tokens/valid [b, l] (padding only on the left of the chunk).
+
+    Returns (logits [b, l, V] fp32, new state). Prefill = this on an empty state; decode = l == 1.
+    """
+    l = tokens.shape[1]
+    valid = valid.astype(bool)
+    valid_cache = jax.lax.dynamic_update_slice(state.valid, valid, (0, state.pos))
+    ctx = _Ctx(cfg, opts, valid=valid, valid_cache=valid_cache, pos=state.pos)
+    h = embed(params["embeddings"], tokens, opts.dtype)
+    h, caches, _ = run_layers(params["layers"], h, cfg.layer_kinds, ctx, state.layer_caches())
+    h = rms_norm(h, params["norm_f"]["scale"], cfg.layer_norm_epsilon)
+    new = DecodeState(caches.get("mamba"), caches.get("attention"), valid_cache, state.pos + l)
+    return logits_from_hidden(h, params["lm_head"]), new

@@ -1,0 +1,79 @@
+"""Logical axis names -> mesh axes. One small rules object; two logical axes of one tensor may not share a
+mesh axis, and a mesh axis whose size does not divide the dimension is dropped for that tensor."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tensor", "expert")
+
+DEFAULT_RULES = {
+    "layers": None,
+    "vocab": "tensor",
+    "embed": "fsdp",
+    "q_heads": "tensor",
+    "kv_heads": "tensor",
+    "mlp": "tensor",
+    "mamba_in_proj": "tensor",
+    "mamba_inner": "tensor",
+    "mamba_conv": "tensor",
+    "conv_kernel": None,
+    "ssm_heads": None,
+    "norm": None,
+    "router_experts": None,
+    "experts": "expert",
+    "expert_mlp": "tensor",
+    "latent": None,
+    # activations
+    "batch": ("data", "fsdp", "expert"),
+    "seq": None,
+    "act_embed": None,
+}
+
+
+@dataclass(frozen=True)
+class Rules:
+    table: dict = field(default_factory=lambda: dict(DEFAULT_RULES))
+
+    def spec(self, axes: tuple, shape: tuple | None = None, mesh=None) -> P:
+        used: set[str] = set()
+        out = []
+        for i, a in enumerate(axes):
+            if a is not None and a not in self.table:
+                raise ValueError(f"sharding rules: no rule for logical axis {a!r}")
+            m = self.table.get(a) if a is not None else None
+            ms = (m,) if isinstance(m, str) else tuple(m or ())
+            for x in ms:
+                if x in used:
+                    raise ValueError(f"sharding rules: mesh axis {x!r} used twice in {axes}")
+            if mesh is not None:
+                ms = tuple(x for x in ms if x in mesh.shape and mesh.shape[x] > 1)
+                if shape is not None:
+                    size = 1
+                    for x in ms:
+                        size *= mesh.shape[x]
+                    if shape[i] % size:
+                        ms = ()
+            used.update(ms)
+            out.append(None if not ms else (ms[0] if len(ms) == 1 else ms))
+        return P(*out)
+
+    def sharding(self, mesh, axes: tuple, shape: tuple | None = None) -> NamedSharding:
+        return NamedSharding(mesh, self.spec(axes, shape, mesh))
+
+    def with_overrides(self, **kw) -> "Rules":
+        t = dict(self.table)
+        t.update(kw)
+        return Rules(t)
+
+
+def param_shardings(specs_tree, mesh, rules: Rules | None = None):
+    """ParamSpec tree -> NamedSharding tree."""
+    from nemo_jax.model.spec import ParamSpec
+
+    rules = rules or Rules()
+    return jax.tree.map(lambda s: rules.sharding(mesh, s.axes, s.shape), specs_tree,
+                        is_leaf=lambda x: isinstance(x, ParamSpec))
