@@ -1,0 +1,9 @@
+import os
+
+# 8 fake CPU devices for the sharding tests; must be set before jax is imported anywhere.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")

@@ -1,0 +1,102 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from nemo_jax import model as M
+
+from helpers import tiny_cfg
+
+PATTERNS = ["MEM*E-", "M*E", "ME", "M-M*-MM-"]
+
+
+def _setup(pattern="MEM*E-", seed=0, **kw):
+    cfg = tiny_cfg(pattern, **kw)
+    params = M.init(cfg, jax.random.key(seed))
+    return cfg, params
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_scan_matches_unrolled_reference(pattern):
+    cfg, params = _setup(pattern, n_group=2, topk_group=1)
+    toks = jax.random.randint(jax.random.key(1), (2, 19), 0, cfg.vocab_size)
+    fast = M.Options()
+    ref = M.Options(scan=False, ssd="sequential", moe_dispatch="dense")
+
+    def loss(p, o):
+        logits, aux = M.forward(p, toks, cfg, opts=o)
+        return jnp.mean(jax.nn.log_softmax(logits)[..., 3]) + aux.get("aux_loss", 0.0), logits
+
+    (l1, y1), g1 = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)(params, fast)
+    (l2, y2), g2 = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)(params, ref)
+    np.testing.assert_allclose(y1, y2, rtol=1e-4, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+        np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-6)
+
+
+def test_causality():
+    cfg, params = _setup()
+    toks = jax.random.randint(jax.random.key(1), (1, 24), 0, cfg.vocab_size)
+    f = jax.jit(lambda t: M.forward(params, t, cfg)[0])
+    base = f(toks)
+    for t in (0, 9, 17):
+        changed = f(toks.at[0, t].set((toks[0, t] + 1) % cfg.vocab_size))
+        np.testing.assert_allclose(changed[:, :t], base[:, :t], rtol=1e-6, atol=1e-6)
+        assert not np.allclose(changed[:, t:], base[:, t:])
+
+
+def test_packing_equivalence():
+    """Each document packed among others gets the logits it gets alone (every mixer)."""
+    cfg, params = _setup(n_group=2, topk_group=1, chunk_size=4)
+    lens = [5, 11, 7]
+    docs = [jax.random.randint(jax.random.key(10 + i), (1, n), 0, cfg.vocab_size) for i, n in enumerate(lens)]
+    packed = jnp.concatenate(docs + [jnp.zeros((1, 3), jnp.int32)], axis=1)
+    seg = jnp.asarray([sum(([i + 1] * n for i, n in enumerate(lens)), []) + [0] * 3])
+    logits, _ = jax.jit(lambda t, s: M.forward(params, t, cfg, s))(packed, seg)
+    off = 0
+    for d, n in zip(docs, lens):
+        alone, _ = M.forward(params, d, cfg)
+        np.testing.assert_allclose(logits[:, off:off + n], alone, rtol=1e-4, atol=1e-5)
+        off += n
+
+
+def test_jit_and_eager_agree():
+    cfg, params = _setup()
+    toks = jax.random.randint(jax.random.key(1), (2, 9), 0, cfg.vocab_size)
+    with jax.disable_jit():
+        eager, _ = M.forward(params, toks, cfg)
+    jitted, _ = jax.jit(lambda p, t: M.forward(p, t, cfg))(params, toks)
+    np.testing.assert_allclose(eager, jitted, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_close_to_fp32():
+    cfg, params = _setup()
+    toks = jax.random.randint(jax.random.key(1), (2, 33), 0, cfg.vocab_size)
+    f32, _ = M.forward(params, toks, cfg)
+    b16, _ = M.forward(params, toks, cfg, opts=M.Options(dtype=jnp.bfloat16))
+    assert b16.dtype == jnp.float32
+    p32, p16 = jax.nn.softmax(f32), jax.nn.softmax(b16)
+    assert float(jnp.max(jnp.abs(p32 - p16))) < 2e-2
+    assert float(jnp.mean(jnp.argmax(f32, -1) == jnp.argmax(b16, -1))) > 0.9
+
+
+def test_mtp_forward_shapes_and_dependence():
+    cfg, params = _setup(num_nextn_predict_layers=2)
+    toks = jax.random.randint(jax.random.key(1), (2, 10), 0, cfg.vocab_size)
+    logits, aux = M.forward(params, toks, cfg)
+    assert len(aux["mtp_logits"]) == 2 and aux["mtp_logits"][0].shape == logits.shape
+    # depth 0 at position t reads token t+1: changing it moves position t's MTP logits but not t+1's main logits before
+    changed = toks.at[:, 5].set((toks[:, 5] + 1) % cfg.vocab_size)
+    _, aux2 = M.forward(params, changed, cfg)
+    assert not np.allclose(aux["mtp_logits"][0][:, 4], aux2["mtp_logits"][0][:, 4])
+    np.testing.assert_allclose(aux["mtp_logits"][0][:, :4], aux2["mtp_logits"][0][:, :4], rtol=1e-6, atol=1e-6)
+
+
+def test_abstract_params_match_init():
+    cfg, params = _setup(moe_latent_size=8, num_nextn_predict_layers=1)
+    abstract = M.abstract_params(cfg)
+    assert jax.tree.structure(abstract) == jax.tree.structure(params)
+    for a, p in zip(jax.tree.leaves(abstract), jax.tree.leaves(params)):
+        assert a.shape == p.shape and a.dtype == p.dtype
+    axes = M.logical_axes(cfg)
+    assert axes["layers"]["moe"]["mixer"]["experts"]["up_proj"] == ("layers", "experts", "latent", "expert_mlp")

@@ -1,0 +1,90 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from nemo_jax.model import moe as moe_lib
+from nemo_jax.model.spec import mixer_specs
+
+from helpers import tiny_cfg
+
+
+def _params(cfg, seed=0):
+    specs = mixer_specs(cfg, "moe")
+    leaves, tree = jax.tree.flatten(specs, is_leaf=lambda s: hasattr(s, "init"))
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    p = jax.tree.unflatten(tree, [s.init(k, s.shape, s.dtype) for s, k in zip(leaves, keys)])
+    # a non-zero correction bias so that choice (biased) and weights (unbiased) differ
+    p["gate"]["correction_bias"] = jax.random.normal(jax.random.key(seed + 1), (cfg.n_routed_experts,)) * 0.05
+    return p
+
+
+@pytest.mark.parametrize("extra", [dict(), dict(n_group=2, topk_group=1), dict(moe_latent_size=8),
+                                   dict(n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2)])
+@pytest.mark.parametrize("dispatch", ["sorted", "ragged", "capacity"])
+def test_dispatch_matches_dense_values_and_grads(extra, dispatch):
+    cfg = tiny_cfg(**extra)
+    p = _params(cfg)
+    u = jax.random.normal(jax.random.key(2), (2, 13, cfg.hidden_size))
+    # capacity factor large enough that nothing is dropped
+    cf = float(cfg.n_routed_experts)
+
+    def loss(p, u, d):
+        y, aux = moe_lib.moe(p, u, cfg, jnp.float32, dispatch=d, capacity_factor=cf)
+        return jnp.sum(jnp.sin(y)), (y, aux)
+
+    (l1, (y1, a1)), g1 = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True), static_argnums=2)(p, u, dispatch)
+    (l2, (y2, a2)), g2 = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True), static_argnums=2)(p, u, "dense")
+    np.testing.assert_allclose(y1, y2, rtol=1e-5, atol=1e-5)
+    assert int(a1["dropped"]) == 0
+    np.testing.assert_array_equal(a1["load"], a2["load"])
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_router_uses_bias_for_choice_only():
+    cfg = tiny_cfg(routed_scaling_factor=1.0)
+    p = _params(cfg)["gate"]
+    x = jax.random.normal(jax.random.key(5), (7, cfg.hidden_size))
+    w, idx, s = moe_lib.route(p, x, cfg)
+    np.testing.assert_allclose(jnp.sum(w, -1), 1.0, rtol=1e-6)
+    biased = s + p["correction_bias"]
+    top = jnp.argsort(-biased, axis=-1)[:, : cfg.num_experts_per_tok]
+    assert set(map(tuple, np.sort(top, -1))) == set(map(tuple, np.sort(idx, -1)))
+    # a huge bias on expert 3 forces it into every token's choice
+    p2 = dict(p, correction_bias=p["correction_bias"].at[3].set(100.0))
+    _, idx2, _ = moe_lib.route(p2, x, cfg)
+    assert bool(jnp.all(jnp.any(idx2 == 3, axis=-1)))
+
+
+def test_capacity_drops_are_counted():
+    cfg = tiny_cfg()
+    p = _params(cfg)
+    u = jax.random.normal(jax.random.key(2), (4, 16, cfg.hidden_size))
+    _, aux = moe_lib.moe(p, u, cfg, jnp.float32, dispatch="capacity", capacity_factor=0.25)
+    n_slots = 4 * 16 * cfg.num_experts_per_tok
+    cap = int(np.ceil(0.25 * n_slots / cfg.n_routed_experts))
+    expected = int(np.sum(np.maximum(np.asarray(aux["load"]) - cap, 0)))
+    assert int(aux["dropped"]) == expected > 0
+
+
+def test_compiled_flops_close_to_useful_flops():
+    """E=64, top-6: the default dispatch must not silently compute every expert."""
+    E, k, D, I, T = 64, 6, 64, 128, 1024
+    cfg = tiny_cfg("E", hidden_size=D, n_routed_experts=E, num_experts_per_tok=k, moe_intermediate_size=I,
+                   n_shared_experts=0)
+    p = _params(cfg)
+    x = jax.random.normal(jax.random.key(0), (T, D))
+    w, idx, _ = moe_lib.route(p["gate"], x, cfg)
+
+    def f(pe, x):
+        return moe_lib.experts_forward(pe, x, w, idx, cfg, jnp.float32, "sorted")[0]
+
+    cost = jax.jit(f).lower(p["experts"], x).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    useful = 2 * T * k * D * I * 2
+    assert cost["flops"] <= 1.5 * useful, (cost["flops"], useful)
+    dense = jax.jit(lambda pe, x: moe_lib.experts_forward(pe, x, w, idx, cfg, jnp.float32, "dense")[0])
+    dcost = dense.lower(p["experts"], x).compile().cost_analysis()
+    dcost = dcost[0] if isinstance(dcost, (list, tuple)) else dcost
+    assert dcost["flops"] > 5 * useful  # the test can tell the difference
