@@ -1,0 +1,100 @@
+"""Native checkpoints of model parameters (orbax), with restore onto any mesh.
+
+Layout of a native model directory:
+    config.json        the HF-style model config (NemotronHConfig.to_hf_dict)
+    params/            orbax PyTree checkpoint of the parameter tree
+    tokenizer files    copied along when the source had them
+The trainer's run checkpoints (params + optimiser + data state) live in `nemo_jax.train.checkpoint`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from nemo_jax.config.model import NemotronHConfig
+from nemo_jax.hf.io import TOKENIZER_FILES, _replace_dir
+from nemo_jax.model.spec import ParamSpec, param_specs
+
+
+def target_tree(cfg: NemotronHConfig, mesh=None, rules=None, dtype=None, like=None):
+    """Abstract params with shardings for restore. `like`: a tree of ShapeDtypeStructs whose dtypes to keep."""
+    from nemo_jax.parallel.rules import Rules
+
+    if mesh is None:
+        dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shard = lambda s: dev
+    else:
+        rules = rules or Rules()
+        shard = lambda s: rules.sharding(mesh, s.axes, s.shape)
+    tree = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype or s.dtype, sharding=shard(s)),
+                        param_specs(cfg), is_leaf=lambda x: isinstance(x, ParamSpec))
+    if like is not None and dtype is None:
+        tree = jax.tree.map(lambda t, l: jax.ShapeDtypeStruct(t.shape, l.dtype, sharding=t.sharding), tree, like)
+    return tree
+
+
+def save_model(path: str, cfg: NemotronHConfig, params, *, tokenizer_dir: str | None = None):
+    path = os.path.abspath(path)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=os.path.basename(path) + ".tmp-", dir=os.path.dirname(path))
+    try:
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(cfg.to_hf_dict(), f, indent=2)
+        ckptr = ocp.StandardCheckpointer()
+        ckptr.save(os.path.join(tmp, "params"), params)
+        ckptr.wait_until_finished()
+        if tokenizer_dir:
+            for t in TOKENIZER_FILES:
+                if os.path.exists(os.path.join(tokenizer_dir, t)):
+                    shutil.copy2(os.path.join(tokenizer_dir, t), os.path.join(tmp, t))
+        _replace_dir(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def is_native(path: str) -> bool:
+    return os.path.isdir(os.path.join(path, "params")) and os.path.exists(os.path.join(path, "config.json"))
+
+
+def load_model(path: str, mesh=None, rules=None, dtype=None):
+    """-> (cfg, params), each leaf placed in its NamedSharding on `mesh` (single device if None)."""
+    if not is_native(path):
+        raise FileNotFoundError(f"{path}: not a native nemo_jax model (needs config.json and params/)")
+    cfg = NemotronHConfig.from_file(os.path.join(path, "config.json"))
+    ckptr = ocp.StandardCheckpointer()
+    meta = ckptr.metadata(os.path.join(path, "params"))
+    meta = getattr(meta, "item_metadata", meta)
+    like = jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), np.dtype(m.dtype)), _as_tree(meta))
+    target = target_tree(cfg, mesh, rules, dtype, like=like if _same_structure(like, cfg) else None)
+    return cfg, ckptr.restore(os.path.join(path, "params"), target)
+
+
+def _as_tree(meta):
+    tree = getattr(meta, "tree", meta)
+    return _lists(tree)
+
+
+def _lists(tree):
+    """orbax returns lists as dicts keyed '0', '1', ...; turn them back into lists."""
+    if isinstance(tree, dict):
+        if tree and all(k.isdigit() for k in tree):
+            return [_lists(tree[str(i)]) for i in range(len(tree))]
+        return {k: _lists(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return [_lists(v) for v in tree]
+    return tree
+
+
+def _same_structure(like, cfg) -> bool:
+    specs = param_specs(cfg)
+    return jax.tree.structure(like) == jax.tree.structure(
+        jax.tree.map(lambda s: 0, specs, is_leaf=lambda x: isinstance(x, ParamSpec)))

@@ -1,0 +1,141 @@
+"""`nemo-jax` command line: sft, generate, import-hf, export-hf, forward."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def _dtype(name: str | None):
+    if name in (None, "", "keep"):
+        return None
+    import jax.numpy as jnp
+
+    table = {"bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16, "fp32": jnp.float32, "float32": jnp.float32,
+             "fp16": jnp.float16, "float16": jnp.float16}
+    if name not in table:
+        raise SystemExit(f"--dtype: unknown dtype {name!r} (use one of {sorted(table)})")
+    return table[name]
+
+
+def cmd_import_hf(a):
+    from nemo_jax.checkpoint import save_model
+    from nemo_jax.hf.io import load_pretrained
+
+    cfg, params = load_pretrained(a.src, dtype=_dtype(a.dtype), ignore_unexpected=a.ignore_unexpected, progress=True)
+    save_model(a.dst, cfg, params, tokenizer_dir=a.src)
+    print(f"imported {a.src} -> {a.dst}")
+
+
+def cmd_export_hf(a):
+    from nemo_jax.checkpoint import load_model
+    from nemo_jax.hf.io import read_dtypes, save_pretrained
+
+    cfg, params = load_model(a.src)
+    dtypes = read_dtypes(a.like) if a.like else _dtype(a.dtype)
+    save_pretrained(cfg, params, a.dst, max_shard_size=a.max_shard_size, dtypes=dtypes, tokenizer_dir=a.src,
+                    progress=True)
+    print(f"exported {a.src} -> {a.dst}")
+
+
+def load_any(path: str, dtype=None, mesh=None, rules=None):
+    """A native model directory, an HF checkpoint directory, or a model config JSON (random init)."""
+    from nemo_jax.checkpoint import is_native, load_model
+    from nemo_jax.hf.io import load_pretrained
+
+    if is_native(path):
+        return load_model(path, mesh=mesh, rules=rules, dtype=dtype)
+    return load_pretrained(path, dtype=dtype, mesh=mesh, rules=rules)
+
+
+def cmd_forward(a):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from nemo_jax import model as M
+    from nemo_jax.config.model import NemotronHConfig
+
+    if a.model.endswith(".json"):
+        cfg = NemotronHConfig.from_file(a.model)
+        params = M.init(cfg, jax.random.key(a.seed))
+    else:
+        cfg, params = load_any(a.model)
+    toks = jax.random.randint(jax.random.key(a.seed + 1), (a.batch, a.seq_len), 0, cfg.vocab_size)
+    logits, aux = jax.jit(lambda p, t: M.forward(p, t, cfg))(params, toks)
+    lp = jax.nn.log_softmax(logits)
+    nll = -jnp.mean(jnp.take_along_axis(lp[:, :-1], toks[:, 1:, None], axis=-1))
+    print(json.dumps({"params": M.count_params(cfg), "logits_shape": list(logits.shape),
+                      "next_token_nll": float(nll), "uniform_nll": float(np.log(cfg.vocab_size))}))
+
+
+def cmd_sft(a):
+    from nemo_jax.train.sft import main as sft_main
+
+    sft_main(a.config, a.overrides)
+
+
+def cmd_generate(a):
+    from nemo_jax.generate import cli_generate
+
+    cli_generate(a)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="nemo-jax", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    s = sub.add_parser("sft", help="supervised fine-tuning from a YAML config")
+    s.add_argument("--config", default=None, help="YAML config (default: the embedded tiny CPU config)")
+    s.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.steps=20")
+    s.set_defaults(fn=cmd_sft)
+
+    s = sub.add_parser("generate", help="sample from a model with the chat template applied")
+    s.add_argument("--ckpt", required=True, help="native model dir, HF dir, or SFT run dir")
+    s.add_argument("--prompt", required=True)
+    s.add_argument("--tokenizer", default=None, help="dir with tokenizer.json/tokenizer_config.json")
+    s.add_argument("--max-new-tokens", type=int, default=64)
+    s.add_argument("--temperature", type=float, default=0.7)
+    s.add_argument("--top-k", type=int, default=0)
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--no-chat-template", action="store_true")
+    s.set_defaults(fn=cmd_generate)
+
+    s = sub.add_parser("import-hf", help="HF safetensors checkpoint -> native checkpoint")
+    s.add_argument("src")
+    s.add_argument("dst")
+    s.add_argument("--dtype", default=None, help="cast every tensor (default: keep the checkpoint's dtypes)")
+    s.add_argument("--ignore-unexpected", action="store_true", help="skip tensors the config does not describe")
+    s.set_defaults(fn=cmd_import_hf)
+
+    s = sub.add_parser("export-hf", help="native checkpoint -> HF safetensors checkpoint")
+    s.add_argument("src")
+    s.add_argument("dst")
+    s.add_argument("--dtype", default=None, help="write every tensor in this dtype (default: as stored)")
+    s.add_argument("--like", default=None, help="HF dir whose per-tensor dtypes to reproduce")
+    s.add_argument("--max-shard-size", default="5GB")
+    s.set_defaults(fn=cmd_export_hf)
+
+    s = sub.add_parser("forward", help="one forward pass (smoke test) on a model or a config JSON")
+    s.add_argument("model", nargs="?", default=os.path.join(os.path.dirname(__file__), "assets", "tiny", "config.json"))
+    s.add_argument("--batch", type=int, default=2)
+    s.add_argument("--seq-len", type=int, default=64)
+    s.add_argument("--seed", type=int, default=0)
+    s.set_defaults(fn=cmd_forward)
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    try:
+        args.fn(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"nemo-jax {args.cmd}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()
