@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_export_hf)
 
     s = sub.add_parser("forward", help="one forward pass (smoke test) on a model or a config JSON")
-    s.add_argument("model", nargs="?", default=os.path.join(os.path.dirname(__file__), "assets", "tiny", "config.json"))
+    s.add_argument("model", nargs="?", default=os.path.join(os.path.dirname(__file__), "assets", "models", "tiny.json"))
     s.add_argument("--batch", type=int, default=2)
     s.add_argument("--seq-len", type=int, default=64)
     s.add_argument("--seed", type=int, default=0)

@@ -1,0 +1,75 @@
+"""Run configuration for SFT: small dataclasses, one per concern."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    config: str = "tiny"  # name in configs/model, a model config JSON path
+    init: str = "random"  # "random" | path to a native model dir | path to an HF dir
+    dtype: str = "float32"  # compute dtype: float32 | bfloat16
+    remat: str = "none"  # none | layer | save_matmuls
+    moe_dispatch: str = "sorted"
+    capacity_factor: float = 1.25
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class DataSection:
+    train: str = "builtin:tiny_chat/train.jsonl"
+    eval: str | None = "builtin:tiny_chat/eval.jsonl"
+    tokenizer: str = "builtin:tiny"  # dir with tokenizer.json + tokenizer_config.json
+    seq_len: int = 256
+    batch_size: int = 8  # global rows per optimizer step (all micro-batches together)
+    seed: int = 0
+    on_error: str = "raise"  # raise | skip  (malformed lines)
+    max_eval_batches: int = 4
+
+
+@dataclass(frozen=True)
+class OptimSection:
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    decay: str = "cosine"  # cosine | linear | constant
+    weight_decay: float = 0.01
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    clip_norm: float = 1.0
+    grad_accum: int = 1
+    aux_loss_coef: float = 1e-3
+    bias_update_rate: float = 1e-3  # aux-loss-free correction-bias update (0 = off)
+    mtp_loss_coef: float = 0.0
+    max_nonfinite_in_a_row: int = 5
+
+
+@dataclass(frozen=True)
+class MeshSection:
+    data: int = 1
+    fsdp: int = -1
+    tensor: int = 1
+    expert: int = 1
+
+
+@dataclass(frozen=True)
+class CheckpointSection:
+    every: int = 100
+    keep: int = 3
+    async_save: bool = True
+
+
+@dataclass(frozen=True)
+class SFTConfig:
+    name: str = "sft"
+    run_dir: str | None = None  # default runs/<name>
+    steps: int = 300
+    log_every: int = 10
+    eval_every: int = 50
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    mesh: MeshSection = field(default_factory=MeshSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)

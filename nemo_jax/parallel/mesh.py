@@ -1,0 +1,47 @@
+"""Device mesh over (data, fsdp, tensor, expert); a size of -1 takes the remaining devices."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from nemo_jax.parallel.rules import MESH_AXES
+
+BATCH_AXES = ("data", "fsdp", "expert")
+
+
+def resolve_sizes(sizes: dict, n_devices: int) -> dict:
+    sizes = {a: int(sizes.get(a, 1)) for a in MESH_AXES}
+    free = [a for a, s in sizes.items() if s == -1]
+    if len(free) > 1:
+        raise ValueError(f"mesh: only one axis may be -1, got {free}")
+    fixed = math.prod(s for s in sizes.values() if s != -1)
+    for a, s in sizes.items():
+        if s == 0 or s < -1:
+            raise ValueError(f"mesh.{a}: size must be positive or -1, got {s}")
+    if free:
+        if n_devices % fixed:
+            raise ValueError(f"mesh: {n_devices} devices not divisible by the fixed axes' product {fixed}")
+        sizes[free[0]] = n_devices // fixed
+    if math.prod(sizes.values()) != n_devices:
+        raise ValueError(f"mesh: sizes {sizes} use {math.prod(sizes.values())} devices, {n_devices} available")
+    return sizes
+
+
+def make_mesh(sizes: dict, devices=None) -> Mesh:
+    devices = list(devices if devices is not None else jax.devices())
+    s = resolve_sizes(sizes, len(devices))
+    arr = np.asarray(devices).reshape([s[a] for a in MESH_AXES])
+    return Mesh(arr, MESH_AXES)
+
+
+def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
+    """Rows over (data, fsdp, expert); the rest replicated."""
+    return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))
+
+
+def batch_shards(mesh: Mesh) -> int:
+    return math.prod(mesh.shape[a] for a in BATCH_AXES)

@@ -1,0 +1,43 @@
+"""optax AdamW with warmup + cosine/linear decay, global-norm clipping and a weight-decay mask."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import optax
+
+from nemo_jax.model.spec import path_str
+
+# No weight decay on SSM dynamics, norms, biases (incl. the router correction bias).
+NO_DECAY = re.compile(r"(^|/)(A_log|D|dt_bias|scale|bias|correction_bias)$")
+
+
+def decay_mask(params):
+    return jax.tree_util.tree_map_with_path(lambda p, _: not NO_DECAY.search(path_str(p)), params)
+
+
+def schedule(o, total_steps: int):
+    peak, floor = o.lr, o.lr * o.min_lr_ratio
+    warm = max(0, min(o.warmup_steps, total_steps))
+    rest = max(1, total_steps - warm)
+    if o.decay == "cosine":
+        after = optax.cosine_decay_schedule(peak, rest, alpha=o.min_lr_ratio)
+    elif o.decay == "linear":
+        after = optax.linear_schedule(peak, floor, rest)
+    elif o.decay == "constant":
+        after = optax.constant_schedule(peak)
+    else:
+        raise ValueError(f"optim.decay: {o.decay!r} (expected cosine, linear or constant)")
+    if warm == 0:
+        return after
+    return optax.join_schedules([optax.linear_schedule(0.0, peak, warm), after], [warm])
+
+
+def make_optimizer(o, params, total_steps: int):
+    sched = schedule(o, total_steps)
+    tx = optax.chain(
+        optax.clip_by_global_norm(o.clip_norm) if o.clip_norm > 0 else optax.identity(),
+        optax.adamw(sched, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask(params)),
+    )
+    return tx, sched

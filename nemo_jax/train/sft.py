@@ -1,0 +1,254 @@
+"""Supervised fine-tuning: the loop that ties model, mesh, data, optimiser, checkpoints and metrics together."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from nemo_jax.config.load import dump_yaml, load_config
+from nemo_jax.config.model import NemotronHConfig
+from nemo_jax.config.train import SFTConfig
+from nemo_jax.data.chat import ASSETS, ChatTokenizer, PackedIterator, read_chat_jsonl
+from nemo_jax.model import model as M
+from nemo_jax.model.spec import count_params, init as init_params, param_specs
+from nemo_jax.parallel.mesh import batch_shards, batch_sharding, make_mesh
+from nemo_jax.parallel.rules import Rules, param_shardings
+from nemo_jax.train.checkpoint import RunCheckpointer, abstract_like
+from nemo_jax.train.metrics import MetricsLogger, device_peak_flops, model_flops_per_token
+from nemo_jax.train.optimizer import make_optimizer
+from nemo_jax.train.step import TrainState, all_finite, make_eval_step, make_train_step
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def model_config_path(name: str) -> str:
+    if os.path.exists(name):
+        return name
+    p = os.path.join(ASSETS, "models", f"{name}.json")
+    if os.path.exists(p):
+        return p
+    raise FileNotFoundError(f"model.config: {name!r} is neither a file nor a shipped model config "
+                            f"({', '.join(sorted(f[:-5] for f in os.listdir(os.path.join(ASSETS, 'models'))))})")
+
+
+def options_from(section) -> M.Options:
+    if section.dtype not in DTYPES:
+        raise ValueError(f"model.dtype: {section.dtype!r} (expected one of {sorted(DTYPES)})")
+    return M.Options(dtype=DTYPES[section.dtype], remat=section.remat, moe_dispatch=section.moe_dispatch,
+                     capacity_factor=section.capacity_factor)
+
+
+def initial_params(c: SFTConfig, mesh, rules):
+    """-> (model cfg, params placed in their shardings)."""
+    init = c.model.init
+    if init != "random":
+        from nemo_jax.cli import load_any
+
+        return load_any(init, dtype=jnp.float32, mesh=mesh, rules=rules)
+    cfg = NemotronHConfig.from_file(model_config_path(c.model.config))
+    shardings = param_shardings(param_specs(cfg), mesh, rules)
+    params = jax.jit(lambda k: init_params(cfg, k), out_shardings=shardings)(jax.random.key(c.model.seed))
+    return cfg, params
+
+
+class Trainer:
+    def __init__(self, c: SFTConfig, *, quiet: bool = False, devices=None):
+        self.c = c
+        self.quiet = quiet
+        self.run_dir = os.path.abspath(c.run_dir or os.path.join("runs", c.name))
+        self.mesh = make_mesh({"data": c.mesh.data, "fsdp": c.mesh.fsdp, "tensor": c.mesh.tensor,
+                               "expert": c.mesh.expert}, devices)
+        self.rules = Rules()
+        self.cfg, params = initial_params(c, self.mesh, self.rules)
+        self.opts = options_from(c.model)
+        o = c.optim
+        shards = batch_shards(self.mesh)
+        if c.data.batch_size % (o.grad_accum * shards) and not (c.data.batch_size % o.grad_accum == 0
+                                                                and (c.data.batch_size // o.grad_accum) % shards == 0):
+            raise ValueError(f"data.batch_size={c.data.batch_size} must split into optim.grad_accum={o.grad_accum} "
+                             f"micro-batches whose rows divide over {shards} batch shards (data*fsdp*expert)")
+        if c.data.batch_size % jax.process_count():
+            raise ValueError(f"data.batch_size={c.data.batch_size} not divisible by {jax.process_count()} processes")
+        self.tx, self.sched = make_optimizer(o, params, c.steps)
+        opt_state = jax.jit(self.tx.init)(params)
+        rng = jax.random.key_data(jax.random.key(c.model.seed + 1))
+        z = lambda: jnp.zeros((), jnp.int32)  # distinct buffers (the state is donated)
+        replicated = NamedSharding(self.mesh, P())
+        state = TrainState(params, opt_state, z(), z(), z(), rng)
+        self.state_shardings = TrainState(
+            param_shardings(param_specs(self.cfg), self.mesh, self.rules),
+            jax.tree.map(lambda x: x.sharding if isinstance(x.sharding, NamedSharding) else replicated, opt_state),
+            replicated, replicated, replicated, replicated)
+        self.state = jax.device_put(state, self.state_shardings)
+        self.batch_sharding = batch_sharding(self.mesh)
+        step = make_train_step(self.cfg, self.opts, self.tx, self.sched, o, o.grad_accum)
+        self.step_fn = jax.jit(step, donate_argnums=0, out_shardings=(self.state_shardings, None))
+        self.eval_fn = jax.jit(make_eval_step(self.cfg, self.opts))
+        self.tok = ChatTokenizer.load(c.data.tokenizer)
+        docs, skipped = read_chat_jsonl(c.data.train, self.tok, self.cfg.vocab_size, c.data.on_error)
+        self.skipped_lines = skipped
+        rows = c.data.batch_size // jax.process_count()
+        self.it = PackedIterator(docs, c.data.seq_len, rows, c.data.seed, process_index=jax.process_index(),
+                                 process_count=jax.process_count())
+        self.eval_docs = None
+        if c.data.eval:
+            self.eval_docs, _ = read_chat_jsonl(c.data.eval, self.tok, self.cfg.vocab_size, c.data.on_error)
+        self.ckpt = RunCheckpointer(os.path.join(self.run_dir, "checkpoints"), c.checkpoint.keep,
+                                    c.checkpoint.async_save)
+        self.flops_per_token = model_flops_per_token(self.cfg, c.data.seq_len)
+        self.peak = device_peak_flops()
+        self.stop_requested = False
+
+    # ------------------------------------------------------------------ pieces
+    def _global_batch(self, np_batch: dict) -> dict:
+        return {k: jax.make_array_from_process_local_data(self.batch_sharding, v) for k, v in np_batch.items()}
+
+    def evaluate(self) -> float | None:
+        if not self.eval_docs:
+            return None
+        rows = self.c.data.batch_size // jax.process_count()
+        it = PackedIterator(self.eval_docs, self.c.data.seq_len, rows, 0, process_index=jax.process_index(),
+                            process_count=jax.process_count(), shuffle=False, repeat=False)
+        total = count = 0.0
+        for i, b in enumerate(it):
+            if i >= self.c.data.max_eval_batches:
+                break
+            t, n = self.eval_fn(self.state.params, self._global_batch(b))
+            total += float(t)
+            count += float(n)
+        return total / max(count, 1.0)
+
+    def save(self, force: bool = False):
+        if not bool(all_finite(self.state.params)):
+            print("warning: parameters are not finite; checkpoint not written")
+            return
+        meta = {"step": int(self.state.step), "config": json.loads(json.dumps(_asdict(self.c))),
+                "model_config": self.cfg.to_hf_dict()}
+        self.ckpt.save(int(self.state.step), self.state, self.it.get_state(), meta, force=force)
+
+    def maybe_restore(self) -> bool:
+        target = abstract_like(self.state, self.state_shardings)
+        got = self.ckpt.restore_latest(target)
+        if got is None:
+            return False
+        step, state, data_state, _ = got
+        self.state = state
+        self.it.set_state(data_state)
+        if not self.quiet:
+            print(f"resumed from {self.ckpt.directory} at step {step}")
+        return True
+
+    def _install_signals(self):
+        def handler(signum, frame):
+            self.stop_requested = True
+            if not self.quiet:
+                print(f"\nsignal {signum}: saving a checkpoint and stopping after this step")
+
+        for s in (signal.SIGTERM, signal.SIGINT):
+            try:
+                signal.signal(s, handler)
+            except ValueError:  # not in the main thread
+                pass
+
+    # ------------------------------------------------------------------ loop
+    def run(self) -> dict:
+        from tqdm import tqdm
+
+        c = self.c
+        os.makedirs(self.run_dir, exist_ok=True)
+        self.maybe_restore()
+        self._install_signals()
+        logger = MetricsLogger(self.run_dir, enabled=jax.process_index() == 0)
+        start = int(self.state.step)
+        bar = tqdm(total=c.steps, initial=start, desc="sft", disable=self.quiet or jax.process_index() != 0,
+                   dynamic_ncols=True)
+        last = {}
+        if start == 0 and self.eval_docs:
+            ev = self.evaluate()
+            logger.log({"step": 0, "eval_loss": ev})
+            last["eval_loss"] = ev
+        t0, tokens_since = time.perf_counter(), 0
+        step = start
+        while step < c.steps and not self.stop_requested:
+            np_batch = next(self.it)
+            tokens_since += int(np.sum(np_batch["segment_ids"] > 0)) * jax.process_count()
+            self.state, m = self.step_fn(self.state, self._global_batch(np_batch))
+            step += 1
+            if int(m["skipped_updates"]) and int(self.state.nonfinite_run) >= c.optim.max_nonfinite_in_a_row:
+                logger.close()
+                raise RuntimeError(f"{int(self.state.nonfinite_run)} non-finite updates in a row at step {step}; "
+                                   "stopping (the last checkpoint holds finite values)")
+            if step % c.log_every == 0 or step == c.steps:
+                dt = time.perf_counter() - t0
+                tps = tokens_since / max(dt, 1e-9)
+                rec = {"step": step, **{k: _scalar(v) for k, v in m.items() if k != "expert_load"}}
+                rec["tokens_per_sec"] = tps
+                if self.peak:
+                    rec["mfu"] = tps * self.flops_per_token / (self.peak * jax.device_count())
+                if "expert_load" in m:
+                    rec["expert_load"] = np.asarray(m["expert_load"]).round(1).tolist()
+                logger.log(rec)
+                last.update(rec)
+                bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{tps:,.0f}", refresh=False)
+                t0, tokens_since = time.perf_counter(), 0
+            if c.eval_every and step % c.eval_every == 0 and self.eval_docs:
+                ev = self.evaluate()
+                logger.log({"step": step, "eval_loss": ev})
+                last["eval_loss"] = ev
+                bar.write(f"step {step}: eval_loss {ev:.4f}")
+            if c.checkpoint.every and step % c.checkpoint.every == 0:
+                self.save()
+            bar.update(1)
+        bar.close()
+        self.save(force=True)
+        self.ckpt.close()
+        logger.close()
+        last["step"] = step
+        last["stopped_early"] = self.stop_requested
+        return last
+
+
+def _scalar(v):
+    v = np.asarray(v)
+    return v.item() if v.size == 1 else v.tolist()
+
+
+def _asdict(c):
+    import dataclasses
+
+    return dataclasses.asdict(c)
+
+
+def load_sft_config(path: str | None, overrides=()) -> SFTConfig:
+    c = load_config(SFTConfig, path, list(overrides))
+    if path and c.name == "sft":
+        import dataclasses
+
+        c = dataclasses.replace(c, name=os.path.splitext(os.path.basename(path))[0])
+    return c
+
+
+def main(path: str | None, overrides=()):
+    c = load_sft_config(path, overrides)
+    run_dir = os.path.abspath(c.run_dir or os.path.join("runs", c.name))
+    text = dump_yaml(c)
+    if jax.process_index() == 0:
+        print(f"# resolved config ({path or 'embedded default: tiny CPU SFT'})\n{text}")
+        os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, "config.yaml"), "w") as f:
+            f.write(text)
+    tr = Trainer(c)
+    print(f"model: {count_params(tr.cfg):,} parameters, pattern {tr.cfg.pattern}; mesh {dict(tr.mesh.shape)}; "
+          f"run dir {run_dir}")
+    out = tr.run()
+    summary = {k: out[k] for k in ("step", "loss", "eval_loss", "tokens_per_sec", "stopped_early") if k in out}
+    print("done:", json.dumps(summary))
+    return out

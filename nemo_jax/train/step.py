@@ -1,0 +1,119 @@
+"""The SFT train step: loss, gradient accumulation, AdamW, non-finite guard, correction-bias update."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from nemo_jax.model.layers import chunked_cross_entropy
+from nemo_jax.model.model import Options, hidden_states, mtp_hidden
+
+
+class TrainState(NamedTuple):
+    params: Any
+    opt_state: Any
+    step: jax.Array  # int32, optimizer steps taken (skipped ones included)
+    nonfinite_run: jax.Array  # int32, consecutive skipped updates
+    skipped: jax.Array  # int32, total skipped updates
+    rng: jax.Array  # uint32 key data
+
+
+def token_loss(params, batch, cfg, opts: Options, mtp_coef: float = 0.0):
+    """-> (sum of masked NLL, aux). batch: tokens/targets/loss_mask/segment_ids [b, T]."""
+    h, aux = hidden_states(params, batch["tokens"], cfg, batch["segment_ids"], opts=opts)
+    nll = chunked_cross_entropy(h, params["lm_head"], batch["targets"])
+    mask = batch["loss_mask"].astype(jnp.float32)
+    total = jnp.sum(nll * mask)
+    if mtp_coef and cfg.num_nextn_predict_layers and "mtp" in params:
+        seg = batch["segment_ids"]
+        for d, hm in enumerate(mtp_hidden(params, h, batch["tokens"], cfg, seg, opts=opts)):
+            # depth d at position t predicts targets[t + 1 + d], only inside one document
+            tgt = jnp.pad(batch["targets"][:, 1 + d:], ((0, 0), (0, 1 + d)))
+            m = jnp.pad(batch["loss_mask"][:, 1 + d:], ((0, 0), (0, 1 + d))) & (
+                jnp.pad(seg[:, 1 + d:], ((0, 0), (0, 1 + d))) == seg)
+            mnll = chunked_cross_entropy(hm, params["lm_head"], tgt)
+            aux[f"mtp{d}_nll_sum"] = jnp.sum(mnll * m)
+            total = total + mtp_coef * aux[f"mtp{d}_nll_sum"]
+    return total, aux
+
+
+def make_train_step(cfg, opts: Options, tx, sched, ocfg, grad_accum: int = 1):
+    """Returns step(state, batch) -> (state, metrics). batch arrays are [A * b, T] for A micro-batches."""
+
+    def micro_loss(params, mb, n_tokens):
+        total, aux = token_loss(params, mb, cfg, opts, ocfg.mtp_loss_coef)
+        loss = total / n_tokens
+        if "aux_loss" in aux:
+            loss = loss + ocfg.aux_loss_coef * aux["aux_loss"] / grad_accum
+        return loss, (total, aux)
+
+    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+
+    def step(state: TrainState, batch):
+        n_tokens = jnp.maximum(jnp.sum(batch["loss_mask"]).astype(jnp.float32), 1.0)
+        micro = jax.tree.map(lambda x: x.reshape(grad_accum, x.shape[0] // grad_accum, *x.shape[1:]), batch)
+        zeros = jax.tree.map(jnp.zeros_like, state.params)
+
+        def acc(carry, mb):
+            g_sum, l_sum, nll_sum, aux_sum, load = carry
+            (l, (total, aux)), g = grad_fn(state.params, mb, n_tokens)
+            g_sum = jax.tree.map(jnp.add, g_sum, g)
+            return (g_sum, l_sum + l, nll_sum + total, aux_sum + aux.get("aux_loss", 0.0),
+                    load + aux.get("load", 0.0)), None
+
+        n_moe = cfg.kind_counts().get("moe", 0)
+        load0 = jnp.zeros((n_moe, cfg.n_routed_experts), jnp.float32) if n_moe else jnp.zeros(())
+        (grads, loss, nll_sum, aux_loss, load), _ = jax.lax.scan(
+            acc, (zeros, 0.0, 0.0, 0.0, load0), micro)
+        grad_norm = optax.global_norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        updates, new_opt = tx.update(grads, state.opt_state, state.params)
+        new_params = optax.apply_updates(state.params, updates)
+        if n_moe and ocfg.bias_update_rate:
+            new_params = _update_correction_bias(new_params, load, ocfg.bias_update_rate)
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+        state = TrainState(
+            params=keep(new_params, state.params),
+            opt_state=keep(new_opt, state.opt_state),
+            step=state.step + 1,
+            nonfinite_run=jnp.where(finite, 0, state.nonfinite_run + 1),
+            skipped=state.skipped + (~finite).astype(jnp.int32),
+            rng=state.rng,
+        )
+        metrics = {"loss": nll_sum / n_tokens, "train_objective": loss, "grad_norm": grad_norm,
+                   "lr": sched(state.step - 1), "loss_tokens": n_tokens, "finite": finite,
+                   "skipped_updates": state.skipped}
+        if n_moe:
+            metrics["aux_loss"] = aux_loss / grad_accum
+            mean = jnp.mean(load, axis=-1)
+            metrics["expert_load_max_over_mean"] = jnp.max(jnp.max(load, axis=-1) / jnp.maximum(mean, 1e-9))
+            metrics["expert_load_min_over_mean"] = jnp.min(jnp.min(load, axis=-1) / jnp.maximum(mean, 1e-9))
+            metrics["expert_load"] = load
+        return state, metrics
+
+    return step
+
+
+def _update_correction_bias(params, load, rate):
+    """Aux-loss-free balancing: bias += rate * sign(mean load - load), per MoE layer, outside autograd."""
+    bias = params["layers"]["moe"]["mixer"]["gate"]["correction_bias"]  # [n_moe, E]
+    new = bias + rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
+    out = jax.tree.map(lambda x: x, params)
+    out["layers"]["moe"]["mixer"]["gate"]["correction_bias"] = new.astype(bias.dtype)
+    return out
+
+
+def make_eval_step(cfg, opts: Options):
+    def ev(params, batch):
+        total, _ = token_loss(params, batch, cfg, opts)
+        return total, jnp.sum(batch["loss_mask"]).astype(jnp.float32)
+
+    return ev
+
+
+def all_finite(tree) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+                              if jnp.issubdtype(x.dtype, jnp.floating)]))

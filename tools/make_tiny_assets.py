@@ -1,0 +1,67 @@
+"""Regenerate the embedded tiny chat dataset and tokenizer (nemo_jax/assets). Deterministic."""
+
+import json
+import os
+import random
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "nemo_jax", "assets")
+SPECIALS = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+TEMPLATE = ("{%- for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+            "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+COLORS = {"sky": "blue", "grass": "green", "snow": "white", "coal": "black", "a banana": "yellow", "a tomato": "red"}
+CAPITALS = {"France": "Paris", "Italy": "Rome", "Spain": "Madrid", "Japan": "Tokyo", "Egypt": "Cairo",
+            "Peru": "Lima", "Kenya": "Nairobi", "Norway": "Oslo", "Canada": "Ottawa", "Chile": "Santiago"}
+
+
+def turn(rng):
+    kind = rng.randrange(4)
+    if kind == 0:
+        a, b = rng.randrange(20), rng.randrange(20)
+        return f"What is {a} plus {b}?", f"{a} plus {b} is {a + b}."
+    if kind == 1:
+        a, b = rng.randrange(10, 30), rng.randrange(10)
+        return f"What is {a} minus {b}?", f"{a} minus {b} is {a - b}."
+    if kind == 2:
+        c = rng.choice(sorted(CAPITALS))
+        return f"What is the capital of {c}?", f"The capital of {c} is {CAPITALS[c]}."
+    t = rng.choice(sorted(COLORS))
+    return f"What color is {t}?", f"{t[0].upper() + t[1:]} is {COLORS[t]}."
+
+
+def conversation(rng):
+    msgs = []
+    if rng.random() < 0.3:
+        msgs.append({"role": "system", "content": "You are a helpful assistant."})
+    for _ in range(rng.choice([1, 1, 2, 3])):
+        q, a = turn(rng)
+        msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+    return {"messages": msgs}
+
+
+def main():
+    rng = random.Random(0)
+    os.makedirs(os.path.join(ROOT, "tiny_chat"), exist_ok=True)
+    for split, n in (("train", 4000), ("eval", 200)):
+        with open(os.path.join(ROOT, "tiny_chat", f"{split}.jsonl"), "w") as f:
+            for _ in range(n):
+                f.write(json.dumps(conversation(rng)) + "\n")
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    with open(os.path.join(ROOT, "tiny_chat", "train.jsonl")) as f:
+        texts = [m["content"] for line in f for m in json.loads(line)["messages"]]
+    tok.train_from_iterator(texts + ["user", "assistant", "system"], trainer)
+    out = os.path.join(ROOT, "tiny")
+    os.makedirs(out, exist_ok=True)
+    tok.save(os.path.join(out, "tokenizer.json"))
+    with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
+        json.dump({"chat_template": TEMPLATE, "bos_token": "<s>", "eos_token": "<|im_end|>", "pad_token": "<pad>",
+                   "model_max_length": 4096}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
