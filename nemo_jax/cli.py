@@ -72,9 +72,18 @@ def cmd_forward(a):
 
 
 def cmd_sft(a):
+    import yaml
+
     from nemo_jax.train.sft import main as sft_main
 
-    sft_main(a.config, a.overrides)
+    overrides = list(a.overrides)
+    if a.mesh:
+        with open(a.mesh) as f:
+            mesh = yaml.safe_load(f) or {}
+        if not isinstance(mesh, dict):
+            raise ValueError(f"{a.mesh}: a mesh preset must be a mapping of axis: size")
+        overrides = [f"mesh.{k}={v}" for k, v in mesh.items()] + overrides
+    sft_main(a.config, overrides)
 
 
 def cmd_generate(a):
@@ -89,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("sft", help="supervised fine-tuning from a YAML config")
     s.add_argument("--config", default=None, help="YAML config (default: the embedded tiny CPU config)")
-    s.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.steps=20")
+    s.add_argument("--mesh", default=None, help="mesh preset YAML (configs/mesh/*.yaml)")
+    s.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. steps=20 optim.lr=1e-4")
     s.set_defaults(fn=cmd_sft)
 
     s = sub.add_parser("generate", help="sample from a model with the chat template applied")

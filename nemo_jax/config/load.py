@@ -30,6 +30,11 @@ def _type_ok(value, tp) -> tuple[bool, Any]:
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return True, float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as a string
+            try:
+                return True, float(value)
+            except ValueError:
+                return False, value
         return False, value
     if tp is str:
         return isinstance(value, str), value

@@ -127,6 +127,8 @@ class Trainer:
         return total / max(count, 1.0)
 
     def save(self, force: bool = False):
+        if int(self.state.step) in self.ckpt.steps():
+            return
         if not bool(all_finite(self.state.params)):
             print("warning: parameters are not finite; checkpoint not written")
             return

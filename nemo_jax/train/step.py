@@ -68,7 +68,7 @@ def make_train_step(cfg, opts: Options, tx, sched, ocfg, grad_accum: int = 1):
         load0 = jnp.zeros((n_moe, cfg.n_routed_experts), jnp.float32) if n_moe else jnp.zeros(())
         (grads, loss, nll_sum, aux_loss, load), _ = jax.lax.scan(
             acc, (zeros, 0.0, 0.0, 0.0, load0), micro)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, new_opt = tx.update(grads, state.opt_state, state.params)
         new_params = optax.apply_updates(state.params, updates)

@@ -1,0 +1,85 @@
+import json
+
+import numpy as np
+import pytest
+
+from nemo_jax.config.load import load_config
+from nemo_jax.config.train import SFTConfig
+from nemo_jax.data.chat import ChatTokenizer, DataError, PackedIterator, pack, read_chat_jsonl
+
+CONV = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 plus 2?"},
+                     {"role": "assistant", "content": "2 plus 2 is 4."}, {"role": "user", "content": "And 3?"},
+                     {"role": "assistant", "content": "3 plus 2 is 5."}]}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return ChatTokenizer.load("builtin:tiny")
+
+
+def test_loss_mask_covers_exactly_the_assistant_turns(tok):
+    ids, mask = tok.encode_chat(CONV["messages"])
+    trained = tok.tokenizer.decode(ids[mask].tolist(), skip_special_tokens=False)
+    assert trained == "2 plus 2 is 4.<|im_end|>\n3 plus 2 is 5.<|im_end|>\n"
+    untrained = tok.tokenizer.decode(ids[~mask].tolist(), skip_special_tokens=False)
+    assert "What is 2 plus 2?" in untrained and "plus 2 is 4" not in untrained
+
+
+def _write(tmp_path, lines):
+    p = tmp_path / "d.jsonl"
+    p.write_text("\n".join(lines) + "\n")
+    return str(p)
+
+
+def test_malformed_lines_error_or_skip(tok, tmp_path):
+    good = json.dumps(CONV)
+    path = _write(tmp_path, [good, "{not json", good, json.dumps({"messages": [{"role": "user"}]})])
+    with pytest.raises(DataError, match=r"d.jsonl:2: not valid JSON"):
+        read_chat_jsonl(path, tok, 512)
+    docs, skipped = read_chat_jsonl(path, tok, 512, on_error="skip")
+    assert len(docs) == 2 and skipped == 2
+
+
+def test_token_ids_outside_vocabulary_are_an_error(tok, tmp_path):
+    path = _write(tmp_path, [json.dumps(CONV)])
+    with pytest.raises(DataError, match=r"d.jsonl:1: token id \d+ outside the model vocabulary \(100\)"):
+        read_chat_jsonl(path, tok, 100)
+
+
+def test_packing_masks_segment_boundaries(tok):
+    docs, _ = read_chat_jsonl("builtin:tiny_chat/eval.jsonl", tok, 512)
+    row = pack(docs[:3], 200)
+    seg, m = row["segment_ids"], row["loss_mask"]
+    assert set(np.unique(seg)) <= {0, 1, 2, 3}
+    boundary = np.nonzero(seg[1:] != seg[:-1])[0]  # position t predicts a token of the next document
+    assert not m[boundary].any()
+    assert not m[seg == 0].any()
+
+
+def test_iterator_is_deterministic_resumable_and_sharded(tok):
+    docs, _ = read_chat_jsonl("builtin:tiny_chat/eval.jsonl", tok, 512)
+    a = PackedIterator(docs, 128, 4, seed=3)
+    batches = [next(a) for _ in range(30)]  # crosses an epoch
+    assert a.epoch >= 1
+    b = PackedIterator(docs, 128, 4, seed=3)
+    for _ in range(7):
+        next(b)
+    c = PackedIterator(docs, 128, 4, seed=3)
+    c.set_state(b.get_state())
+    for want in batches[7:]:
+        np.testing.assert_array_equal(next(c)["tokens"], want["tokens"])
+    p0 = PackedIterator(docs, 128, 2, seed=3, process_index=0, process_count=2)
+    p1 = PackedIterator(docs, 128, 2, seed=3, process_index=1, process_count=2)
+    assert set(p0._epoch_order()).isdisjoint(p1._epoch_order())
+    assert len(p0._epoch_order()) + len(p1._epoch_order()) == len(docs)
+
+
+def test_config_loader_errors_name_the_key(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("steps: 5\noptim:\n  lr: 0.1\n  lrr: 2\n")
+    with pytest.raises(ValueError, match="unknown config key 'optim.lrr'"):
+        load_config(SFTConfig, str(p))
+    with pytest.raises(ValueError, match="'steps': expected int"):
+        load_config(SFTConfig, None, ["steps=abc"])
+    c = load_config(SFTConfig, None, ["optim.lr=1e-4", "mesh.fsdp=2", "data.eval=null"])
+    assert c.optim.lr == 1e-4 and c.mesh.fsdp == 2 and c.data.eval is None
