@@ -152,7 +152,7 @@ def test_correction_bias_update_balances_router():
     cfg = tiny_cfg("E")
     params = init_params(cfg, jax.random.key(0))
     gate = params["layers"]["moe"]["mixer"]["gate"]
-    gate["kernel"] = gate["kernel"].at[:, 0].add(0.1).at[:, 1].add(0.06)  # experts 0 and 1 hog the tokens
+    gate["kernel"] = gate["kernel"].at[..., 0].add(0.1).at[..., 1].add(0.06)  # experts 0 and 1 hog the tokens
     x = jax.random.normal(jax.random.key(1), (512, cfg.hidden_size)) * 0.5 + 0.2  # positive mean
 
     def imbalance(p):
