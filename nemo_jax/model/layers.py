@@ -7,9 +7,17 @@ import jax.numpy as jnp
 
 
 def linear(x: jax.Array, p: dict, dtype) -> jax.Array:
-    """x [..., in] @ kernel [in, out] -> [..., out] in `dtype` (fp32 accumulation)."""
-    k = p["kernel"].astype(dtype)
-    return jnp.einsum("...i,io->...o", x.astype(dtype), k, preferred_element_type=jnp.float32).astype(dtype)
+    """x [..., in] @ kernel [in, out] -> [..., out] in `dtype` (fp32 accumulation).
+
+    With LoRA leaves beside the kernel (see nemo_jax.lora): + lora_scale * (x @ lora_a) @ lora_b, unmerged.
+    """
+    x = x.astype(dtype)
+    y = jnp.einsum("...i,io->...o", x, p["kernel"].astype(dtype), preferred_element_type=jnp.float32)
+    if "lora_a" in p:
+        xa = jnp.einsum("...i,ir->...r", x, p["lora_a"].astype(dtype), preferred_element_type=jnp.float32)
+        y = y + p["lora_scale"] * jnp.einsum("...r,ro->...o", xa.astype(dtype), p["lora_b"].astype(dtype),
+                                             preferred_element_type=jnp.float32)
+    return y.astype(dtype)
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:

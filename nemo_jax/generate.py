@@ -1,0 +1,237 @@
+"""Generation for rollouts: prefill + cached decode for the hybrid model, with behaviour logprobs.
+
+* `prefill` runs left-padded prompts of different lengths through an empty `DecodeState`; padding never
+  touches a Mamba state (dt = 0, conv taps skip it) and is masked out of attention.
+* `decode_step` appends one token per row (static shapes, jitted); finished rows append nothing.
+* `sample_token` draws from softmax(logits / temperature) restricted to the top-k / top-p set and returns
+  the logprob of the drawn token under exactly that (renormalised) distribution. Untruncated sampling at
+  temperature T gives the learner's temperature-scaled logprob, the number importance weights compare to.
+* `generate` ties them together and returns tokens, per-token logprobs and a finish reason per row; its
+  state can be continued with `append` (tool results, the next user turn) without recomputing the prefix.
+* LoRA adapters are applied unmerged: pass `adapters` (a tree mirroring the params; see nemo_jax.lora).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nemo_jax.lora import attach
+from nemo_jax.model import model as M
+from nemo_jax.model.cache import DecodeState, init_decode_state
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 64
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class Generation:
+    tokens: list[list[int]]  # new tokens per row (up to and including a stop token)
+    logprobs: list[list[float]]  # logprob of each under the distribution it was drawn from
+    finish_reason: list[str]  # "stop" | "length"
+    state: DecodeState  # continue with `append`
+    last_logits: jax.Array  # [b, V] logits after the last appended token
+
+
+# --------------------------------------------------------------------------- sampling
+def sampling_logprobs(logits: jax.Array, temperature: float, top_k: int = 0, top_p: float = 1.0) -> jax.Array:
+    """[..., V] fp32 logits -> log-probabilities of the distribution sampled from (-inf outside the kept set)."""
+    x = logits.astype(jnp.float32) / max(temperature, 1e-6)
+    V = x.shape[-1]
+    if top_k and top_k < V:
+        kth = jax.lax.top_k(x, top_k)[0][..., -1:]
+        x = jnp.where(x >= kth, x, -jnp.inf)
+    if top_p < 1.0:
+        order = jnp.argsort(-x, axis=-1)
+        sorted_x = jnp.take_along_axis(x, order, axis=-1)
+        p = jax.nn.softmax(sorted_x, axis=-1)
+        before = jnp.cumsum(p, axis=-1) - p  # mass strictly before each token
+        keep_sorted = before < top_p
+        keep = jnp.take_along_axis(keep_sorted, jnp.argsort(order, axis=-1), axis=-1)
+        x = jnp.where(keep, x, -jnp.inf)
+    return jax.nn.log_softmax(x, axis=-1)
+
+
+def sample_token(logits: jax.Array, key, sp: SamplingParams):
+    """logits [b, V] -> (token [b] int32, logprob [b] fp32)."""
+    if sp.temperature == 0.0:
+        tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        return tok, jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0]
+    lp = sampling_logprobs(logits, sp.temperature, sp.top_k, sp.top_p)
+    tok = jax.random.categorical(key, lp, axis=-1).astype(jnp.int32)
+    return tok, jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0]
+
+
+# --------------------------------------------------------------------------- prefill / decode
+def left_pad(rows: list[list[int]], pad_id: int = 0, length: int | None = None):
+    n = max(1, max(len(r) for r in rows)) if length is None else length
+    toks = np.full((len(rows), n), pad_id, np.int32)
+    valid = np.zeros((len(rows), n), bool)
+    for i, r in enumerate(rows):
+        if len(r) > n:
+            raise ValueError(f"row {i} has {len(r)} tokens, more than {n}")
+        if len(r):
+            toks[i, n - len(r):] = r
+            valid[i, n - len(r):] = True
+    return jnp.asarray(toks), jnp.asarray(valid)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "opts"))
+def _append(params, tokens, valid, state, cfg, opts):
+    logits, state = M.forward_cached(params, tokens, valid, state, cfg, opts=opts)
+    return logits[:, -1], state
+
+
+def prefill(params, prompts: list[list[int]], cfg, max_len: int, *, opts: M.Options = M.Options(),
+            adapters=None, pad_id: int = 0):
+    """Left-pad prompts, run them through an empty state of capacity `max_len`. -> (last logits [b, V], state)."""
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    toks, valid = left_pad(prompts, pad_id)
+    if toks.shape[1] > max_len:
+        raise ValueError(f"prompt length {toks.shape[1]} exceeds max_len {max_len}")
+    state = init_decode_state(cfg, len(prompts), max_len, opts.dtype)
+    return _append(attach(params, adapters), toks, valid, state, cfg, opts)
+
+
+def append(params, state: DecodeState, rows: list[list[int]], cfg, *, opts: M.Options = M.Options(), adapters=None,
+           pad_id: int = 0):
+    """Continue a decode state with more tokens per row (rows may differ in length; empty rows add nothing)."""
+    toks, valid = left_pad(rows, pad_id)
+    if int(state.pos) + toks.shape[1] > state.max_len:
+        raise ValueError(f"state holds {state.max_len} positions; {int(state.pos)} used, {toks.shape[1]} more asked")
+    return _append(attach(params, adapters), toks, valid, state, cfg, opts)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "opts", "sp"))
+def _decode_and_sample(params, logits, state, done, key, cfg, opts, sp):
+    tok, lp = sample_token(logits, key, sp)
+    stop = jnp.isin(tok, jnp.asarray(sp.stop_token_ids, jnp.int32)) if sp.stop_token_ids else jnp.zeros_like(done)
+    new_logits, state = M.forward_cached(params, tok[:, None], (~done)[:, None], state, cfg, opts=opts)
+    return tok, lp, stop, new_logits[:, -1], state
+
+
+def decode_step(params, token, state, cfg, *, opts: M.Options = M.Options(), active=None):
+    """Append one token per row ([b]); rows with active=False append nothing. -> (logits [b, V], state)."""
+    active = jnp.ones(token.shape, bool) if active is None else active
+    return _append(params, token[:, None], active[:, None], state, cfg, opts)
+
+
+def generate(params, prompts: list[list[int]], cfg, sp: SamplingParams = SamplingParams(), *, key=None,
+             opts: M.Options = M.Options(), adapters=None, state: DecodeState | None = None, last_logits=None,
+             max_len: int | None = None, on_token=None) -> Generation:
+    """Sample continuations. With `state` (+ `last_logits`) continue it instead of prefilling `prompts`.
+
+    on_token(step, tokens [b], done [b]) is called as tokens come (for streaming).
+    """
+    key = jax.random.key(0) if key is None else key
+    p = attach(params, adapters)
+    if state is None:
+        max_len = max_len or (max(len(x) for x in prompts) + sp.max_new_tokens)
+        last_logits, state = prefill(p, prompts, cfg, max_len, opts=opts)
+    elif last_logits is None:
+        raise ValueError("continuing a state needs its last_logits")
+    b = last_logits.shape[0]
+    if int(state.pos) + sp.max_new_tokens > state.max_len:
+        raise ValueError(f"max_new_tokens={sp.max_new_tokens} does not fit the state ({state.max_len} positions, "
+                         f"{int(state.pos)} used)")
+    done = jnp.zeros((b,), bool)
+    toks, lps, stops = [], [], []
+    for i in range(sp.max_new_tokens):
+        key, sub = jax.random.split(key)
+        tok, lp, stop, last_logits, state = _decode_and_sample(p, last_logits, state, done, sub, cfg, opts, sp)
+        toks.append(tok)
+        lps.append(lp)
+        stops.append(stop & ~done)
+        if on_token is not None:
+            on_token(i, tok, done)
+        done = done | stop
+        if i % 8 == 7 and bool(jnp.all(done)):
+            break
+    T = np.asarray(jnp.stack(toks, 1))
+    L = np.asarray(jnp.stack(lps, 1))
+    S = np.asarray(jnp.stack(stops, 1))
+    out_t, out_l, reasons = [], [], []
+    for r in range(b):
+        hit = np.nonzero(S[r])[0]
+        n = int(hit[0]) + 1 if len(hit) else T.shape[1]
+        out_t.append(T[r, :n].tolist())
+        out_l.append(L[r, :n].tolist())
+        reasons.append("stop" if len(hit) else "length")
+    return Generation(out_t, out_l, reasons, state, last_logits)
+
+
+# --------------------------------------------------------------------------- CLI
+def cli_generate(a):
+    import os
+    import sys
+
+    from nemo_jax.data.chat import ChatTokenizer
+
+    cfg, params, tok_dir = load_for_generation(a.ckpt)
+    tok = ChatTokenizer.load(a.tokenizer or tok_dir)
+    if a.no_chat_template:
+        text = a.prompt
+    else:
+        text = tok.render([{"role": "user", "content": a.prompt}], add_generation_prompt=True)
+    ids = tok.tokenizer.encode(text, add_special_tokens=False).ids
+    eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id]
+    stop = tuple(sorted({*(x for x in eos if x is not None), *tok.eos_ids()}))
+    sp = SamplingParams(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
+                        stop_token_ids=stop)
+    printed: list[int] = []
+    shown = [""]
+
+    def on_token(i, t, done):
+        if bool(done[0]):
+            return
+        printed.append(int(t[0]))
+        s = tok.tokenizer.decode(printed, skip_special_tokens=True)
+        sys.stdout.write(s[len(shown[0]):])
+        sys.stdout.flush()
+        shown[0] = s
+
+    g = generate(params, [ids], cfg, sp, key=jax.random.key(a.seed), on_token=on_token)
+    sys.stdout.write("\n")
+    print(f"[{len(g.tokens[0])} tokens, finish: {g.finish_reason[0]}, "
+          f"mean logprob {np.mean(g.logprobs[0]) if g.logprobs[0] else 0.0:.3f}]", file=sys.stderr)
+
+
+def load_for_generation(path: str):
+    """A native model dir, an HF dir, or an SFT run dir (its latest checkpoint). -> (cfg, params, tokenizer dir)."""
+    import json
+    import os
+
+    from nemo_jax.cli import load_any
+    from nemo_jax.config.model import NemotronHConfig
+    from nemo_jax.data.chat import resolve
+
+    ck = os.path.join(path, "checkpoints")
+    if os.path.isdir(ck):
+        import orbax.checkpoint as ocp
+
+        steps = sorted(int(s) for s in os.listdir(ck) if s.isdigit())
+        if not steps:
+            raise FileNotFoundError(f"{ck}: no checkpoints")
+        with open(os.path.join(ck, str(steps[-1]), "meta", "metadata")) as f:
+            meta = json.load(f)
+        cfg = NemotronHConfig.from_hf_dict(meta["model_config"])
+        tree = ocp.PyTreeCheckpointer().restore(os.path.join(ck, str(steps[-1]), "state"))
+        params = tree["params"] if isinstance(tree, dict) else tree[0]
+        from nemo_jax.checkpoint import _lists
+
+        return cfg, jax.tree.map(jnp.asarray, _lists(params)), resolve(meta["config"]["data"]["tokenizer"])
+    cfg, params = load_any(path)
+    return cfg, params, path

@@ -1,0 +1,137 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from nemo_jax import model as M
+from nemo_jax.generate import SamplingParams, append, generate, prefill, sample_token, sampling_logprobs
+from nemo_jax.lora import attach
+
+from helpers import tiny_cfg
+
+PROMPTS = [[5, 17, 3, 44, 9, 1, 2], [8, 2], [60, 61, 62, 63, 64]]
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg = tiny_cfg("MEM*E-", n_group=2, topk_group=1, chunk_size=4)
+    params = M.init(cfg, jax.random.key(0))
+    return cfg, params
+
+
+def full_logprobs(params, cfg, seq, temperature=1.0):
+    logits, _ = M.forward(params, jnp.asarray([seq]), cfg)
+    return np.asarray(jax.nn.log_softmax(logits[0] / temperature, axis=-1))
+
+
+def test_greedy_matches_full_reforward_argmax(setup):
+    cfg, params = setup
+    g = generate(params, PROMPTS, cfg, SamplingParams(max_new_tokens=6, temperature=0.0))
+    for prompt, toks in zip(PROMPTS, g.tokens):
+        seq = list(prompt)
+        for t in toks:
+            lp = full_logprobs(params, cfg, seq)
+            assert t == int(np.argmax(lp[-1]))
+            seq.append(t)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_equal_full_forward(setup, temperature):
+    cfg, params = setup
+    g = generate(params, PROMPTS, cfg, SamplingParams(max_new_tokens=7, temperature=temperature),
+                 key=jax.random.key(3))
+    for prompt, toks, lps in zip(PROMPTS, g.tokens, g.logprobs):
+        lp = full_logprobs(params, cfg, prompt + toks, temperature)
+        want = [lp[len(prompt) - 1 + i, t] for i, t in enumerate(toks)]
+        np.testing.assert_allclose(lps, want, atol=1e-4)
+
+
+def test_padded_batch_rows_equal_alone(setup):
+    cfg, params = setup
+    sp = SamplingParams(max_new_tokens=5, temperature=0.0)
+    batch = generate(params, PROMPTS, cfg, sp)
+    for i, p in enumerate(PROMPTS):
+        alone = generate(params, [p], cfg, sp)
+        assert alone.tokens[0] == batch.tokens[i]
+        np.testing.assert_allclose(alone.logprobs[0], batch.logprobs[i], atol=1e-5)
+
+
+def test_stop_tokens_and_finish_reason(setup):
+    cfg, params = setup
+    g0 = generate(params, PROMPTS[:1], cfg, SamplingParams(max_new_tokens=6, temperature=0.0))
+    stop = g0.tokens[0][2]
+    g = generate(params, PROMPTS[:1], cfg, SamplingParams(max_new_tokens=6, temperature=0.0, stop_token_ids=(stop,)))
+    first = g0.tokens[0].index(stop)
+    assert g.tokens[0] == g0.tokens[0][:first + 1] and g.finish_reason[0] == "stop"
+    assert g0.finish_reason[0] == "length"
+
+
+def test_continuing_state_equals_prefilling_concatenation(setup):
+    cfg, params = setup
+    g = generate(params, PROMPTS, cfg, SamplingParams(max_new_tokens=4, temperature=0.0), max_len=40)
+    more = [[7, 7, 7], [9], []]
+    logits, _ = append(params, g.state, more, cfg)
+    for i, p in enumerate(PROMPTS):
+        if not more[i]:
+            continue
+        seq = p + g.tokens[i] + more[i]
+        fresh, _ = prefill(params, [seq], cfg, 40)
+        np.testing.assert_allclose(logits[i], fresh[0], rtol=1e-4, atol=1e-4)
+
+
+def test_sampled_frequencies_match_softmax():
+    V, n = 6, 20000
+    logits = jnp.asarray([[1.0, 0.5, -0.3, 2.0, 0.0, -1.0]])
+    keys = jax.random.split(jax.random.key(1234), n)
+    draw = jax.jit(jax.vmap(lambda k: sample_token(logits, k, SamplingParams(temperature=0.8))[0][0]))
+    counts = np.bincount(np.asarray(draw(keys)), minlength=V)
+    p = np.asarray(jax.nn.softmax(logits[0] / 0.8))
+    chi2 = float(np.sum((counts - n * p) ** 2 / (n * p)))
+    assert chi2 < 20.5  # chi-square, 5 degrees of freedom, p = 0.001
+    # top-k renormalises over the kept tokens: the dropped ones never appear
+    draw_k = jax.jit(jax.vmap(lambda k: sample_token(logits, k, SamplingParams(top_k=2))[0][0]))
+    ck = np.bincount(np.asarray(draw_k(keys)), minlength=V)
+    assert set(np.nonzero(ck)[0]) == {0, 3}
+    lp = sampling_logprobs(logits[0], 1.0, top_k=2)
+    np.testing.assert_allclose(np.exp(np.asarray(lp)[[0, 3]]), jax.nn.softmax(np.asarray(logits)[0, [0, 3]]), rtol=1e-6)
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    logits = jnp.log(jnp.asarray([0.5, 0.3, 0.15, 0.05]))
+    lp = sampling_logprobs(logits, 1.0, top_p=0.75)
+    kept = np.isfinite(np.asarray(lp))
+    assert kept.tolist() == [True, True, False, False]
+    np.testing.assert_allclose(np.exp(lp[:2]), [0.625, 0.375], rtol=1e-5)
+
+
+def test_unmerged_lora_equals_merged_weights(setup):
+    cfg, params = setup
+    q = params["layers"]["attention"]["mixer"]["q_proj"]["kernel"]  # [n, in, out]
+    r = 2
+    A = jax.random.normal(jax.random.key(5), (q.shape[0], q.shape[1], r)) * 0.1
+    B = jax.random.normal(jax.random.key(6), (q.shape[0], r, q.shape[2])) * 0.1
+    adapters = {"layers": {"attention": {"mixer": {"q_proj": {"lora_a": A, "lora_b": B,
+                                                              "lora_scale": jnp.full((q.shape[0],), 4.0)}}}}}
+    merged = jax.tree.map(lambda x: x, params)
+    merged["layers"]["attention"]["mixer"]["q_proj"]["kernel"] = q + 4.0 * jnp.einsum("nir,nro->nio", A, B)
+    toks = jnp.asarray([PROMPTS[0]])
+    a, _ = M.forward(attach(params, adapters), toks, cfg)
+    b, _ = M.forward(merged, toks, cfg)
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    g1 = generate(params, PROMPTS, cfg, SamplingParams(max_new_tokens=3, temperature=0.0), adapters=adapters)
+    g2 = generate(merged, PROMPTS, cfg, SamplingParams(max_new_tokens=3, temperature=0.0))
+    assert g1.tokens == g2.tokens
+    with pytest.raises(ValueError, match="does not exist"):
+        attach(params, {"layers": {"attention": {"mixer": {"qq_proj": {"lora_a": A}}}}})
+
+
+def test_generation_on_a_mesh(setup):
+    from nemo_jax.model.spec import param_specs
+    from nemo_jax.parallel.mesh import make_mesh
+    from nemo_jax.parallel.rules import param_shardings
+
+    cfg, params = setup
+    mesh = make_mesh({"fsdp": 2, "tensor": 2, "expert": 2})
+    sharded = jax.device_put(params, param_shardings(param_specs(cfg), mesh))
+    sp = SamplingParams(max_new_tokens=4, temperature=0.0)
+    assert generate(sharded, PROMPTS, cfg, sp).tokens == generate(params, PROMPTS, cfg, sp).tokens
