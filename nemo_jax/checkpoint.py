@@ -78,6 +78,18 @@ def load_model(path: str, mesh=None, rules=None, dtype=None):
     return cfg, ckptr.restore(os.path.join(path, "params"), target)
 
 
+def restore_tree(path: str, device=None):
+    """Restore any orbax pytree checkpoint onto one device (lists come back as lists)."""
+    path = os.path.abspath(path)
+    ckptr = ocp.StandardCheckpointer()
+    meta = ckptr.metadata(path)
+    meta = getattr(meta, "item_metadata", meta)
+    dev = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
+    raw = getattr(meta, "tree", meta)
+    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), np.dtype(m.dtype), sharding=dev), raw)
+    return _lists(ckptr.restore(path, target))
+
+
 def _as_tree(meta):
     tree = getattr(meta, "tree", meta)
     return _lists(tree)

@@ -218,9 +218,9 @@ def load_for_generation(path: str):
     from nemo_jax.config.model import NemotronHConfig
     from nemo_jax.data.chat import resolve
 
-    ck = os.path.join(path, "checkpoints")
+    ck = os.path.join(os.path.abspath(path), "checkpoints")
     if os.path.isdir(ck):
-        import orbax.checkpoint as ocp
+        from nemo_jax.checkpoint import restore_tree
 
         steps = sorted(int(s) for s in os.listdir(ck) if s.isdigit())
         if not steps:
@@ -228,10 +228,8 @@ def load_for_generation(path: str):
         with open(os.path.join(ck, str(steps[-1]), "meta", "metadata")) as f:
             meta = json.load(f)
         cfg = NemotronHConfig.from_hf_dict(meta["model_config"])
-        tree = ocp.PyTreeCheckpointer().restore(os.path.join(ck, str(steps[-1]), "state"))
-        params = tree["params"] if isinstance(tree, dict) else tree[0]
-        from nemo_jax.checkpoint import _lists
-
-        return cfg, jax.tree.map(jnp.asarray, _lists(params)), resolve(meta["config"]["data"]["tokenizer"])
+        state = restore_tree(os.path.join(ck, str(steps[-1]), "state"))
+        params = state["params"] if isinstance(state, dict) else state[0]
+        return cfg, params, resolve(meta["config"]["data"]["tokenizer"])
     cfg, params = load_any(path)
     return cfg, params, path

@@ -71,9 +71,9 @@ def _wait_for(pred, proc, timeout=240):
 
 
 def _final_params(run_dir, step):
-    import orbax.checkpoint as ocp
+    from nemo_jax.checkpoint import restore_tree
 
-    tree = ocp.PyTreeCheckpointer().restore(os.path.join(run_dir, "checkpoints", str(step), "state"))
+    tree = restore_tree(os.path.join(run_dir, "checkpoints", str(step), "state"))
     return [np.asarray(x) for x in jax.tree.leaves(tree["params"] if isinstance(tree, dict) else tree[0])]
 
 
