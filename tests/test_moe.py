@@ -88,3 +88,28 @@ def test_compiled_flops_close_to_useful_flops():
     dcost = dense.lower(p["experts"], x).compile().cost_analysis()
     dcost = dcost[0] if isinstance(dcost, (list, tuple)) else dcost
     assert dcost["flops"] > 5 * useful  # the test can tell the difference
+
+
+@pytest.mark.parametrize("mesh_shape", [dict(fsdp=2, tensor=2, expert=2), dict(data=2, expert=4)])
+@pytest.mark.parametrize("dispatch", ["sorted", "capacity"])
+def test_expert_parallel_matches_single_device(mesh_shape, dispatch):
+    from nemo_jax.parallel.mesh import make_mesh
+
+    cfg = tiny_cfg(moe_latent_size=8)
+    p = _params(cfg)
+    mesh = make_mesh(mesh_shape)
+    u = jax.random.normal(jax.random.key(3), (8, 6, cfg.hidden_size))
+    cf = float(cfg.n_routed_experts)  # nothing dropped
+
+    def loss(p, u, m):
+        y, aux = moe_lib.moe(p, u, cfg, jnp.float32, dispatch=dispatch, capacity_factor=cf, mesh=m)
+        return jnp.sum(jnp.sin(y)), (y, aux["dropped"])
+
+    (l1, (y1, d1)), g1 = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True), static_argnums=2)(p, u, mesh)
+    (l2, (y2, d2)), g2 = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True), static_argnums=2)(p, u, None)
+    assert int(d1) == 0 == int(d2)
+    np.testing.assert_allclose(y1, y2, rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    hlo = jax.jit(lambda p, u: loss(p, u, mesh)[0]).lower(p, u).compile().as_text()
+    assert "all-gather" in hlo and "reduce-scatter" in hlo

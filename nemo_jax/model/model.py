@@ -41,6 +41,7 @@ class Options:
     moe_dispatch: str = "sorted"  # see moe.DISPATCHES
     capacity_factor: float = 1.25
     remat: str = "none"  # "none" | "layer" | "save_matmuls"
+    mesh: Any = None  # a Mesh with an `expert` axis > 1 turns on expert parallelism for routed experts
 
     def __post_init__(self):
         if self.remat not in REMAT_POLICIES:
@@ -100,7 +101,7 @@ def apply_layer(kind: str, p: dict, h: jax.Array, ctx: _Ctx, cache=None):
     elif kind == "moe":
         mask = ctx.valid if ctx.valid is not None else (None if ctx.segment_ids is None else ctx.segment_ids > 0)
         y, aux = moe_lib.moe(p["mixer"], u, cfg, dtype, dispatch=ctx.opts.moe_dispatch,
-                             capacity_factor=ctx.opts.capacity_factor, token_mask=mask)
+                             capacity_factor=ctx.opts.capacity_factor, token_mask=mask, mesh=ctx.opts.mesh)
     else:
         raise ValueError(f"unknown layer kind {kind!r}")
     return (h + y.astype(h.dtype)).astype(h.dtype), new, aux

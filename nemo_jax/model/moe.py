@@ -46,60 +46,43 @@ def block_size(n_slots: int, n_experts: int) -> int:
     return max(1, n_slots // (2 * n_experts))
 
 
-def _slot_layout(flat_e, E: int, dispatch: str, capacity_factor: float):
+def _slot_layout(flat_e, E: int, dispatch: str, capacity_factor: float, valid=None):
     """Where each token-slot goes in the expert buffer.
 
-    Returns dest [n] (slot index), keep [n] bool, block_expert [nb] (expert of each block), nb, bs.
+    flat_e [n] expert of each slot (in [0, E)); valid [n] (optional) marks slots this buffer serves.
+    Returns dest [n] (slot index, out of range = dropped), keep [n], block_expert [nb], nb, bs.
     """
     n = flat_e.shape[0]
-    order = jnp.argsort(flat_e, stable=True)
-    sorted_e = flat_e[order]
-    counts = jnp.bincount(flat_e, length=E)
+    bucket = flat_e if valid is None else jnp.where(valid, flat_e, E)  # foreign slots sort last
+    order = jnp.argsort(bucket, stable=True)
+    counts = jnp.bincount(bucket, length=E + 1)[:E]
     start = jnp.cumsum(counts) - counts
-    rank_sorted = jnp.arange(n) - start[sorted_e]
+    sorted_b = bucket[order]
+    rank_sorted = jnp.arange(n) - jnp.concatenate([start, jnp.zeros((1,), start.dtype)])[sorted_b]
     rank = jnp.zeros((n,), jnp.int32).at[order].set(rank_sorted.astype(jnp.int32))
+    ok = jnp.ones((n,), bool) if valid is None else valid
     if dispatch == "capacity":
         bs = max(1, math.ceil(capacity_factor * n / E))
-        keep = rank < bs
-        dest = jnp.where(keep, flat_e * bs + rank, E * bs)  # dropped slots point past the end
-        return dest, keep, jnp.arange(E), E, bs, counts
+        keep = ok & (rank < bs)
+        return jnp.where(keep, flat_e * bs + rank, E * bs), keep, jnp.arange(E), E, bs
     bs = block_size(n, E)
     nb = min(n, (n + E * (bs - 1)) // bs)
     padded = (counts + bs - 1) // bs * bs
     pend = jnp.cumsum(padded)
-    dest = (pend - padded)[flat_e] + rank
+    dest = (pend - padded)[jnp.minimum(flat_e, E - 1)] + rank
+    keep = ok & (dest < nb * bs)
     block_expert = jnp.minimum(jnp.searchsorted(pend, jnp.arange(nb) * bs, side="right"), E - 1)
-    return dest, jnp.ones((n,), bool), block_expert, nb, bs, counts
+    return jnp.where(keep, dest, nb * bs), keep, block_expert, nb, bs
 
 
-def experts_forward(pe: dict, x: jax.Array, w: jax.Array, idx: jax.Array, cfg, dtype, dispatch: str = "sorted",
-                    capacity_factor: float = 1.25):
-    """Routed experts. x [T, Din], w/idx [T, k] -> (y [T, Din], counts [E], dropped slots)."""
+def _buffered_experts(up, down, x, w, idx, E: int, dtype, dispatch: str, capacity_factor: float, valid=None):
+    """Sorted / capacity dispatch over E local experts. -> (y [T, Din] dtype, dropped slots among valid ones)."""
     T, k = idx.shape
-    E = cfg.n_routed_experts
-    up, down = pe["up_proj"].astype(dtype), pe["down_proj"].astype(dtype)
-    x = x.astype(dtype)
-    if dispatch == "dense":
-        h = relu2(jnp.einsum("td,edi->tei", x, up, preferred_element_type=jnp.float32).astype(dtype))
-        y_all = jnp.einsum("tei,eid->ted", h, down, preferred_element_type=jnp.float32)
-        dense_w = jnp.zeros((T, E), jnp.float32).at[jnp.arange(T)[:, None], idx].add(w)
-        counts = jnp.bincount(idx.reshape(-1), length=E)
-        return jnp.einsum("ted,te->td", y_all, dense_w).astype(dtype), counts, jnp.zeros((), jnp.int32)
     flat_e = idx.reshape(-1)
+    fvalid = None if valid is None else valid.reshape(-1)
     tok = jnp.arange(T * k) // k
-    if dispatch == "ragged":
-        order = jnp.argsort(flat_e, stable=True)
-        counts = jnp.bincount(flat_e, length=E)
-        xs = x[tok[order]]
-        h = relu2(jax.lax.ragged_dot(xs, up, counts.astype(jnp.int32), preferred_element_type=jnp.float32).astype(dtype))
-        ys = jax.lax.ragged_dot(h, down, counts.astype(jnp.int32), preferred_element_type=jnp.float32)
-        y_slots = jnp.zeros_like(ys).at[order].set(ys)
-        y = jnp.sum(y_slots.reshape(T, k, -1) * w[..., None], axis=1)
-        return y.astype(dtype), counts, jnp.zeros((), jnp.int32)
-    if dispatch not in ("sorted", "capacity"):
-        raise ValueError(f"unknown MoE dispatch {dispatch!r}; expected one of {DISPATCHES}")
-    dest, keep, block_expert, nb, bs, counts = _slot_layout(flat_e, E, dispatch, capacity_factor)
-    buf = jnp.zeros((nb * bs + 1, x.shape[-1]), dtype).at[dest].set(x[tok], mode="drop")[:-1]
+    dest, keep, block_expert, nb, bs = _slot_layout(flat_e, E, dispatch, capacity_factor, fvalid)
+    buf = jnp.zeros((nb * bs, x.shape[-1]), dtype).at[dest].set(x[tok], mode="drop")
     xb = buf.reshape(nb, bs, -1)
     if dispatch == "capacity":
         w_up, w_down = up, down
@@ -110,11 +93,85 @@ def experts_forward(pe: dict, x: jax.Array, w: jax.Array, idx: jax.Array, cfg, d
     y_slots = jnp.take(yb.reshape(nb * bs, -1), jnp.minimum(dest, nb * bs - 1), axis=0)
     y_slots = jnp.where(keep[:, None], y_slots, 0.0)
     y = jnp.sum(y_slots.reshape(T, k, -1) * w[..., None], axis=1)
-    return y.astype(dtype), counts, jnp.sum(~keep).astype(jnp.int32)
+    served = jnp.ones_like(keep) if fvalid is None else fvalid
+    return y.astype(dtype), jnp.sum(served & ~keep).astype(jnp.int32)
+
+
+def experts_forward(pe: dict, x: jax.Array, w: jax.Array, idx: jax.Array, cfg, dtype, dispatch: str = "sorted",
+                    capacity_factor: float = 1.25, mesh=None):
+    """Routed experts. x [T, Din], w/idx [T, k] -> (y [T, Din], dropped slots).
+
+    With a `mesh` whose `expert` axis is > 1 and a sorted/capacity dispatch, experts run expert-parallel
+    inside `shard_map` (see `_expert_parallel`).
+    """
+    T, k = idx.shape
+    E = cfg.n_routed_experts
+    if dispatch not in DISPATCHES:
+        raise ValueError(f"unknown MoE dispatch {dispatch!r}; expected one of {DISPATCHES}")
+    if mesh is not None and mesh.shape.get("expert", 1) > 1 and dispatch in ("sorted", "capacity"):
+        out = _expert_parallel(pe, x, w, idx, cfg, dtype, dispatch, capacity_factor, mesh)
+        if out is not None:
+            return out
+    up, down = pe["up_proj"].astype(dtype), pe["down_proj"].astype(dtype)
+    x = x.astype(dtype)
+    if dispatch == "dense":
+        h = relu2(jnp.einsum("td,edi->tei", x, up, preferred_element_type=jnp.float32).astype(dtype))
+        y_all = jnp.einsum("tei,eid->ted", h, down, preferred_element_type=jnp.float32)
+        dense_w = jnp.zeros((T, E), jnp.float32).at[jnp.arange(T)[:, None], idx].add(w)
+        return jnp.einsum("ted,te->td", y_all, dense_w).astype(dtype), jnp.zeros((), jnp.int32)
+    if dispatch == "ragged":
+        flat_e = idx.reshape(-1)
+        order = jnp.argsort(flat_e, stable=True)
+        counts = jnp.bincount(flat_e, length=E).astype(jnp.int32)
+        xs = x[(jnp.arange(T * k) // k)[order]]
+        h = relu2(jax.lax.ragged_dot(xs, up, counts, preferred_element_type=jnp.float32).astype(dtype))
+        ys = jax.lax.ragged_dot(h, down, counts, preferred_element_type=jnp.float32)
+        y_slots = jnp.zeros_like(ys).at[order].set(ys)
+        return jnp.sum(y_slots.reshape(T, k, -1) * w[..., None], axis=1).astype(dtype), jnp.zeros((), jnp.int32)
+    return _buffered_experts(up, down, x, w, idx, E, dtype, dispatch, capacity_factor)
+
+
+def _expert_parallel(pe, x, w, idx, cfg, dtype, dispatch, capacity_factor, mesh):
+    """Expert parallelism by all-gather / reduce-scatter inside shard_map.
+
+    Tokens are sharded over the batch axes (data, fsdp, expert); routed experts over `expert`. Each device
+    gathers the routed tokens of its expert group, runs the slots that go to its own E/ep experts (sorted
+    dropless buffers, or per-expert capacity), and a reduce-scatter returns every token's summed output to
+    the device that owns it. Returns None when the token count does not split over the mesh (then the plain
+    path runs under GSPMD).
+    """
+    from jax.sharding import PartitionSpec as P
+
+    ep = mesh.shape["expert"]
+    E = cfg.n_routed_experts
+    if E % ep:
+        return None
+    El = E // ep
+    tok_axes = tuple(a for a in ("data", "fsdp", "expert") if mesh.shape.get(a, 1) > 1)
+    if x.shape[0] % math.prod(mesh.shape[a] for a in tok_axes):
+        return None
+    t_spec, e_spec = P(tok_axes), P("expert")
+
+    def local(up, down, x, w, idx):
+        xg = jax.lax.all_gather(x, "expert", axis=0, tiled=True)
+        wg = jax.lax.all_gather(w, "expert", axis=0, tiled=True)
+        ig = jax.lax.all_gather(idx, "expert", axis=0, tiled=True)
+        li = ig - jax.lax.axis_index("expert") * El
+        valid = (li >= 0) & (li < El)
+        # capacity semantics match the single-device path: cf * (all slots of the group) / E per expert
+        cf = capacity_factor * El / E if dispatch == "capacity" else capacity_factor
+        y, dropped = _buffered_experts(up.astype(dtype), down.astype(dtype), xg.astype(dtype), wg,
+                                       jnp.clip(li, 0, El - 1), El, dtype, dispatch, cf, valid)
+        y = jax.lax.psum_scatter(y.astype(jnp.float32), "expert", scatter_dimension=0, tiled=True)
+        return y.astype(dtype), jax.lax.psum(dropped, tuple(mesh.axis_names))
+
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(e_spec, e_spec, t_spec, t_spec, t_spec),
+                       out_specs=(t_spec, P()), check_vma=False)
+    return fn(pe["up_proj"], pe["down_proj"], x, w, idx)
 
 
 def moe(p: dict, u: jax.Array, cfg, dtype, *, dispatch: str = "sorted", capacity_factor: float = 1.25,
-        token_mask=None):
+        token_mask=None, mesh=None):
     """u [b, l, D] -> (out [b, l, D], aux) with aux = {aux_loss, load [E] (slot counts), dropped}.
 
     `token_mask` [b, l] (optional) excludes padding from the balance statistics.
@@ -123,7 +180,7 @@ def moe(p: dict, u: jax.Array, cfg, dtype, *, dispatch: str = "sorted", capacity
     x = u.reshape(b * l, D)
     w, idx, scores = route(p["gate"], x, cfg)
     xin = linear(x, p["fc1_latent_proj"], dtype) if cfg.moe_latent_size else x
-    y, counts, dropped = experts_forward(p["experts"], xin, w, idx, cfg, dtype, dispatch, capacity_factor)
+    y, dropped = experts_forward(p["experts"], xin, w, idx, cfg, dtype, dispatch, capacity_factor, mesh)
     if cfg.moe_latent_size:
         y = linear(y, p["fc2_latent_proj"], dtype)
     if cfg.n_shared_experts:

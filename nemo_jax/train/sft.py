@@ -39,11 +39,12 @@ def model_config_path(name: str) -> str:
                             f"({', '.join(sorted(f[:-5] for f in os.listdir(os.path.join(ASSETS, 'models'))))})")
 
 
-def options_from(section) -> M.Options:
+def options_from(section, mesh=None) -> M.Options:
     if section.dtype not in DTYPES:
         raise ValueError(f"model.dtype: {section.dtype!r} (expected one of {sorted(DTYPES)})")
+    ep_mesh = mesh if mesh is not None and mesh.shape.get("expert", 1) > 1 else None
     return M.Options(dtype=DTYPES[section.dtype], remat=section.remat, moe_dispatch=section.moe_dispatch,
-                     capacity_factor=section.capacity_factor)
+                     capacity_factor=section.capacity_factor, mesh=ep_mesh)
 
 
 def initial_params(c: SFTConfig, mesh, rules):
@@ -68,7 +69,7 @@ class Trainer:
                                "expert": c.mesh.expert}, devices)
         self.rules = Rules()
         self.cfg, params = initial_params(c, self.mesh, self.rules)
-        self.opts = options_from(c.model)
+        self.opts = options_from(c.model, self.mesh)
         o = c.optim
         shards = batch_shards(self.mesh)
         if c.data.batch_size % (o.grad_accum * shards) and not (c.data.batch_size % o.grad_accum == 0

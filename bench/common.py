@@ -1,0 +1,43 @@
+"""Shared helpers for the bench scripts: wall-clock timing and compiled memory / FLOP figures."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def timeit(fn, *, warmup: int = 1, iters: int = 5) -> float:
+    """Median seconds per call of fn() (which must block until done)."""
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def compiled_stats(jitted, *args) -> dict:
+    """Temp bytes and HLO FLOPs of a jitted function at these arguments."""
+    c = jitted.lower(*args).compile()
+    mem = c.memory_analysis()
+    cost = c.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return {"temp_bytes": getattr(mem, "temp_size_in_bytes", None), "flops": (cost or {}).get("flops")}
+
+
+def mib(n) -> str:
+    return "n/a" if n is None else f"{n / 2**20:,.1f} MiB"
+
+
+def table(rows: list[dict]):
+    keys = list(rows[0])
+    w = {k: max(len(k), *(len(str(r[k])) for r in rows)) for k in keys}
+    print("  ".join(k.ljust(w[k]) for k in keys))
+    for r in rows:
+        print("  ".join(str(r[k]).ljust(w[k]) for k in keys))
