@@ -37,9 +37,9 @@ def main():
         base = None
         for d in a.dispatches.split(","):
             f = jax.jit(jax.value_and_grad(
-                lambda pe, x, d=d: jnp.sum(moe_lib.experts_forward(pe, x, w, idx, cfg, jnp.float32, d)[0] ** 2)))
-            st = common.compiled_stats(f, p["experts"], x)
-            t = common.timeit(lambda: jax.block_until_ready(f(p["experts"], x)), iters=a.iters)
+                lambda pe, x, w, idx, d=d: jnp.sum(moe_lib.experts_forward(pe, x, w, idx, cfg, jnp.float32, d)[0] ** 2)))
+            st = common.compiled_stats(f, p["experts"], x, w, idx)
+            t = common.timeit(lambda: jax.block_until_ready(f(p["experts"], x, w, idx)), iters=a.iters)
             base = base or t
             rows.append({"E,k": f"{E},{k}", "dispatch": d, "fwd+bwd ms": f"{t * 1e3:.1f}",
                          "vs first": f"{t / base:.2f}x", "temp": common.mib(st["temp_bytes"]),

@@ -77,7 +77,10 @@ def _segsum(x: jax.Array) -> jax.Array:
     xx = jnp.broadcast_to(x[..., :, None], (*x.shape, T))  # [..., k, j]
     lower = jnp.tril(jnp.ones((T, T), bool), -1)
     xx = jnp.where(lower, xx, 0.0)
-    ss = jnp.cumsum(xx, axis=-2)
+    # cumulative sum over k as a matmul with a lower-triangular ones matrix (XLA lowers cumsum to an
+    # O(T^2) reduce-window; the masked terms are exact zeros, so this is the same stable sum)
+    ss = jnp.einsum("ik,...kj->...ij", jnp.tril(jnp.ones((T, T), x.dtype)), xx,
+                    precision=jax.lax.Precision.HIGHEST)
     return jnp.where(jnp.tril(jnp.ones((T, T), bool)), ss, -jnp.inf)
 
 
