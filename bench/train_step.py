@@ -82,8 +82,9 @@ def main():
             import torch
             import transformers
 
-            hc = transformers.NemotronHConfig(**{k: v for k, v in cfg.to_hf_dict().items()
-                                                 if k not in ("architectures", "model_type")})
+            d = {k: v for k, v in cfg.to_hf_dict().items() if k not in ("architectures", "model_type")}
+            d["time_step_limit"] = tuple(cfg.time_step_limit)
+            hc = transformers.NemotronHConfig(**d)
             m = transformers.NemotronHForCausalLM(hc).train()
             topt = torch.optim.AdamW(m.parameters(), lr=1e-4)
             tt = torch.tensor(toks[:, :-1], dtype=torch.long)

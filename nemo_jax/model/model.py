@@ -107,6 +107,24 @@ def apply_layer(kind: str, p: dict, h: jax.Array, ctx: _Ctx, cache=None):
     return (h + y.astype(h.dtype)).astype(h.dtype), new, aux
 
 
+def _spread(tree, unit_to_layer: np.ndarray, layer_to_unit: np.ndarray):
+    """[n, ...] stacks -> [U, ...] (slice unit_to_layer[u] for unit u). The cotangent goes back by a static
+    gather of the units that own a layer (the others contribute nothing), not by a scatter-add."""
+
+    @jax.custom_vjp
+    def spread(t):
+        return jax.tree.map(lambda a: jnp.take(a, unit_to_layer, axis=0), t)
+
+    def fwd(t):
+        return spread(t), None
+
+    def bwd(_, g):
+        return (jax.tree.map(lambda a: jnp.take(a, layer_to_unit, axis=0), g),)
+
+    spread.defvjp(fwd, bwd)
+    return spread(tree)
+
+
 def _index(tree, i):
     return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
 
@@ -130,7 +148,11 @@ def run_layers(stacks: dict, h: jax.Array, kinds: tuple[str, ...], ctx: _Ctx, ca
     every = {k: all(k in u for u in us) for k in present}
     has = {k: jnp.asarray(np.array([k in u for u in us])) for k in present if not every[k]}
     idx = {k: jnp.asarray(np.array([u.get(k, 0) for u in us], np.int32)) for k in present if not every[k]}
-    xs_params = {k: stacks[k] for k in present if every[k]}
+    # Every kind's params are scanned as xs. A kind missing from some units is spread to one slice per unit
+    # (units without it get a copy of slice 0 that the lax.cond below never reads).
+    xs_params = {k: stacks[k] if every[k] else _spread(stacks[k], np.array([u.get(k, 0) for u in us]),
+                                                       np.array([i for i, u in enumerate(us) if k in u]))
+                 for k in present}
     xs_caches = {k: caches[k] for k in present if every[k] and k in caches}
     carry_caches = {k: caches[k] for k in present if not every[k] and k in caches}
 
@@ -147,7 +169,7 @@ def run_layers(stacks: dict, h: jax.Array, kinds: tuple[str, ...], ctx: _Ctx, ca
             else:
                 def yes(h, cs, k=k, i=idx_u[k]):
                     c = _index(cs[k], i) if k in cs else None
-                    h2, new, aux = apply_layer(k, _index(stacks[k], i), h, ctx, c)
+                    h2, new, aux = apply_layer(k, p_xs[k], h, ctx, c)
                     if k in cs:
                         cs = dict(cs, **{k: _update(cs[k], new, i)})
                     return h2, cs, aux
