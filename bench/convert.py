@@ -8,7 +8,6 @@ ratio to `cp -r` of the same bytes, and peak RSS as a ratio to the largest singl
 import argparse
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys

@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
 from nemo_jax.config.model import NemotronHConfig
-from nemo_jax.hf.io import TOKENIZER_FILES, _replace_dir
+from nemo_jax.fsutil import atomic_dir, copy_tokenizer_files
 from nemo_jax.model.spec import ParamSpec, param_specs
 
 
@@ -41,24 +39,14 @@ def target_tree(cfg: NemotronHConfig, mesh=None, rules=None, dtype=None, like=No
 
 
 def save_model(path: str, cfg: NemotronHConfig, params, *, tokenizer_dir: str | None = None):
-    path = os.path.abspath(path)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=os.path.basename(path) + ".tmp-", dir=os.path.dirname(path))
-    try:
+    with atomic_dir(path) as tmp:
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(cfg.to_hf_dict(), f, indent=2)
         ckptr = ocp.StandardCheckpointer()
         ckptr.save(os.path.join(tmp, "params"), params)
         ckptr.wait_until_finished()
-        if tokenizer_dir:
-            for t in TOKENIZER_FILES:
-                if os.path.exists(os.path.join(tokenizer_dir, t)):
-                    shutil.copy2(os.path.join(tokenizer_dir, t), os.path.join(tmp, t))
-        _replace_dir(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return path
+        copy_tokenizer_files(tokenizer_dir, tmp)
+    return os.path.abspath(path)
 
 
 def is_native(path: str) -> bool:

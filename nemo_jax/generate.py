@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -175,7 +174,6 @@ def generate(params, prompts: list[list[int]], cfg, sp: SamplingParams = Samplin
 
 # --------------------------------------------------------------------------- CLI
 def cli_generate(a):
-    import os
     import sys
 
     from nemo_jax.data.chat import ChatTokenizer

@@ -3,7 +3,6 @@
 import json
 import os
 import shutil
-import struct
 
 import jax
 import jax.numpy as jnp

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import struct
-import tempfile
 from collections import defaultdict
 from typing import Callable
 
@@ -23,6 +21,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from nemo_jax.config.model import NemotronHConfig
+from nemo_jax.fsutil import atomic_dir, copy_tokenizer_files
 from nemo_jax.hf.mapping import Entry, build_table, from_hf_layout, leaf_specs, to_hf_layout
 
 ST_DTYPES = {
@@ -32,8 +31,6 @@ ST_DTYPES = {
 }
 ST_NAMES = {v: k for k, v in ST_DTYPES.items()}
 FLOAT_KINDS = {"F64", "F32", "F16", "BF16"}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "tokenizer.model", "vocab.json", "merges.txt")
 
 
 class CheckpointError(ValueError):
@@ -264,11 +261,7 @@ def save_pretrained(cfg: NemotronHConfig, params: dict, path: str, max_shard_siz
         size += nbytes
     n = len(shards)
     names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    path = os.path.abspath(os.fspath(path))
-    parent = os.path.dirname(path)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=os.path.basename(path) + ".tmp-", dir=parent)
-    try:
+    with atomic_dir(path) as tmp:
         total = sum(int(np.prod(e.hf_shape)) * dt.itemsize for e, dt in plan)
         bar = _bar(progress, total, "B", "export", unit_scale=True)
         weight_map = {}
@@ -284,15 +277,8 @@ def save_pretrained(cfg: NemotronHConfig, params: dict, path: str, max_shard_siz
         gen = {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id}
         with open(os.path.join(tmp, "generation_config.json"), "w") as f:
             json.dump({k: v for k, v in gen.items() if v is not None}, f, indent=2)
-        if tokenizer_dir:
-            for t in TOKENIZER_FILES:
-                if os.path.exists(os.path.join(tokenizer_dir, t)):
-                    shutil.copy2(os.path.join(tokenizer_dir, t), os.path.join(tmp, t))
-        _replace_dir(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return path
+        copy_tokenizer_files(tokenizer_dir, tmp)
+    return os.path.abspath(path)
 
 
 def _write_shard(fp: str, shard, flat: dict, bar):
@@ -312,18 +298,6 @@ def _write_shard(fp: str, shard, flat: dict, bar):
             x = np.ascontiguousarray(to_hf_layout(x, e.transform).astype(dt))
             f.write(x.tobytes())
             bar.update(x.nbytes)
-
-
-def _replace_dir(tmp: str, path: str):
-    """Move a finished directory into place; an existing one is replaced only after the new one is complete."""
-    if os.path.exists(path):
-        old = tempfile.mkdtemp(prefix=os.path.basename(path) + ".old-", dir=os.path.dirname(path))
-        os.rmdir(old)
-        os.rename(path, old)
-        os.rename(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, path)
 
 
 def _bar(enabled: bool, total: int, unit: str, desc: str, **kw):

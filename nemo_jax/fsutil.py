@@ -1,0 +1,42 @@
+"""Write-then-rename: outputs appear complete or not at all."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "tokenizer.model", "vocab.json", "merges.txt")
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str):
+    """Yield a temporary directory beside `path`; on success it replaces `path` (an existing directory is
+    swapped out only after the new one is complete); on failure it is removed and `path` is untouched."""
+    path = os.path.abspath(os.fspath(path))
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=os.path.basename(path) + ".tmp-", dir=parent)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if os.path.exists(path):
+        old = tempfile.mkdtemp(prefix=os.path.basename(path) + ".old-", dir=parent)
+        os.rmdir(old)
+        os.rename(path, old)
+        os.rename(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, path)
+
+
+def copy_tokenizer_files(src: str | None, dst: str):
+    if not src or not os.path.isdir(src):
+        return
+    for t in TOKENIZER_FILES:
+        if os.path.exists(os.path.join(src, t)):
+            shutil.copy2(os.path.join(src, t), os.path.join(dst, t))
