@@ -166,3 +166,21 @@ def test_correction_bias_update_balances_router():
         params = _update_correction_bias(params, load[None], 0.01)
         load, after = imbalance(params)
     assert before > 2.0 and after < 0.6 * before
+
+
+def test_init_from_native_and_hf_checkpoints(tmp_path):
+    from nemo_jax.checkpoint import save_model
+    from nemo_jax.config.model import NemotronHConfig
+    from nemo_jax.data.chat import ASSETS
+    from nemo_jax.hf.io import save_pretrained
+
+    cfg = NemotronHConfig.from_file(os.path.join(ASSETS, "models", "tiny.json"))
+    params = init_params(cfg, jax.random.key(7))
+    save_model(str(tmp_path / "native"), cfg, params)
+    save_pretrained(cfg, params, str(tmp_path / "hf"))
+    for src in ("native", "hf"):
+        t = Trainer(cfg_for(tmp_path / f"run_{src}", "steps=1", f"model.init={tmp_path / src}", "mesh.fsdp=2"),
+                    quiet=True, devices=jax.devices()[:2])
+        for a, b in zip(flat(params), flat(t.state.params)):
+            np.testing.assert_array_equal(a, b)
+        assert len(t.state.params["lm_head"]["kernel"].sharding.device_set) == 2
