@@ -43,7 +43,7 @@ def save_model(path: str, cfg: NemotronHConfig, params, *, tokenizer_dir: str | 
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(cfg.to_hf_dict(), f, indent=2)
         ckptr = ocp.StandardCheckpointer()
-        ckptr.save(os.path.join(tmp, "params"), params)
+        ckptr.save(os.path.join(tmp, "params"), _dicts(params))
         ckptr.wait_until_finished()
         copy_tokenizer_files(tokenizer_dir, tmp)
     return os.path.abspath(path)
@@ -63,7 +63,7 @@ def load_model(path: str, mesh=None, rules=None, dtype=None):
     meta = getattr(meta, "item_metadata", meta)
     like = jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), np.dtype(m.dtype)), _as_tree(meta))
     target = target_tree(cfg, mesh, rules, dtype, like=like if _same_structure(like, cfg) else None)
-    return cfg, ckptr.restore(os.path.join(path, "params"), target)
+    return cfg, _lists(ckptr.restore(os.path.join(path, "params"), _dicts(target)))
 
 
 def restore_tree(path: str, device=None):
@@ -76,6 +76,50 @@ def restore_tree(path: str, device=None):
     raw = getattr(meta, "tree", meta)
     target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), np.dtype(m.dtype), sharding=dev), raw)
     return _lists(ckptr.restore(path, target))
+
+
+def lazy_model(path: str):
+    """-> (cfg, LeafSource) reading one leaf at a time from a native model (orbax partial restore), for
+    streaming export without holding the whole model in memory."""
+    from nemo_jax.hf.io import LeafSource
+    from nemo_jax.model.spec import flatten_with_paths
+
+    if not is_native(path):
+        raise FileNotFoundError(f"{path}: not a native nemo_jax model (needs config.json and params/)")
+    cfg = NemotronHConfig.from_file(os.path.join(path, "config.json"))
+    ppath = os.path.join(os.path.abspath(path), "params")
+    ckptr = ocp.PyTreeCheckpointer()
+    meta = ckptr.metadata(ppath)
+    raw = getattr(getattr(meta, "item_metadata", meta), "tree", getattr(meta, "item_metadata", meta))
+    flat_meta = {k: jax.ShapeDtypeStruct(tuple(m.shape), np.dtype(m.dtype)) for k, m in flatten_with_paths(raw).items()}
+    dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+    def load(leaf_path: str):
+        parts = leaf_path.split("/")
+        item = _single_leaf_item(raw, parts, flat_meta[leaf_path])
+        args = jax.tree.map(lambda _: ocp.ArrayRestoreArgs(sharding=dev), item)
+        out = ckptr.restore(ppath, args=ocp.args.PyTreeRestore(item=item, restore_args=args, partial_restore=True))
+        for p in parts:
+            out = out[int(p)] if isinstance(out, list) else out[p]
+        return out
+
+    return cfg, LeafSource(flat_meta, load)
+
+
+def _single_leaf_item(raw, parts, leaf):
+    """A restore template holding one leaf (native checkpoints store lists as dicts keyed '0', '1', ...)."""
+    if not parts:
+        return leaf
+    return {parts[0]: _single_leaf_item(raw[parts[0]], parts[1:], leaf)}
+
+
+def _dicts(tree):
+    """Lists -> dicts keyed '0', '1', ... (the on-disk form; `_lists` undoes it)."""
+    if isinstance(tree, dict):
+        return {k: _dicts(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return {str(i): _dicts(v) for i, v in enumerate(tree)}
+    return tree
 
 
 def _as_tree(meta):

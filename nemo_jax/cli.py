@@ -30,10 +30,10 @@ def cmd_import_hf(a):
 
 
 def cmd_export_hf(a):
-    from nemo_jax.checkpoint import load_model
+    from nemo_jax.checkpoint import lazy_model
     from nemo_jax.hf.io import read_dtypes, save_pretrained
 
-    cfg, params = load_model(a.src)
+    cfg, params = lazy_model(a.src)  # one leaf in memory at a time
     dtypes = read_dtypes(a.like) if a.like else _dtype(a.dtype)
     save_pretrained(cfg, params, a.dst, max_shard_size=a.max_shard_size, dtypes=dtypes, tokenizer_dir=a.src,
                     progress=True)

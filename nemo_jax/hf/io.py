@@ -228,17 +228,20 @@ def save_pretrained(cfg: NemotronHConfig, params: dict, path: str, max_shard_siz
     dtypes: None keeps each leaf's dtype; a dtype applies to all; a dict {hf_name: dtype name} (e.g. from
     `read_dtypes` of the original checkpoint) restores each tensor's original dtype.
     """
-    from nemo_jax.model.spec import flatten_with_paths
-
     table = build_table(cfg)
-    flat = flatten_with_paths(params)
-    missing = sorted({e.path for e in table} - set(flat))
+    flat = params if isinstance(params, LeafSource) else LeafSource.from_tree(params)
+    missing = sorted({e.path for e in table} - set(flat.paths()))
     if missing:
         raise CheckpointError(f"params lack leaf {missing[0]!r} required by the config")
-    for e in table:
-        want = tuple(leaf_specs(cfg)[e.path].shape)
-        if tuple(flat[e.path].shape) != want:
-            raise CheckpointError(f"param {e.path!r} has shape {tuple(flat[e.path].shape)}, config implies {want}")
+    specs = leaf_specs(cfg)
+    for p in {e.path for e in table}:
+        if tuple(flat[p].shape) != tuple(specs[p].shape):
+            raise CheckpointError(f"param {p!r} has shape {tuple(flat[p].shape)}, config implies {specs[p].shape}")
+    # write leaf by leaf (HF readers go by the index, not the file order), so a lazy source holds one leaf
+    first = {}
+    for i, e in enumerate(table):
+        first.setdefault(e.path, i)
+    table = sorted(table, key=lambda e: first[e.path])
 
     def out_dtype(e: Entry) -> np.dtype:
         if dtypes is None:
@@ -281,7 +284,34 @@ def save_pretrained(cfg: NemotronHConfig, params: dict, path: str, max_shard_siz
     return os.path.abspath(path)
 
 
-def _write_shard(fp: str, shard, flat: dict, bar):
+class LeafSource:
+    """Our leaves by path: `src[path]` gives shape/dtype metadata, `src.load(path)` the array. A lazy source
+    (e.g. a native checkpoint read leaf by leaf) keeps only the most recently loaded leaf in memory."""
+
+    def __init__(self, meta: dict, load):
+        self._meta, self._load, self._cached = meta, load, (None, None)
+
+    @classmethod
+    def from_tree(cls, params) -> "LeafSource":
+        from nemo_jax.model.spec import flatten_with_paths
+
+        flat = flatten_with_paths(params)
+        return cls(flat, flat.__getitem__)
+
+    def paths(self):
+        return self._meta.keys()
+
+    def __getitem__(self, path):
+        return self._meta[path]
+
+    def load(self, path):
+        if self._cached[0] != path:
+            self._cached = (None, None)  # drop the previous leaf before reading the next
+            self._cached = (path, self._load(path))
+        return self._cached[1]
+
+
+def _write_shard(fp: str, shard, flat: "LeafSource", bar):
     header, off = {"__metadata__": {"format": "pt"}}, 0
     for e, dt in shard:
         nbytes = int(np.prod(e.hf_shape)) * dt.itemsize
@@ -293,10 +323,10 @@ def _write_shard(fp: str, shard, flat: dict, bar):
         f.write(struct.pack("<Q", len(hb)))
         f.write(hb)
         for e, dt in shard:
-            leaf = flat[e.path]
+            leaf = flat.load(e.path)
             x = np.asarray(jax.device_get(leaf[e.index] if e.index else leaf))
-            x = np.ascontiguousarray(to_hf_layout(x, e.transform).astype(dt))
-            f.write(x.tobytes())
+            x = np.ascontiguousarray(to_hf_layout(x, e.transform).astype(dt, copy=False))
+            f.write(memoryview(x.reshape(-1).view(np.uint8)))
             bar.update(x.nbytes)
 
 
