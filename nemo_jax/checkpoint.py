@@ -78,6 +78,15 @@ def restore_tree(path: str, device=None):
     return _lists(ckptr.restore(path, target))
 
 
+def load_any(path: str, dtype=None, mesh=None, rules=None):
+    """A native model directory or an HF checkpoint directory -> (cfg, params) in their shardings."""
+    from nemo_jax.hf.io import load_pretrained
+
+    if is_native(path):
+        return load_model(path, mesh=mesh, rules=rules, dtype=dtype)
+    return load_pretrained(path, dtype=dtype, mesh=mesh, rules=rules)
+
+
 def lazy_model(path: str):
     """-> (cfg, LeafSource) reading one leaf at a time from a native model (orbax partial restore), for
     streaming export without holding the whole model in memory."""

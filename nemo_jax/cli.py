@@ -40,16 +40,6 @@ def cmd_export_hf(a):
     print(f"exported {a.src} -> {a.dst}")
 
 
-def load_any(path: str, dtype=None, mesh=None, rules=None):
-    """A native model directory, an HF checkpoint directory, or a model config JSON (random init)."""
-    from nemo_jax.checkpoint import is_native, load_model
-    from nemo_jax.hf.io import load_pretrained
-
-    if is_native(path):
-        return load_model(path, mesh=mesh, rules=rules, dtype=dtype)
-    return load_pretrained(path, dtype=dtype, mesh=mesh, rules=rules)
-
-
 def cmd_forward(a):
     import jax
     import jax.numpy as jnp
@@ -62,6 +52,8 @@ def cmd_forward(a):
         cfg = NemotronHConfig.from_file(a.model)
         params = M.init(cfg, jax.random.key(a.seed))
     else:
+        from nemo_jax.checkpoint import load_any
+
         cfg, params = load_any(a.model)
     toks = jax.random.randint(jax.random.key(a.seed + 1), (a.batch, a.seq_len), 0, cfg.vocab_size)
     logits, aux = jax.jit(lambda p, t: M.forward(p, t, cfg))(params, toks)

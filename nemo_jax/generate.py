@@ -212,7 +212,7 @@ def load_for_generation(path: str):
     import json
     import os
 
-    from nemo_jax.cli import load_any
+    from nemo_jax.checkpoint import load_any
     from nemo_jax.config.model import NemotronHConfig
     from nemo_jax.data.chat import resolve
 

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from nemo_jax.checkpoint import load_any
 from nemo_jax.config.load import dump_yaml, load_config
 from nemo_jax.config.model import NemotronHConfig
 from nemo_jax.config.train import SFTConfig
@@ -50,8 +51,6 @@ def initial_params(c: SFTConfig, mesh, rules):
     """-> (model cfg, params placed in their shardings)."""
     init = c.model.init
     if init != "random":
-        from nemo_jax.cli import load_any
-
         return load_any(init, dtype=jnp.float32, mesh=mesh, rules=rules)
     cfg = NemotronHConfig.from_file(model_config_path(c.model.config))
     shardings = param_shardings(param_specs(cfg), mesh, rules)
@@ -71,8 +70,7 @@ class Trainer:
         self.opts = options_from(c.model, self.mesh)
         o = c.optim
         shards = batch_shards(self.mesh)
-        if c.data.batch_size % (o.grad_accum * shards) and not (c.data.batch_size % o.grad_accum == 0
-                                                                and (c.data.batch_size // o.grad_accum) % shards == 0):
+        if c.data.batch_size % (o.grad_accum * shards):
             raise ValueError(f"data.batch_size={c.data.batch_size} must split into optim.grad_accum={o.grad_accum} "
                              f"micro-batches whose rows divide over {shards} batch shards (data*fsdp*expert)")
         if c.data.batch_size % jax.process_count():
