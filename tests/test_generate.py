@@ -135,3 +135,22 @@ def test_generation_on_a_mesh(setup):
     sharded = jax.device_put(params, param_shardings(param_specs(cfg), mesh))
     sp = SamplingParams(max_new_tokens=4, temperature=0.0)
     assert generate(sharded, PROMPTS, cfg, sp).tokens == generate(params, PROMPTS, cfg, sp).tokens
+
+
+def test_generate_cli_streams_tokens(tmp_path, capsys):
+    import os
+
+    from nemo_jax.checkpoint import save_model
+    from nemo_jax.cli import main
+    from nemo_jax.config.model import NemotronHConfig
+    from nemo_jax.data.chat import ASSETS
+
+    cfg = NemotronHConfig.from_file(os.path.join(ASSETS, "models", "tiny.json"))
+    save_model(str(tmp_path / "m"), cfg, M.init(cfg, jax.random.key(0)), tokenizer_dir=os.path.join(ASSETS, "tiny"))
+    main(["generate", "--ckpt", str(tmp_path / "m"), "--prompt", "What is 2 plus 2?", "--max-new-tokens", "5",
+          "--temperature", "0"])
+    err = capsys.readouterr().err
+    import re
+
+    m = re.search(r"\[(\d+) tokens, finish: (stop|length)", err)
+    assert m and 1 <= int(m.group(1)) <= 5, err
