@@ -61,7 +61,3 @@ def attention(p: dict, u: jax.Array, cfg, dtype, *, segment_ids=None, cache: KVC
         new_cache = KVCache(kc, vc)
     return linear(out, p["o_proj"], dtype), new_cache
 
-
-def init_cache(cfg, batch: int, max_len: int, dtype) -> KVCache:
-    shape = (batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
-    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))

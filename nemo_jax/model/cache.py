@@ -49,6 +49,3 @@ def init_decode_state(cfg, batch: int, max_len: int, dtype=jnp.float32) -> Decod
         kv = KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
     return DecodeState(mamba, kv, jnp.zeros((batch, max_len), bool), jnp.zeros((), jnp.int32))
 
-
-def state_bytes(state: DecodeState) -> int:
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))

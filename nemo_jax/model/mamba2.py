@@ -218,9 +218,3 @@ def mamba_mixer(p: dict, u: jax.Array, cfg, dtype, *, segment_ids=None, state: M
     out = linear(y.astype(dtype), p["out_proj"], dtype)
     return out, MambaState(window.astype(dtype), final)
 
-
-def init_state(cfg, batch: int, dtype) -> MambaState:
-    return MambaState(
-        jnp.zeros((batch, cfg.conv_kernel - 1, cfg.conv_dim), dtype),
-        jnp.zeros((batch, cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size), jnp.float32),
-    )
