@@ -21,11 +21,9 @@ def _dtype(name: str | None):
 
 
 def cmd_import_hf(a):
-    from nemo_jax.checkpoint import save_model
-    from nemo_jax.hf.io import load_pretrained
+    from nemo_jax.hf.io import import_pretrained
 
-    cfg, params = load_pretrained(a.src, dtype=_dtype(a.dtype), ignore_unexpected=a.ignore_unexpected, progress=True)
-    save_model(a.dst, cfg, params, tokenizer_dir=a.src)
+    import_pretrained(a.src, a.dst, dtype=_dtype(a.dtype), ignore_unexpected=a.ignore_unexpected, progress=True)
     print(f"imported {a.src} -> {a.dst}")
 
 
@@ -33,7 +31,7 @@ def cmd_export_hf(a):
     from nemo_jax.checkpoint import lazy_model
     from nemo_jax.hf.io import read_dtypes, save_pretrained
 
-    cfg, params = lazy_model(a.src)  # one leaf in memory at a time
+    cfg, params = lazy_model(a.src)  # read region by region
     dtypes = read_dtypes(a.like) if a.like else _dtype(a.dtype)
     save_pretrained(cfg, params, a.dst, max_shard_size=a.max_shard_size, dtypes=dtypes, tokenizer_dir=a.src,
                     progress=True)

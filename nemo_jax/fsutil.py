@@ -6,6 +6,7 @@ import contextlib
 import os
 import shutil
 import tempfile
+import threading
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "tokenizer.model", "vocab.json", "merges.txt")
@@ -21,6 +22,7 @@ def atomic_dir(path: str):
     tmp = tempfile.mkdtemp(prefix=os.path.basename(path) + ".tmp-", dir=parent)
     try:
         yield tmp
+        fsync_tree(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -34,9 +36,37 @@ def atomic_dir(path: str):
         os.rename(tmp, path)
 
 
+def fsync_tree(root: str):
+    """Flush every file under `root` to disk (before a rename publishes it)."""
+    for d, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(d, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
 def copy_tokenizer_files(src: str | None, dst: str):
     if not src or not os.path.isdir(src):
         return
     for t in TOKENIZER_FILES:
         if os.path.exists(os.path.join(src, t)):
             shutil.copy2(os.path.join(src, t), os.path.join(dst, t))
+
+
+class RecentCache:
+    """A thread-safe cache of the `keep` most recently used values of `make(key)`."""
+
+    def __init__(self, make, keep: int):
+        self._make, self._keep, self._items, self._lock = make, keep, {}, threading.Lock()
+
+    def __call__(self, key):
+        with self._lock:
+            if key in self._items:
+                self._items[key] = self._items.pop(key)
+                return self._items[key]
+            while len(self._items) >= self._keep:
+                self._items.pop(next(iter(self._items)))  # drop before making the next
+            value = self._items[key] = self._make(key)
+            return value

@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections import defaultdict
+from collections import defaultdict, deque
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import jax
@@ -21,8 +22,8 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from nemo_jax.config.model import NemotronHConfig
-from nemo_jax.fsutil import atomic_dir, copy_tokenizer_files
-from nemo_jax.hf.mapping import Entry, build_table, from_hf_layout, leaf_specs, to_hf_layout
+from nemo_jax.fsutil import RecentCache, atomic_dir, copy_tokenizer_files
+from nemo_jax.hf.mapping import Entry, build_table, from_hf_layout, leaf_specs, row_axis, to_hf_layout
 
 ST_DTYPES = {
     "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
@@ -66,44 +67,60 @@ class HFReader:
                     "(e.g. transformers' save_pretrained(..., safe_serialization=True)).") if legacy else ""
             raise CheckpointError(f"{self.path}: no model.safetensors or model.safetensors.index.json.{hint}")
         self.tensors: dict[str, tuple[str, tuple[int, ...], str]] = {}
+        self._offsets: dict[str, int] = {}  # absolute file offset of each tensor's data
         for s in shards:
             fp = os.path.join(self.path, s)
-            try:
+            try:  # the safetensors library validates the header (offsets, dtypes, overlaps)
                 with safe_open(fp, framework="np") as f:
                     for name in f.keys():
                         sl = f.get_slice(name)
                         self.tensors[name] = (s, tuple(sl.get_shape()), sl.get_dtype())
             except (SafetensorError, OSError) as e:
                 raise CheckpointError(f"{fp}: corrupt or truncated safetensors file ({e})") from None
-            _check_size(fp)
+            self._offsets.update(_data_offsets(fp))
         if weight_map is not None:
             for name, s in weight_map.items():
                 got = self.tensors.get(name)
                 if got is None or got[0] != s:
                     raise CheckpointError(f"{index}: tensor {name!r} is listed in {s!r} but that file does not hold it")
-        self._open: dict[str, object] = {}
 
     def read(self, name: str, slices: tuple = ()) -> np.ndarray:
-        fname = self.tensors[name][0]
-        f = self._open.get(fname)
-        if f is None:
-            f = self._open[fname] = safe_open(os.path.join(self.path, fname), framework="np")
-        sl = f.get_slice(name)
-        return np.asarray(sl[slices] if slices else sl[:]) if self.tensors[name][1] else np.asarray(f.get_tensor(name))
+        """Tensor `name`, or `slices` of it. The rows the first slice selects are one contiguous byte range,
+        read straight into a fresh buffer (no memory map, so nothing read stays resident); the remaining
+        slices are applied to those rows."""
+        fname, shape, dt = self.tensors[name]
+        dtype = ST_DTYPES[dt]
+        rows = range(*slices[0].indices(shape[0])) if shape and slices else range(shape[0] if shape else 1)
+        if shape and rows.step != 1:
+            raise ValueError(f"{name}: strided row reads are not supported")
+        row_bytes = int(np.prod(shape[1:])) * dtype.itemsize
+        out = np.empty((len(rows),) + tuple(shape[1:]), dtype)
+        buf = memoryview(out.reshape(-1).view(np.uint8))
+        with open(os.path.join(self.path, fname), "rb", buffering=0) as f:  # one handle per read: thread-safe
+            f.seek(self._offsets[name] + rows.start * row_bytes)
+            done = 0
+            while done < len(buf):
+                n = f.readinto(buf[done:])
+                if not n:
+                    raise CheckpointError(f"{os.path.join(self.path, fname)}: truncated while reading {name!r}")
+                done += n
+        if not shape:
+            return out.reshape(())
+        return out[(slice(None),) + tuple(slices[1:])] if len(slices) > 1 else out
 
-    def close(self):
-        self._open.clear()
 
-
-def _check_size(fp: str):
-    """safetensors maps lazily; catch a truncated data section here rather than mid-load."""
+def _data_offsets(fp: str) -> dict[str, int]:
+    """Absolute data offset of every tensor in a safetensors file; a truncated data section is an error
+    here rather than mid-load."""
     with open(fp, "rb") as f:
         n = struct.unpack("<Q", f.read(8))[0]
         header = json.loads(f.read(n))
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+    end = max((v["data_offsets"][1] for v in tensors.values()), default=0)
     size = os.path.getsize(fp)
     if size < 8 + n + end:
         raise CheckpointError(f"{fp}: truncated (has {size} bytes, header says {8 + n + end})")
+    return {k: 8 + n + v["data_offsets"][0] for k, v in tensors.items()}
 
 
 def read_dtypes(path: str) -> dict[str, str]:
@@ -131,6 +148,25 @@ def check_against_config(reader: HFReader, cfg: NemotronHConfig, table: list[Ent
                                   "expected a floating type (F32/BF16/F16)")
 
 
+def _open_checked(path: str, ignore_unexpected: bool, config_overrides: dict | None):
+    """-> (cfg, reader, {leaf path: its HF entries}) after checking every tensor against config.json."""
+    cfg = NemotronHConfig.from_file(os.path.join(path, "config.json"), **(config_overrides or {}))
+    reader = HFReader(path)
+    table = build_table(cfg)
+    check_against_config(reader, cfg, table, ignore_unexpected)
+    by_leaf: dict[str, list[Entry]] = defaultdict(list)
+    for e in table:
+        by_leaf[e.path].append(e)
+    return cfg, reader, by_leaf
+
+
+def _leaf_dtype(reader: HFReader, entries: list[Entry], dtype) -> np.dtype:
+    """`dtype` if given, else the promoted type of the leaf's source tensors."""
+    if dtype is not None:
+        return np.dtype(dtype)
+    return np.dtype(jnp.result_type(*{ST_DTYPES[reader.tensors[e.hf_name][2]] for e in entries}))
+
+
 def load_pretrained(path: str, dtype=None, mesh=None, rules=None, *, ignore_unexpected: bool = False,
                     config_overrides: dict | None = None, progress: bool = False):
     """Read an HF `nemotron_h` checkpoint -> (cfg, params).
@@ -139,26 +175,87 @@ def load_pretrained(path: str, dtype=None, mesh=None, rules=None, *, ignore_unex
     disagree takes their promoted type). With `mesh` (and `rules`, default `Rules()`), every leaf is placed
     straight into its `NamedSharding`, each device reading only its slice.
     """
-    cfg = NemotronHConfig.from_file(os.path.join(path, "config.json"), **(config_overrides or {}))
-    reader = HFReader(path)
-    table = build_table(cfg)
-    check_against_config(reader, cfg, table, ignore_unexpected)
+    cfg, reader, by_leaf = _open_checked(path, ignore_unexpected, config_overrides)
     specs = leaf_specs(cfg)
-    by_leaf: dict[str, list[Entry]] = defaultdict(list)
-    for e in table:
-        by_leaf[e.path].append(e)
     sharding_for = _sharding_fn(mesh, rules)
     flat = {}
     bar = _bar(progress, len(specs), "tensors", "import")
     for path_, spec in specs.items():
         entries = by_leaf[path_]
-        src = {ST_DTYPES[reader.tensors[e.hf_name][2]] for e in entries}
-        dt = np.dtype(dtype) if dtype is not None else np.dtype(jnp.result_type(*src))
-        flat[path_] = _build_leaf(reader, spec.shape, entries, dt, sharding_for(spec))
+        flat[path_] = _build_leaf(reader, spec.shape, entries, _leaf_dtype(reader, entries, dtype), sharding_for(spec))
         bar.update(1)
     bar.close()
-    reader.close()
     return cfg, _unflatten(flat, cfg)
+
+
+def import_pretrained(path: str, dst: str, dtype=None, *, ignore_unexpected: bool = False,
+                      config_overrides: dict | None = None, progress: bool = False) -> NemotronHConfig:
+    """HF checkpoint directory -> native model directory (`nemo_jax.checkpoint` layout), streaming.
+
+    Each HF tensor is read in blocks of rows (contiguous on disk), turned into our layout and written as
+    whole storage chunks of its leaf, so memory holds a few chunks (`CHUNK_BYTES` each), never a tensor or a
+    stacked leaf. The output appears at `dst` only when complete.
+    """
+    from nemo_jax.checkpoint import CHUNK_BYTES, NativeWriter
+
+    cfg, reader, by_leaf = _open_checked(path, ignore_unexpected, config_overrides)
+    specs = leaf_specs(cfg)
+    total = sum(int(np.prod(e.hf_shape)) * ST_DTYPES[reader.tensors[e.hf_name][2]].itemsize
+                for es in by_leaf.values() for e in es)
+    with atomic_dir(dst) as tmp:
+        writer = NativeWriter(os.path.join(tmp, "params"))
+        bar = _bar(progress, total, "B", "import", unit_scale=True)
+        jobs = []  # (target array, region, entry, HF row block, dtype) in file-friendly order
+        for leaf, spec in specs.items():
+            entries = by_leaf[leaf]
+            dt = _leaf_dtype(reader, entries, dtype)
+            lead = len(entries[0].index)
+            inner = spec.shape[lead:]
+            axis = row_axis(entries[0].transform, len(inner))
+            rows = _block_rows(inner, axis, dt.itemsize, CHUNK_BYTES)
+            chunks = (1,) * lead + tuple(rows if k == axis else n for k, n in enumerate(inner))
+            arr = writer.create(leaf, spec.shape, dt, chunks)
+            n = inner[axis] if inner else 1
+            for e in entries:
+                for r0 in range(0, n, rows):
+                    block = (slice(r0, min(n, r0 + rows)),) if inner else ()
+                    jobs.append((arr, e.index + (slice(None),) * axis + block, e, block, dt))
+
+        def convert(job):
+            arr, region, e, block, dt = job
+            x = reader.read(e.hf_name, block)
+            return arr, region, from_hf_layout(x, e.transform).astype(dt, copy=False), x.nbytes
+
+        for arr, region, y, nbytes in _pipelined(convert, jobs):
+            writer.write(arr, region, y)
+            bar.update(nbytes)
+        writer.finish()
+        bar.close()
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(cfg.to_hf_dict(), f, indent=2)
+        copy_tokenizer_files(path, tmp)
+    return cfg
+
+
+def _pipelined(fn, jobs, depth: int = 2):
+    """fn(job) for each job, in order, with up to `depth` jobs computed ahead on worker threads (file reads,
+    tensorstore and numpy copies release the GIL, so reading, re-laying out and writing overlap)."""
+    with ThreadPoolExecutor(max_workers=depth) as pool:
+        window: deque = deque()
+        for job in jobs:
+            window.append(pool.submit(fn, job))
+            if len(window) > depth:
+                yield window.popleft().result()
+        while window:
+            yield window.popleft().result()
+
+
+def _block_rows(inner: tuple, axis: int, itemsize: int, target: int) -> int:
+    """Rows along `axis` of an `inner`-shaped array that fit in `target` bytes (at least one)."""
+    if not inner:
+        return 1
+    row = int(np.prod(inner)) // max(1, inner[axis]) * itemsize
+    return max(1, min(inner[axis], target // max(1, row)))
 
 
 def _build_leaf(reader: HFReader, shape, entries: list[Entry], dtype, sharding):
@@ -229,7 +326,7 @@ def save_pretrained(cfg: NemotronHConfig, params: dict, path: str, max_shard_siz
     `read_dtypes` of the original checkpoint) restores each tensor's original dtype.
     """
     table = build_table(cfg)
-    flat = params if isinstance(params, LeafSource) else LeafSource.from_tree(params)
+    flat = params if hasattr(params, "read") else ArraySource(params)
     missing = sorted({e.path for e in table} - set(flat.paths()))
     if missing:
         raise CheckpointError(f"params lack leaf {missing[0]!r} required by the config")
@@ -284,34 +381,33 @@ def save_pretrained(cfg: NemotronHConfig, params: dict, path: str, max_shard_siz
     return os.path.abspath(path)
 
 
-class LeafSource:
-    """Our leaves by path: `src[path]` gives shape/dtype metadata, `src.load(path)` the array. A lazy source
-    (e.g. a native checkpoint read leaf by leaf) keeps only the most recently loaded leaf in memory."""
+class ArraySource:
+    """In-memory params as a region source (the interface `save_pretrained` reads, like
+    `nemo_jax.checkpoint.NativeReader`): `src[path]` has shape/dtype, `src.read(path, region)` gives numpy.
+    The two most recently read leaves are kept on the host (thread-safe)."""
 
-    def __init__(self, meta: dict, load):
-        self._meta, self._load, self._cached = meta, load, (None, None)
-
-    @classmethod
-    def from_tree(cls, params) -> "LeafSource":
+    def __init__(self, params):
         from nemo_jax.model.spec import flatten_with_paths
 
-        flat = flatten_with_paths(params)
-        return cls(flat, flat.__getitem__)
+        self._flat = flatten_with_paths(params)
+        self._host = RecentCache(lambda path: np.asarray(jax.device_get(self._flat[path])), keep=2)
 
     def paths(self):
-        return self._meta.keys()
+        return self._flat.keys()
 
     def __getitem__(self, path):
-        return self._meta[path]
+        return self._flat[path]
 
-    def load(self, path):
-        if self._cached[0] != path:
-            self._cached = (None, None)  # drop the previous leaf before reading the next
-            self._cached = (path, self._load(path))
-        return self._cached[1]
+    def chunks(self, path) -> tuple:
+        return tuple(self._flat[path].shape)
+
+    def read(self, path, region=()) -> np.ndarray:
+        return self._host(path)[region]
 
 
-def _write_shard(fp: str, shard, flat: "LeafSource", bar):
+def _write_shard(fp: str, shard, src, bar):
+    from nemo_jax.checkpoint import CHUNK_BYTES
+
     header, off = {"__metadata__": {"format": "pt"}}, 0
     for e, dt in shard:
         nbytes = int(np.prod(e.hf_shape)) * dt.itemsize
@@ -319,13 +415,28 @@ def _write_shard(fp: str, shard, flat: "LeafSource", bar):
         off += nbytes
     hb = json.dumps(header, separators=(",", ":")).encode()
     hb += b" " * ((-len(hb)) % 8)
+    jobs = []
+    for e, dt in shard:
+        lead = len(e.index)
+        inner = tuple(src[e.path].shape)[lead:]
+        axis = row_axis(e.transform, len(inner))
+        n = inner[axis] if inner else 1
+        # HF rows r0:r1 are a region of our leaf; read along the storage chunks so each decodes once
+        c = src.chunks(e.path)[lead + axis] if inner else 1
+        rows = n if c >= n else c * max(1, _block_rows(inner, axis, dt.itemsize, CHUNK_BYTES) // c)
+        for r0 in range(0, n, rows):
+            block = (slice(r0, min(n, r0 + rows)),) if inner else ()
+            jobs.append((e, dt, e.index + (slice(None),) * axis + block))
+
+    def hf_rows(job):
+        e, dt, region = job
+        x = to_hf_layout(src.read(e.path, region), e.transform).astype(dt, copy=False)
+        return np.ascontiguousarray(x)
+
     with open(fp, "wb") as f:
         f.write(struct.pack("<Q", len(hb)))
         f.write(hb)
-        for e, dt in shard:
-            leaf = flat.load(e.path)
-            x = np.asarray(jax.device_get(leaf[e.index] if e.index else leaf))
-            x = np.ascontiguousarray(to_hf_layout(x, e.transform).astype(dt, copy=False))
+        for x in _pipelined(hf_rows, jobs):
             f.write(memoryview(x.reshape(-1).view(np.uint8)))
             bar.update(x.nbytes)
 
