@@ -275,6 +275,13 @@ def test_streaming_import_export_by_chunks(tmp_path, monkeypatch, chunk_bytes):
     assert jax.tree.structure(ref) == jax.tree.structure(got)
     for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(got)):
         assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
+    from nemo_jax.parallel.mesh import make_mesh
+
+    _, sharded = C.load_model(str(tmp_path / "native"), mesh=make_mesh({"fsdp": 2, "tensor": 2, "expert": 2}))
+    up = sharded["layers"]["moe"]["mixer"]["experts"]["up_proj"]
+    assert len(up.sharding.device_set) == 8 and up.addressable_shards[0].data.shape != up.shape
+    for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(sharded)):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
     _, reader = C.lazy_model(str(tmp_path / "native"))
     up = "layers/moe/mixer/experts/up_proj"
     chunks = reader.chunks(up)
