@@ -16,8 +16,13 @@ def _setup(pattern="MEM*E-", seed=0, **kw):
     return cfg, params
 
 
+@pytest.mark.parametrize("schedule", ["periodic", "cond"])
 @pytest.mark.parametrize("pattern", PATTERNS)
-def test_scan_matches_unrolled_reference(pattern):
+def test_scan_matches_unrolled_reference(pattern, schedule, monkeypatch):
+    """Both scan schedules (repeated periods unrolled in the body; one scan with lax.cond for kinds present in
+    only some units) agree with the unrolled reference in values and gradients."""
+    if schedule == "cond":
+        monkeypatch.setattr(M.model, "MAX_BODY_UNITS", 0)
     cfg, params = _setup(pattern, n_group=2, topk_group=1)
     toks = jax.random.randint(jax.random.key(1), (2, 19), 0, cfg.vocab_size)
     fast = M.Options()
@@ -32,6 +37,24 @@ def test_scan_matches_unrolled_reference(pattern):
     np.testing.assert_allclose(y1, y2, rtol=1e-4, atol=1e-5)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
         np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-6)
+
+
+def test_segments_cover_units_in_order():
+    from nemo_jax.config.model import NemotronHConfig, parse_pattern
+    import os
+
+    models = os.path.join(os.path.dirname(M.__file__), "..", "assets", "models")
+    cases = {name: NemotronHConfig.from_file(os.path.join(models, name + ".json")).layer_kinds
+             for name in ("nano3-30b-a3b", "super-120b-a12b", "nemotron-h-8b")}
+    cases["bench"] = parse_pattern("MEM*E-" * 2)
+    for name, kinds in cases.items():
+        us = M.model.units(kinds)
+        segs = M.model.segments(us)
+        assert [tuple(u) for period, reps in segs for _ in range(reps) for u in period] == [tuple(u) for u in us], name
+    shape = lambda kinds: [(len(p), r) for p, r in M.model.segments(M.model.units(kinds))]
+    assert shape(cases["super-120b-a12b"]) == [(4, 8), (1, 8)]
+    assert shape(cases["nano3-30b-a3b"]) == [(3, 5), (1, 3), (1, 1), (1, 4)]
+    assert shape(cases["bench"]) == [(3, 2)]
 
 
 def test_causality():

@@ -4,11 +4,12 @@
     for each layer: h = h + mixer(rms_norm(h))        # mixer in {mamba, attention, mlp, moe}
     logits = lm_head(rms_norm(h))                      # fp32, never tied, no embedding scale
 
-Layers are grouped into repeated *units* of at most one Mamba, one attention and one FFN (mlp or moe)
-layer, in that order ("MEMEM*E" -> ME, ME, M*E). The units are run with one `lax.scan`, so compile time is
-flat in depth. A layer kind present in every unit is scanned over as `xs`; one present in only some units
-(attention in Nano 3 / Super) is read from its stack by index under `lax.cond`. `scan=False` is the plain
-unrolled reference path.
+Layers are grouped into *units* of at most one Mamba, one attention and one FFN (mlp or moe) layer, in
+that order ("MEMEM*E" -> ME, ME, M*E), and the units into runs of a repeated period (`segments`: Super is
+"ME ME ME M*E" x8 + "ME" x8). Each run is one `lax.scan` over its repeats with the period's layers unrolled
+in the body, so compile time is flat in depth and every layer runs unconditionally. Patterns without a
+short period fall back to one scan over all units where a kind present in only some units runs under
+`lax.cond` (`_run_cond_scan`). `scan=False` is the plain unrolled reference path.
 """
 
 from __future__ import annotations
@@ -134,6 +135,9 @@ def _update(tree, new, i):
 
 
 # --------------------------------------------------------------------------- the layer stack
+MAX_BODY_UNITS = 8  # periodic schedules whose scan bodies would hold more units fall back to the cond scan
+
+
 def run_layers(stacks: dict, h: jax.Array, kinds: tuple[str, ...], ctx: _Ctx, caches: dict | None = None):
     """Run all layers. stacks: {kind: params stacked [n_kind, ...]}; caches: {kind: stacked cache}.
 
@@ -143,6 +147,84 @@ def run_layers(stacks: dict, h: jax.Array, kinds: tuple[str, ...], ctx: _Ctx, ca
     if not ctx.opts.scan:
         return _run_unrolled(stacks, h, kinds, ctx, caches)
     us = units(kinds)
+    segs = segments(us)
+    if sum(len(period) for period, _ in segs) > MAX_BODY_UNITS:
+        return _run_cond_scan(stacks, h, us, ctx, caches)
+    return _run_periodic(stacks, h, segs, ctx, caches)
+
+
+def segments(us: list[dict]) -> list[tuple[list[dict], int]]:
+    """Split the units into runs of a repeated period: [(period units, repeats)], greedily taking at each
+    point the period whose repeats save the most units of scan body (covered - period), the shortest on ties
+    (Nano 3: "ME ME M*E" x5, "ME" x3, "M*E", "ME" x4)."""
+    sig = [tuple(u) for u in us]
+    out, i = [], 0
+    while i < len(sig):
+        best = (-1, 0, 0, 0)  # (units saved, -period, period, repeats)
+        for p in range(1, max(1, min(MAX_BODY_UNITS, len(sig) - i)) + 1):
+            reps = 1
+            while sig[i + reps * p:i + (reps + 1) * p] == sig[i:i + p]:
+                reps += 1
+            best = max(best, ((reps - 1) * p, -p, p, reps))
+        _, _, p, reps = best
+        out.append((us[i:i + p], reps))
+        i += p * reps
+    return out
+
+
+def _run_periodic(stacks: dict, h: jax.Array, segs, ctx: _Ctx, caches: dict):
+    """Each segment is one `lax.scan` over its repeats, with the period's layers unrolled in the body, so
+    every layer runs unconditionally. Per kind, a segment owns a contiguous slice of the stack, viewed as
+    [repeats, per-period count, ...]."""
+    policy = jax.checkpoint_policies.checkpoint_dots if ctx.opts.remat == "save_matmuls" else None
+
+    def layer(kind, p, h, c):  # remat is per layer: the scan saves each layer's input, not its internals
+        f = lambda p, h, c: apply_layer(kind, p, h, ctx, c)
+        return (f if ctx.opts.remat == "none" else jax.checkpoint(f, policy=policy))(p, h, c)
+    start = {k: 0 for k in stacks}
+    new_caches: dict[str, list] = {k: [] for k in caches}
+    auxs: dict[str, list] = {}
+    for period, reps in segs:
+        count = {k: sum(k in u for u in period) for k in stacks}
+        view = lambda t, k: jax.tree.map(lambda a: a[start[k]:start[k] + reps * count[k]].reshape(
+            (reps, count[k]) + a.shape[1:]), t)
+        xs = ({k: view(stacks[k], k) for k in stacks if count[k]}, {k: view(caches[k], k) for k in caches if count[k]})
+
+        def body(h, xs, period=period):
+            params, cs = xs
+            seen = {k: 0 for k in params}
+            new, aux = {k: [] for k in cs}, {}
+            for u in period:
+                for k in u:
+                    j = seen[k]
+                    seen[k] += 1
+                    c = jax.tree.map(lambda a: a[j], cs[k]) if k in cs else None
+                    h, nc, a = layer(k, jax.tree.map(lambda a: a[j], params[k]), h, c)
+                    if k in cs:
+                        new[k].append(nc)
+                    if a:
+                        aux.setdefault(k, []).append(a)
+            stack = lambda v: jax.tree.map(lambda *x: jnp.stack(x), *v)
+            return h, ({k: stack(v) for k, v in new.items()}, {k: stack(v) for k, v in aux.items()})
+
+        if reps == 1:  # a one-off stretch runs inline
+            h, ys = body(h, jax.tree.map(lambda a: a[0], xs))
+            ys_c, ys_aux = jax.tree.map(lambda a: a[None], ys)
+        else:
+            h, (ys_c, ys_aux) = jax.lax.scan(body, h, xs, length=reps)
+        flat = lambda t: jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), t)
+        for k, v in ys_c.items():
+            new_caches[k].append(flat(v))
+        for k, v in ys_aux.items():
+            auxs.setdefault(k, []).append(flat(v))
+        start = {k: start[k] + reps * count[k] for k in stacks}
+    cat = lambda parts: jax.tree.map(lambda *x: jnp.concatenate(x), *parts)
+    return h, {k: cat(v) for k, v in new_caches.items() if v}, {k: cat(v) for k, v in auxs.items()}
+
+
+def _run_cond_scan(stacks: dict, h: jax.Array, us: list[dict], ctx: _Ctx, caches: dict):
+    """One scan over all units; a kind present in only some units runs under `lax.cond` (for patterns
+    without a short period)."""
     U = len(us)
     present = [k for k in KIND_ORDER if k in stacks]
     every = {k: all(k in u for u in us) for k in present}
