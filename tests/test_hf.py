@@ -146,6 +146,13 @@ def test_mtp_tensors_are_carried(tmp_path):
     exported = tensors(tmp_path / "out")
     for k, a in mtp.items():
         assert exported[k][0].tobytes() == a.tobytes()
+    # and through the streaming native path
+    from nemo_jax.cli import main
+
+    main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "native")])
+    main(["export-hf", str(tmp_path / "native"), str(tmp_path / "back")])
+    original, back = tensors(tmp_path / "hf"), tensors(tmp_path / "back")
+    assert original.keys() == back.keys() and all(back[k][0].tobytes() == a.tobytes() for k, (a, _) in original.items())
 
 
 # --------------------------------------------------------------------------- bad input
