@@ -39,6 +39,7 @@ class Options:
     dtype: Any = jnp.float32  # compute dtype; params stay fp32, router/norms/softmax/SSM in fp32
     scan: bool = True  # scan over repeated units (False: unrolled reference)
     ssd: str = "chunked"  # "chunked" | "sequential" (reference)
+    attention: str = "blocked"  # "blocked" (causal query blocks over key prefixes) | "full" (reference)
     moe_dispatch: str = "sorted"  # see moe.DISPATCHES
     capacity_factor: float = 1.25
     remat: str = "none"  # "none" | "layer" | "save_matmuls"
@@ -51,6 +52,8 @@ class Options:
             raise ValueError(f"moe_dispatch: {self.moe_dispatch!r} not in {moe_lib.DISPATCHES}")
         if self.ssd not in mamba2.SCANS:
             raise ValueError(f"ssd: {self.ssd!r} not in {tuple(mamba2.SCANS)}")
+        if self.attention not in attn_lib.IMPLEMENTATIONS:
+            raise ValueError(f"attention: {self.attention!r} not in {attn_lib.IMPLEMENTATIONS}")
 
 
 def units(kinds: tuple[str, ...]) -> list[dict[str, int]]:
@@ -96,7 +99,7 @@ def apply_layer(kind: str, p: dict, h: jax.Array, ctx: _Ctx, cache=None):
         new = st if cache is not None else None
     elif kind == "attention":
         y, new = attn_lib.attention(p["mixer"], u, cfg, dtype, segment_ids=ctx.segment_ids, cache=cache,
-                                    valid_cache=ctx.valid_cache, pos=ctx.pos)
+                                    valid_cache=ctx.valid_cache, pos=ctx.pos, impl=ctx.opts.attention)
     elif kind == "mlp":
         y = mlp(p["mixer"], u, dtype)
     elif kind == "moe":
