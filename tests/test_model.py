@@ -70,7 +70,7 @@ def test_blocked_attention_matches_full(length):
 
     def run(impl):
         f = lambda p, u: jnp.sum(jnp.sin(A.attention(p, u, cfg, jnp.float32, segment_ids=seg, impl=impl, block=8)[0]))
-        return jax.value_and_grad(f, argnums=(0, 1))(p, u)
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(p, u)
 
     (v1, g1), (v2, g2) = run("blocked"), run("full")
     np.testing.assert_allclose(v1, v2, rtol=1e-5, atol=1e-5)
