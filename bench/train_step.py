@@ -3,7 +3,11 @@ same config, batch and sequence length, on a ~50M-parameter config with all four
 Prints tokens/s of each, the ratio, and our model FLOP/s as a share of this machine's fp32 matmul peak
 measured in the same run (a 2048^3 matmul).
 
-    python bench/train_step.py [--seq 1024 --batch 1 --iters 3]
+    python bench/train_step.py [--seq 1024 --batch 1 --warmup 3 --iters 5]
+
+Both sides run in this one process with the allocator settings of `nemo_jax.hostmem` (as the `nemo-jax`
+command uses them); `NEMO_JAX_SYSTEM_MALLOC=1` measures without them. Each side is warmed up (the first
+steps grow the heap) and the median step is reported.
 """
 
 import argparse
@@ -40,7 +44,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--no-torch", action="store_true")
     a = ap.parse_args()
     cfg = bench_config()
@@ -71,7 +76,7 @@ def main():
         jax.block_until_ready(l)
         state[0], state[1] = p, o
 
-    t_ours = common.timeit(run, warmup=1, iters=a.iters)
+    t_ours = common.timeit(run, warmup=a.warmup, iters=a.iters)
     peak = matmul_peak()
     flops = model_flops_per_token(cfg, T) * B * T / t_ours
     rows = [{"impl": "nemo_jax (jax, jit)", "step s": f"{t_ours:.3f}", "tokens/s": f"{B * T / t_ours:,.0f}",
@@ -97,7 +102,7 @@ def main():
                 topt.step()
                 topt.zero_grad()
 
-            t_torch = common.timeit(trun, warmup=1, iters=a.iters)
+            t_torch = common.timeit(trun, warmup=a.warmup, iters=a.iters)
             tflops = model_flops_per_token(cfg, T) * B * T / t_torch
             rows.append({"impl": "transformers (torch eager)", "step s": f"{t_torch:.3f}",
                          "tokens/s": f"{B * T / t_torch:,.0f}", "model FLOP/s": f"{tflops / 1e9:.1f} G",
@@ -107,7 +112,7 @@ def main():
             ratio = "n/a (torch/transformers not installed)"
     print(f"train step, {count_params(cfg) / 1e6:.1f}M params, pattern {cfg.pattern}, batch {B} x seq {T}, fp32, "
           f"{jax.devices()[0].device_kind}; fp32 matmul peak (2048^3): {peak / 1e9:.1f} GFLOP/s; "
-          f"our compile: {compile_s:.1f} s")
+          f"our compile: {compile_s:.1f} s; host malloc keeps freed memory: {common.HOST_MALLOC_KEEPS_FREED}")
     common.table(rows)
     print(f"ours / transformers tokens/s: {ratio}  (goal >= 1.5x and >= 75% of peak)")
 

@@ -111,7 +111,7 @@ class NativeWriter:
     def __init__(self, params_dir: str, max_in_flight: int = 4):
         self.dir = os.path.abspath(params_dir)
         os.makedirs(self.dir, exist_ok=True)
-        self.leaves: dict[str, tuple[tuple, tuple, np.dtype]] = {}
+        self.chunks: dict[str, list[int]] = {}  # leaf path -> its storage chunk shape
         self.pending: list = []
         self.max_in_flight = max_in_flight
 
@@ -122,12 +122,12 @@ class NativeWriter:
         if dtype.name not in _TS_DTYPES:
             raise ValueError(f"{path}: dtype {dtype} cannot be stored")
         name = path.replace("/", ".")
+        self.chunks[path] = [max(1, c) for c in chunks]
         spec = {"driver": "zarr", "dtype": dtype.name, "kvstore": {"driver": "file", "path": os.path.join(self.dir, name)},
                 "context": {"file_io_sync": False},  # `atomic_dir` syncs every file once before the rename
-                "metadata": {"shape": list(shape), "chunks": [max(1, c) for c in chunks], "compressor": None,
+                "metadata": {"shape": list(shape), "chunks": self.chunks[path], "compressor": None,
                              "order": "C", "dimension_separator": "."},
                 "create": True, "delete_existing": True}
-        self.leaves[path] = (tuple(shape), tuple(max(1, c) for c in chunks), dtype)
         return ts.open(spec).result()
 
     def write(self, arr, region: tuple, x: np.ndarray):
@@ -141,7 +141,7 @@ class NativeWriter:
             f.result()
         self.pending = []
         tree, arrays = {}, []
-        for path, (shape, chunks, _) in self.leaves.items():
+        for path, chunks in self.chunks.items():
             keys = tuple(path.split("/"))
             tree[str(keys)] = {"key_metadata": [{"key": k, "key_type": 2} for k in keys],
                                "value_metadata": {"value_type": "jax.Array", "skip_deserialize": False,

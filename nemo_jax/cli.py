@@ -7,6 +7,8 @@ import json
 import os
 import sys
 
+from nemo_jax.hostmem import cpu_only, keep_freed_memory
+
 
 def _dtype(name: str | None):
     if name in (None, "", "keep"):
@@ -130,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    if cpu_only():
+        keep_freed_memory()
     try:
         args.fn(args)
     except (ValueError, FileNotFoundError) as e:

@@ -215,11 +215,7 @@ def import_pretrained(path: str, dst: str, dtype=None, *, ignore_unexpected: boo
             rows = _block_rows(inner, axis, dt.itemsize, CHUNK_BYTES)
             chunks = (1,) * lead + tuple(rows if k == axis else n for k, n in enumerate(inner))
             arr = writer.create(leaf, spec.shape, dt, chunks)
-            n = inner[axis] if inner else 1
-            for e in entries:
-                for r0 in range(0, n, rows):
-                    block = (slice(r0, min(n, r0 + rows)),) if inner else ()
-                    jobs.append((arr, e.index + (slice(None),) * axis + block, e, block, dt))
+            jobs += [(arr, region, e, block, dt) for e in entries for block, region in _row_blocks(e, inner, axis, rows)]
 
         def convert(job):
             arr, region, e, block, dt = job
@@ -248,6 +244,15 @@ def _pipelined(fn, jobs, depth: int = 2):
                 yield window.popleft().result()
         while window:
             yield window.popleft().result()
+
+
+def _row_blocks(e: Entry, inner: tuple, axis: int, rows: int):
+    """Blocks of `rows` HF rows of entry e: (slices of the HF tensor, the same values' region of our leaf,
+    whose `inner` dims are laid out with the HF row axis at `axis`)."""
+    n = inner[axis] if inner else 1
+    for r0 in range(0, n, rows):
+        block = (slice(r0, min(n, r0 + rows)),) if inner else ()
+        yield block, e.index + (slice(None),) * axis + block
 
 
 def _block_rows(inner: tuple, axis: int, itemsize: int, target: int) -> int:
@@ -424,9 +429,7 @@ def _write_shard(fp: str, shard, src, bar):
         # HF rows r0:r1 are a region of our leaf; read along the storage chunks so each decodes once
         c = src.chunks(e.path)[lead + axis] if inner else 1
         rows = n if c >= n else c * max(1, _block_rows(inner, axis, dt.itemsize, CHUNK_BYTES) // c)
-        for r0 in range(0, n, rows):
-            block = (slice(r0, min(n, r0 + rows)),) if inner else ()
-            jobs.append((e, dt, e.index + (slice(None),) * axis + block))
+        jobs += [(e, dt, region) for _, region in _row_blocks(e, inner, axis, rows)]
 
     def hf_rows(job):
         e, dt, region = job

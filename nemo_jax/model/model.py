@@ -193,22 +193,9 @@ def _run_periodic(stacks: dict, h: jax.Array, segs, ctx: _Ctx, caches: dict):
             (reps, count[k]) + a.shape[1:]), t)
         xs = ({k: view(stacks[k], k) for k in stacks if count[k]}, {k: view(caches[k], k) for k in caches if count[k]})
 
-        def body(h, xs, period=period):
-            params, cs = xs
-            seen = {k: 0 for k in params}
-            new, aux = {k: [] for k in cs}, {}
-            for u in period:
-                for k in u:
-                    j = seen[k]
-                    seen[k] += 1
-                    c = jax.tree.map(lambda a: a[j], cs[k]) if k in cs else None
-                    h, nc, a = layer(k, jax.tree.map(lambda a: a[j], params[k]), h, c)
-                    if k in cs:
-                        new[k].append(nc)
-                    if a:
-                        aux.setdefault(k, []).append(a)
-            stack = lambda v: jax.tree.map(lambda *x: jnp.stack(x), *v)
-            return h, ({k: stack(v) for k, v in new.items()}, {k: stack(v) for k, v in aux.items()})
+        def body(h, xs, kinds=tuple(k for u in period for k in u)):
+            h, new, aux = _run_unrolled(xs[0], h, kinds, ctx, xs[1], layer)
+            return h, (new, aux)
 
         if reps == 1:  # a one-off stretch runs inline
             h, ys = body(h, jax.tree.map(lambda a: a[0], xs))
@@ -283,7 +270,10 @@ def _run_cond_scan(stacks: dict, h: jax.Array, us: list[dict], ctx: _Ctx, caches
     return h, new_caches, aux
 
 
-def _run_unrolled(stacks, h, kinds, ctx, caches):
+def _run_unrolled(stacks, h, kinds, ctx, caches, layer=None):
+    """The layers one after another (the reference path, and the body of each periodic scan).
+    layer(kind, params, h, cache) -> (h, new cache, aux) defaults to `apply_layer`."""
+    layer = layer or (lambda kind, p, h, c: apply_layer(kind, p, h, ctx, c))
     seen: dict[str, int] = {}
     new_caches = {k: [] for k in caches}
     auxs: dict[str, list] = {}
@@ -292,7 +282,7 @@ def _run_unrolled(stacks, h, kinds, ctx, caches):
         seen[kind] = i + 1
         p = jax.tree.map(lambda a: a[i], stacks[kind])
         c = jax.tree.map(lambda a: a[i], caches[kind]) if kind in caches else None
-        h, new, aux = apply_layer(kind, p, h, ctx, c)
+        h, new, aux = layer(kind, p, h, c)
         if kind in caches:
             new_caches[kind].append(new)
         if aux:

@@ -1,0 +1,50 @@
+"""Host allocator settings for runs on XLA:CPU.
+
+XLA:CPU takes every buffer of an execution (the temporaries of a train step are GBs) from the C allocator.
+glibc serves blocks over its mmap threshold (at most 32 MiB) with a fresh `mmap` and returns them with
+`munmap` on free, so each step faults its whole working set in again: ~600k page faults and 1-1.5 s of
+kernel time per step of `bench/train_step.py` (4.4 s -> 3.3 s once they are gone). `keep_freed_memory`
+makes glibc serve large blocks from one heap that it never shrinks, so after a few steps every buffer
+reuses pages that are already mapped. The price is that the process keeps its peak memory until it exits.
+
+It must run before jax starts its thread pools (threads that already own an arena keep it), i.e. before
+`import jax`; the `nemo-jax` command does this for every subcommand of a CPU-only process (JAX_PLATFORMS=cpu,
+or no GPU/TPU plugin installed). `NEMO_JAX_SYSTEM_MALLOC=1` leaves the allocator alone. The same settings as environment variables, for other entry points:
+`MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=1099511627776 MALLOC_TOP_PAD_=67108864`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+import sys
+
+# mallopt parameters (glibc malloc.h)
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -2, -4, -8
+# one arena; no mmap'd blocks; never trim the heap (-1 is read as SIZE_MAX); grow it 64 MiB at a time
+_SETTINGS = ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1), (_M_TOP_PAD, 64 << 20))
+
+
+_ACCELERATOR_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "jax_rocm7_plugin", "libtpu")
+
+
+def cpu_only() -> bool:
+    """Whether jax will run on the CPU alone (decided without importing jax)."""
+    platforms = os.environ.get("JAX_PLATFORMS", "").strip()
+    if platforms:
+        return platforms.split(",")[0].strip() == "cpu"
+    return not any(importlib.util.find_spec(m) for m in _ACCELERATOR_PLUGINS)
+
+
+def keep_freed_memory() -> bool:
+    """Configure glibc malloc as described above. Returns False (and changes nothing) where the C library
+    has no `mallopt` (not glibc), where jax is already imported, or when NEMO_JAX_SYSTEM_MALLOC is set."""
+    if os.environ.get("NEMO_JAX_SYSTEM_MALLOC") or "jax" in sys.modules or not sys.platform.startswith("linux"):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # musl and other C libraries
+        return False
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    return all(mallopt(param, value) == 1 for param, value in _SETTINGS)
