@@ -2,14 +2,15 @@
 
 XLA:CPU takes every buffer of an execution (the temporaries of a train step are GBs) from the C allocator.
 glibc serves blocks over its mmap threshold (at most 32 MiB) with a fresh `mmap` and returns them with
-`munmap` on free, so each step faults its whole working set in again: ~600k page faults and 1-1.5 s of
-kernel time per step of `bench/train_step.py` (4.4 s -> 3.3 s once they are gone). `keep_freed_memory`
-makes glibc serve large blocks from one heap that it never shrinks, so after a few steps every buffer
-reuses pages that are already mapped. The price is that the process keeps its peak memory until it exits.
+`munmap` on free, so each step faults its whole working set in again: ~560k page faults and 1-1.5 s of
+kernel time per step of `bench/train_step.py` (4.4-4.8 s per step; 3.0-3.9 s once they are gone).
+`keep_freed_memory` makes glibc serve large blocks from one heap that it never shrinks, so after a few steps
+buffers reuse pages that are already mapped. The price: the process keeps its peak memory until it exits.
 
 It must run before jax starts its thread pools (threads that already own an arena keep it), i.e. before
-`import jax`; the `nemo-jax` command does this for every subcommand of a CPU-only process (JAX_PLATFORMS=cpu,
-or no GPU/TPU plugin installed). `NEMO_JAX_SYSTEM_MALLOC=1` leaves the allocator alone. The same settings as environment variables, for other entry points:
+`import jax`. The `nemo-jax` command does this for every subcommand of a CPU-only process (JAX_PLATFORMS=cpu,
+or no GPU/TPU plugin installed); `NEMO_JAX_SYSTEM_MALLOC=1` leaves the allocator alone. The same settings
+as environment variables, for other entry points:
 `MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=1099511627776 MALLOC_TOP_PAD_=67108864`.
 """
 
