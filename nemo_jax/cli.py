@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from nemo_jax.hostmem import cpu_only, keep_freed_memory
+from nemo_jax.hostmem import keep_freed_memory
 
 
 def _dtype(name: str | None):
@@ -132,8 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    if cpu_only():
-        keep_freed_memory()
+    keep_freed_memory()  # CPU-only processes: see nemo_jax.hostmem
     try:
         args.fn(args)
     except (ValueError, FileNotFoundError) as e:

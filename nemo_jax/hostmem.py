@@ -8,8 +8,8 @@ kernel time per step of `bench/train_step.py` (4.4-4.8 s per step; 3.0-3.9 s onc
 buffers reuse pages that are already mapped. The price: the process keeps its peak memory until it exits.
 
 It must run before jax starts its thread pools (threads that already own an arena keep it), i.e. before
-`import jax`. The `nemo-jax` command does this for every subcommand of a CPU-only process (JAX_PLATFORMS=cpu,
-or no GPU/TPU plugin installed); `NEMO_JAX_SYSTEM_MALLOC=1` leaves the allocator alone. The same settings
+`import jax`. It applies to CPU-only processes (JAX_PLATFORMS=cpu, or no GPU/TPU plugin installed); the
+`nemo-jax` command calls it for every subcommand, and `NEMO_JAX_SYSTEM_MALLOC=1` leaves the allocator alone. The same settings
 as environment variables, for other entry points:
 `MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=1099511627776 MALLOC_TOP_PAD_=67108864`.
 """
@@ -39,9 +39,11 @@ def cpu_only() -> bool:
 
 
 def keep_freed_memory() -> bool:
-    """Configure glibc malloc as described above. Returns False (and changes nothing) where the C library
-    has no `mallopt` (not glibc), where jax is already imported, or when NEMO_JAX_SYSTEM_MALLOC is set."""
-    if os.environ.get("NEMO_JAX_SYSTEM_MALLOC") or "jax" in sys.modules or not sys.platform.startswith("linux"):
+    """Configure glibc malloc as described above. Returns False (and changes nothing) where jax will use an
+    accelerator (see `cpu_only`), where the C library has no `mallopt` (not glibc), where jax is already
+    imported, or when NEMO_JAX_SYSTEM_MALLOC is set."""
+    if (os.environ.get("NEMO_JAX_SYSTEM_MALLOC") or "jax" in sys.modules or not sys.platform.startswith("linux")
+            or not cpu_only()):
         return False
     try:
         mallopt = ctypes.CDLL(None).mallopt

@@ -51,6 +51,7 @@ def test_freed_blocks_are_reused_without_page_faults():
 @pytest.mark.skipif(not GLIBC, reason="glibc malloc only")
 def test_opt_out_and_too_late():
     assert _probe("keep", NEMO_JAX_SYSTEM_MALLOC="1")[0] == "False"
+    assert _probe("keep", JAX_PLATFORMS="cuda")[0] == "False"  # accelerator processes keep the system allocator
     assert "jax" in sys.modules  # conftest imported it: threads may own arenas already, so nothing changes
     assert hostmem.keep_freed_memory() is False
 
