@@ -11,13 +11,17 @@ def linear(x: jax.Array, p: dict, dtype) -> jax.Array:
 
     With LoRA leaves beside the kernel (see nemo_jax.lora): + lora_scale * (x @ lora_a) @ lora_b, unmerged.
     """
-    x = x.astype(dtype)
+    return _linear32(x.astype(dtype), p, dtype).astype(dtype)
+
+
+def _linear32(x: jax.Array, p: dict, dtype) -> jax.Array:
+    """x [..., in] (in `dtype`) @ kernel (+ unmerged LoRA) -> fp32 [..., out]."""
     y = jnp.einsum("...i,io->...o", x, p["kernel"].astype(dtype), preferred_element_type=jnp.float32)
     if "lora_a" in p:
         xa = jnp.einsum("...i,ir->...r", x, p["lora_a"].astype(dtype), preferred_element_type=jnp.float32)
         y = y + p["lora_scale"] * jnp.einsum("...r,ro->...o", xa.astype(dtype), p["lora_b"].astype(dtype),
                                              preferred_element_type=jnp.float32)
-    return y.astype(dtype)
+    return y
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
@@ -56,7 +60,7 @@ def embed(p: dict, tokens: jax.Array, dtype) -> jax.Array:
 
 def logits_from_hidden(h: jax.Array, lm_head: dict) -> jax.Array:
     """h [B, T, D] -> fp32 logits [B, T, V]."""
-    return jnp.einsum("btd,dv->btv", h, lm_head["kernel"].astype(h.dtype), preferred_element_type=jnp.float32)
+    return _linear32(h, lm_head, h.dtype)
 
 
 def chunked_cross_entropy(h: jax.Array, lm_head: dict, targets: jax.Array, chunk: int = 1024) -> jax.Array:
@@ -73,7 +77,7 @@ def chunked_cross_entropy(h: jax.Array, lm_head: dict, targets: jax.Array, chunk
     tf = jnp.pad(targets.reshape(n), (0, pad)).reshape(-1, c)
 
     def one(hc, tc):
-        logits = jnp.einsum("cd,dv->cv", hc, lm_head["kernel"].astype(hc.dtype), preferred_element_type=jnp.float32)
+        logits = _linear32(hc, lm_head, hc.dtype)
         lse = jax.nn.logsumexp(logits, axis=-1)
         tgt = jnp.take_along_axis(logits, tc[:, None], axis=-1)[:, 0]
         return lse - tgt

@@ -75,8 +75,33 @@ def _slot_layout(flat_e, E: int, dispatch: str, capacity_factor: float, valid=No
     return jnp.where(keep, dest, nb * bs), keep, block_expert, nb, bs
 
 
-def _buffered_experts(up, down, x, w, idx, E: int, dtype, dispatch: str, capacity_factor: float, valid=None):
-    """Sorted / capacity dispatch over E local experts. -> (y [T, Din] dtype, dropped slots among valid ones)."""
+def _lora_einsum(eq: str, x, w, lora, dtype, take=None):
+    """einsum(eq, x, w) (w: per-expert weights, last two dims [in, out]) plus the expert LoRA delta, unmerged:
+    + scale * (x A) B with A [..., in, r], B [..., r, out] on the same lead axes as w. `take` gathers the
+    lead (expert) axis of w, A and B first (per-block weights of the sorted dispatch)."""
+    pick = (lambda t: t) if take is None else (lambda t: t[take])
+    y = jnp.einsum(eq, x, pick(w), preferred_element_type=jnp.float32)
+    if lora is None:
+        return y
+    (xs, ws), ys = eq.split("->")[0].split(","), eq.split("->")[1]
+    o = ws[-1]
+    xa_s = ys.replace(o, "r")
+    xa = jnp.einsum(f"{xs},{ws[:-1]}r->{xa_s}", x, pick(lora["lora_a"]).astype(dtype),
+                    preferred_element_type=jnp.float32)
+    yb = jnp.einsum(f"{xa_s},{ws[:-2]}r{o}->{ys}", xa.astype(dtype), pick(lora["lora_b"]).astype(dtype),
+                    preferred_element_type=jnp.float32)
+    return y + lora["lora_scale"] * yb
+
+
+def _experts_mlp(eq_up: str, eq_down: str, x, pe: dict, dtype, take=None):
+    """relu^2 experts on per-expert buffers: down(relu(up(x))**2), each with its optional LoRA."""
+    h = relu2(_lora_einsum(eq_up, x, pe["up_proj"], pe.get("up_proj_lora"), dtype, take).astype(dtype))
+    return _lora_einsum(eq_down, h, pe["down_proj"], pe.get("down_proj_lora"), dtype, take)
+
+
+def _buffered_experts(pe, x, w, idx, E: int, dtype, dispatch: str, capacity_factor: float, valid=None):
+    """Sorted / capacity dispatch over E local experts (pe: up_proj/down_proj [E, ...] in `dtype`, optional
+    `*_lora`). -> (y [T, Din] dtype, dropped slots among valid ones)."""
     T, k = idx.shape
     flat_e = idx.reshape(-1)
     fvalid = None if valid is None else valid.reshape(-1)
@@ -84,12 +109,8 @@ def _buffered_experts(up, down, x, w, idx, E: int, dtype, dispatch: str, capacit
     dest, keep, block_expert, nb, bs = _slot_layout(flat_e, E, dispatch, capacity_factor, fvalid)
     buf = jnp.zeros((nb * bs, x.shape[-1]), dtype).at[dest].set(x[tok], mode="drop")
     xb = buf.reshape(nb, bs, -1)
-    if dispatch == "capacity":
-        w_up, w_down = up, down
-    else:
-        w_up, w_down = up[block_expert], down[block_expert]
-    h = relu2(jnp.einsum("gbd,gdi->gbi", xb, w_up, preferred_element_type=jnp.float32).astype(dtype))
-    yb = jnp.einsum("gbi,gid->gbd", h, w_down, preferred_element_type=jnp.float32)
+    take = None if dispatch == "capacity" else block_expert
+    yb = _experts_mlp("gbd,gdi->gbi", "gbi,gid->gbd", xb, pe, dtype, take)
     y_slots = jnp.take(yb.reshape(nb * bs, -1), jnp.minimum(dest, nb * bs - 1), axis=0)
     y_slots = jnp.where(keep[:, None], y_slots, 0.0)
     y = jnp.sum(y_slots.reshape(T, k, -1) * w[..., None], axis=1)
@@ -112,11 +133,10 @@ def experts_forward(pe: dict, x: jax.Array, w: jax.Array, idx: jax.Array, cfg, d
         out = _expert_parallel(pe, x, w, idx, cfg, dtype, dispatch, capacity_factor, mesh)
         if out is not None:
             return out
-    up, down = pe["up_proj"].astype(dtype), pe["down_proj"].astype(dtype)
+    pe = _cast_experts(pe, dtype)
     x = x.astype(dtype)
     if dispatch == "dense":
-        h = relu2(jnp.einsum("td,edi->tei", x, up, preferred_element_type=jnp.float32).astype(dtype))
-        y_all = jnp.einsum("tei,eid->ted", h, down, preferred_element_type=jnp.float32)
+        y_all = _experts_mlp("td,edi->tei", "tei,eid->ted", x, pe, dtype)
         dense_w = jnp.zeros((T, E), jnp.float32).at[jnp.arange(T)[:, None], idx].add(w)
         return jnp.einsum("ted,te->td", y_all, dense_w).astype(dtype), jnp.zeros((), jnp.int32)
     if dispatch == "ragged":
@@ -124,11 +144,26 @@ def experts_forward(pe: dict, x: jax.Array, w: jax.Array, idx: jax.Array, cfg, d
         order = jnp.argsort(flat_e, stable=True)
         counts = jnp.bincount(flat_e, length=E).astype(jnp.int32)
         xs = x[(jnp.arange(T * k) // k)[order]]
-        h = relu2(jax.lax.ragged_dot(xs, up, counts, preferred_element_type=jnp.float32).astype(dtype))
-        ys = jax.lax.ragged_dot(h, down, counts, preferred_element_type=jnp.float32)
+        h = relu2(_ragged_lora(xs, pe["up_proj"], pe.get("up_proj_lora"), counts, dtype).astype(dtype))
+        ys = _ragged_lora(h, pe["down_proj"], pe.get("down_proj_lora"), counts, dtype)
         y_slots = jnp.zeros_like(ys).at[order].set(ys)
         return jnp.sum(y_slots.reshape(T, k, -1) * w[..., None], axis=1).astype(dtype), jnp.zeros((), jnp.int32)
-    return _buffered_experts(up, down, x, w, idx, E, dtype, dispatch, capacity_factor)
+    return _buffered_experts(pe, x, w, idx, E, dtype, dispatch, capacity_factor)
+
+
+def _cast_experts(pe: dict, dtype) -> dict:
+    """Expert weights (and adapter matrices) in the compute dtype; adapter scales stay fp32."""
+    return jax.tree_util.tree_map_with_path(
+        lambda p, a: a if getattr(p[-1], "key", None) == "lora_scale" else a.astype(dtype), pe)
+
+
+def _ragged_lora(x, w, lora, counts, dtype):
+    """ragged_dot over expert groups, plus the per-expert LoRA delta (two more ragged_dots through rank r)."""
+    y = jax.lax.ragged_dot(x, w, counts, preferred_element_type=jnp.float32)
+    if lora is None:
+        return y
+    xa = jax.lax.ragged_dot(x, lora["lora_a"], counts, preferred_element_type=jnp.float32).astype(dtype)
+    return y + lora["lora_scale"] * jax.lax.ragged_dot(xa, lora["lora_b"], counts, preferred_element_type=jnp.float32)
 
 
 def _expert_parallel(pe, x, w, idx, cfg, dtype, dispatch, capacity_factor, mesh):
@@ -150,9 +185,12 @@ def _expert_parallel(pe, x, w, idx, cfg, dtype, dispatch, capacity_factor, mesh)
     tok_axes = tuple(a for a in ("data", "fsdp", "expert") if mesh.shape.get(a, 1) > 1)
     if x.shape[0] % math.prod(mesh.shape[a] for a in tok_axes):
         return None
-    t_spec, e_spec = P(tok_axes), P("expert")
+    t_spec = P(tok_axes)
+    # expert tensors (weights, adapter matrices) split on their expert axis; adapter scales replicated
+    pe_specs = jax.tree_util.tree_map_with_path(
+        lambda p, a: P() if getattr(p[-1], "key", None) == "lora_scale" else P("expert"), pe)
 
-    def local(up, down, x, w, idx):
+    def local(pe, x, w, idx):
         xg = jax.lax.all_gather(x, "expert", axis=0, tiled=True)
         wg = jax.lax.all_gather(w, "expert", axis=0, tiled=True)
         ig = jax.lax.all_gather(idx, "expert", axis=0, tiled=True)
@@ -160,14 +198,14 @@ def _expert_parallel(pe, x, w, idx, cfg, dtype, dispatch, capacity_factor, mesh)
         valid = (li >= 0) & (li < El)
         # capacity semantics match the single-device path: cf * (all slots of the group) / E per expert
         cf = capacity_factor * El / E if dispatch == "capacity" else capacity_factor
-        y, dropped = _buffered_experts(up.astype(dtype), down.astype(dtype), xg.astype(dtype), wg,
+        y, dropped = _buffered_experts(_cast_experts(pe, dtype), xg.astype(dtype), wg,
                                        jnp.clip(li, 0, El - 1), El, dtype, dispatch, cf, valid)
         y = jax.lax.psum_scatter(y.astype(jnp.float32), "expert", scatter_dimension=0, tiled=True)
         return y.astype(dtype), jax.lax.psum(dropped, tuple(mesh.axis_names))
 
-    fn = jax.shard_map(local, mesh=mesh, in_specs=(e_spec, e_spec, t_spec, t_spec, t_spec),
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(pe_specs, t_spec, t_spec, t_spec),
                        out_specs=(t_spec, P()), check_vma=False)
-    return fn(pe["up_proj"], pe["down_proj"], x, w, idx)
+    return fn(pe, x, w, idx)
 
 
 def moe(p: dict, u: jax.Array, cfg, dtype, *, dispatch: str = "sorted", capacity_factor: float = 1.25,
