@@ -1,4 +1,4 @@
-"""`nemo-jax` command line: sft, generate, import-hf, export-hf, forward."""
+"""`nemo-jax` command line: sft, generate, plot, import-hf, export-hf, forward."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 import os
 import sys
 
+from nemo_jax.extras import MissingDependency
 from nemo_jax.hostmem import keep_freed_memory
 
 
@@ -78,6 +79,14 @@ def cmd_sft(a):
     sft_main(a.config, overrides)
 
 
+def cmd_plot(a):
+    from nemo_jax.plot import plot_runs
+
+    keys = [k for arg in a.keys for k in arg.split(",") if k] if a.keys else None
+    for path in plot_runs(a.run_dirs, a.out, keys=keys, smoothing=a.smoothing):
+        print(path)
+
+
 def cmd_generate(a):
     from nemo_jax.generate import cli_generate
 
@@ -105,6 +114,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--no-chat-template", action="store_true")
     s.set_defaults(fn=cmd_generate)
+
+    s = sub.add_parser("plot", help="PNG figures of runs' metrics.jsonl (several runs overlaid)")
+    s.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    s.add_argument("--keys", action="append", default=None,
+                   help="only these metrics (comma-separated, repeatable), e.g. loss,eval_loss")
+    s.add_argument("--out", default=None, help="output dir (default: RUN_DIR/plots of the first run)")
+    s.add_argument("--smoothing", type=float, default=0.6, help="EMA weight of the smoothed curves, in [0, 1)")
+    s.set_defaults(fn=cmd_plot)
 
     s = sub.add_parser("import-hf", help="HF safetensors checkpoint -> native checkpoint")
     s.add_argument("src")
@@ -135,7 +152,7 @@ def main(argv=None):
     keep_freed_memory()  # CPU-only processes: see nemo_jax.hostmem
     try:
         args.fn(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, MissingDependency) as e:
         print(f"nemo-jax {args.cmd}: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
 

@@ -62,6 +62,22 @@ class CheckpointSection:
 
 
 @dataclass(frozen=True)
+class WandbSection:
+    """Weights & Biases run (the `wandb` extra); off while `project` is unset."""
+    project: str | None = None
+    entity: str | None = None
+    name: str | None = None  # default: the run name
+    mode: str = "online"  # online | offline (no network; `wandb sync` later) | disabled
+
+
+@dataclass(frozen=True)
+class LoggingSection:
+    """Metric sinks besides RUN_DIR/metrics.jsonl (nemo_jax.train.metrics.MetricsLogger)."""
+    tensorboard: bool = True  # event files in RUN_DIR/tensorboard
+    wandb: WandbSection = field(default_factory=WandbSection)
+
+
+@dataclass(frozen=True)
 class SFTConfig:
     name: str = "sft"
     run_dir: str | None = None  # default runs/<name>
@@ -73,3 +89,4 @@ class SFTConfig:
     optim: OptimSection = field(default_factory=OptimSection)
     mesh: MeshSection = field(default_factory=MeshSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)

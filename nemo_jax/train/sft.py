@@ -22,7 +22,7 @@ from nemo_jax.model.spec import count_params, init as init_params, param_specs
 from nemo_jax.parallel.mesh import batch_shards, batch_sharding, make_mesh
 from nemo_jax.parallel.rules import Rules, param_shardings
 from nemo_jax.train.checkpoint import RunCheckpointer, abstract_like
-from nemo_jax.train.metrics import MetricsLogger, device_peak_flops, model_flops_per_token
+from nemo_jax.train.metrics import MetricsLogger, check_logging, device_peak_flops, model_flops_per_token
 from nemo_jax.train.optimizer import make_optimizer
 from nemo_jax.train.step import TrainState, all_finite, make_eval_step, make_train_step
 
@@ -60,6 +60,7 @@ def initial_params(c: SFTConfig, mesh, rules):
 
 class Trainer:
     def __init__(self, c: SFTConfig, *, quiet: bool = False, devices=None):
+        check_logging(c.logging)  # a bad wandb mode or a missing extra fails before any work
         self.c = c
         self.quiet = quiet
         self.run_dir = os.path.abspath(c.run_dir or os.path.join("runs", c.name))
@@ -166,7 +167,8 @@ class Trainer:
         os.makedirs(self.run_dir, exist_ok=True)
         self.maybe_restore()
         self._install_signals()
-        logger = MetricsLogger(self.run_dir, enabled=jax.process_index() == 0)
+        logger = MetricsLogger(self.run_dir, enabled=jax.process_index() == 0, logging=c.logging,
+                               config=_asdict(c), name=c.name)
         start = int(self.state.step)
         bar = tqdm(total=c.steps, initial=start, desc="sft", disable=self.quiet or jax.process_index() != 0,
                    dynamic_ncols=True)
