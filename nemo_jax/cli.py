@@ -1,4 +1,4 @@
-"""`nemo-jax` command line: sft, generate, plot, import-hf, export-hf, forward."""
+"""`nemo-jax` command line: sft, generate, plot, import-hf, export-hf, lora, forward."""
 
 from __future__ import annotations
 
@@ -35,10 +35,41 @@ def cmd_export_hf(a):
     from nemo_jax.hf.io import read_dtypes, save_pretrained
 
     cfg, params = lazy_model(a.src)  # read region by region
+    if a.adapters:  # merged per HF tensor while streaming (fp32 math, rounded once to each tensor's dtype)
+        from nemo_jax.lora.peft import MergedSource, load_adapters_any, parse_adapter_arg
+
+        sets = [(load_adapters_any(d, cfg), w) for d, w in map(parse_adapter_arg, a.adapters)]
+        params = MergedSource(params, cfg, sets)
     dtypes = read_dtypes(a.like) if a.like else _dtype(a.dtype)
     save_pretrained(cfg, params, a.dst, max_shard_size=a.max_shard_size, dtypes=dtypes, tokenizer_dir=a.src,
                     progress=True)
     print(f"exported {a.src} -> {a.dst}")
+
+
+def cmd_lora_export(a):
+    from nemo_jax.lora import load_adapter_checkpoint
+    from nemo_jax.lora.peft import save_peft
+
+    cfg, lora_cfg, adapters = load_adapter_checkpoint(a.src)
+    save_peft(cfg, adapters, a.dst, format=a.format, base_model_name_or_path=a.base_model, lora_config=lora_cfg)
+    print(f"exported {a.src} -> {a.dst} ({a.format} adapter format)")
+
+
+def cmd_lora_import(a):
+    from nemo_jax.config.model import NemotronHConfig
+    from nemo_jax.lora import save_adapter_checkpoint
+    from nemo_jax.lora.peft import ADAPTER_CONFIG, load_peft, lora_config_of, read_peft_config
+
+    model = a.model or read_peft_config(a.src).get("base_model_name_or_path")
+    conf = model if model and model.endswith(".json") else os.path.join(model or "", "config.json")
+    if not model or not os.path.exists(conf):
+        raise FileNotFoundError(f"lora import needs the base model's config: pass --model (a model dir or "
+                                f"config.json); {os.path.join(a.src, ADAPTER_CONFIG)} base_model_name_or_path "
+                                f"{model!r} is not a local model dir")
+    cfg = NemotronHConfig.from_file(conf)
+    adapters = load_peft(a.src, cfg)
+    save_adapter_checkpoint(a.dst, cfg, lora_config_of(a.src, adapters), adapters)
+    print(f"imported {a.src} -> {a.dst}")
 
 
 def cmd_forward(a):
@@ -136,7 +167,26 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", default=None, help="write every tensor in this dtype (default: as stored)")
     s.add_argument("--like", default=None, help="HF dir whose per-tensor dtypes to reproduce")
     s.add_argument("--max-shard-size", default="5GB")
+    s.add_argument("--adapters", action="append", default=None, metavar="DIR[:WEIGHT]",
+                   help="merge this LoRA adapter set (PEFT dir, adapter checkpoint or LoRA SFT run dir) into the "
+                        "written weights, times WEIGHT (default 1); repeatable")
     s.set_defaults(fn=cmd_export_hf)
+
+    s = sub.add_parser("lora", help="LoRA adapters: export to / import from PEFT (vLLM) adapter directories")
+    lsub = s.add_subparsers(dest="lora_cmd", required=True)
+    t = lsub.add_parser("export", help="adapter checkpoint or LoRA SFT run dir -> PEFT adapter dir")
+    t.add_argument("src")
+    t.add_argument("dst")
+    t.add_argument("--format", choices=("peft", "vllm"), default="peft",
+                   help="peft: routed experts as peft target_parameters (transformers>=5); vllm: per-expert modules")
+    t.add_argument("--base-model", default=None, help="base_model_name_or_path to record in adapter_config.json")
+    t.set_defaults(fn=cmd_lora_export)
+    t = lsub.add_parser("import", help="PEFT adapter dir -> adapter checkpoint")
+    t.add_argument("src", metavar="PEFT_DIR")
+    t.add_argument("dst")
+    t.add_argument("--model", default=None,
+                   help="base model dir or config.json (default: base_model_name_or_path if a local dir)")
+    t.set_defaults(fn=cmd_lora_import)
 
     s = sub.add_parser("forward", help="one forward pass (smoke test) on a model or a config JSON")
     s.add_argument("model", nargs="?", default=os.path.join(os.path.dirname(__file__), "assets", "models", "tiny.json"))
