@@ -40,7 +40,33 @@ def conversation(rng):
     return {"messages": msgs}
 
 
+def new_skill(rng):
+    """The held-out LoRA task: skills the tiny SFT data never shows (multiplication, successors)."""
+    msgs = []
+    for _ in range(rng.choice([1, 2])):
+        if rng.random() < 0.6:
+            a, b = rng.randrange(2, 13), rng.randrange(2, 13)
+            q, ans = f"What is {a} times {b}?", f"{a} times {b} is {a * b}."
+        else:
+            n = rng.randrange(1, 99)
+            q, ans = f"What number comes after {n}?", f"After {n} comes {n + 1}."
+        msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": ans}]
+    return {"messages": msgs}
+
+
+def write_lora_split():
+    """nemo_jax/assets/tiny_lora: LoRA SFT data (configs/sft/tiny-lora-cpu.yaml); its own seed, so the SFT
+    assets above do not change."""
+    rng = random.Random(1)
+    os.makedirs(os.path.join(ROOT, "tiny_lora"), exist_ok=True)
+    for split, n in (("train", 2000), ("eval", 100)):
+        with open(os.path.join(ROOT, "tiny_lora", f"{split}.jsonl"), "w") as f:
+            for _ in range(n):
+                f.write(json.dumps(new_skill(rng)) + "\n")
+
+
 def main():
+    write_lora_split()
     rng = random.Random(0)
     os.makedirs(os.path.join(ROOT, "tiny_chat"), exist_ok=True)
     for split, n in (("train", 4000), ("eval", 200)):

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 @dataclass(frozen=True)
 class ModelSection:
     config: str = "tiny"  # name in configs/model, a model config JSON path
-    init: str = "random"  # "random" | path to a native model dir | path to an HF dir
+    init: str = "random"  # "random" | path to a native model dir | an HF dir | an SFT run dir
+    init_sft_config: str | None = None  # when `init` does not exist yet: an SFT config that trains it first
     dtype: str = "float32"  # compute dtype: float32 | bfloat16
     remat: str = "none"  # none | layer | save_matmuls
     moe_dispatch: str = "sorted"
@@ -55,10 +56,36 @@ class MeshSection:
 
 
 @dataclass(frozen=True)
+class LoraSection:
+    """LoRA SFT (nemo_jax.lora): off while `targets` is empty. Only the adapters are trained and checkpointed."""
+    targets: list[str] = field(default_factory=list)  # presets (attention, mamba, mlp, experts, lm_head, all) or path regexes
+    rank: int = 8
+    alpha: float = 16.0
+    rslora: bool = False  # scale alpha/sqrt(rank) instead of alpha/rank
+    init_seed: int = 0
+    base_dtype: str = "float32"  # dtype the frozen base is held in: float32 | bfloat16
+
+
+@dataclass(frozen=True)
 class CheckpointSection:
     every: int = 100
     keep: int = 3
     async_save: bool = True
+
+
+@dataclass(frozen=True)
+class DistributedSection:
+    """Multi-process start-up (nemo_jax.parallel.distributed). Defaults detect SLURM / Kubernetes / TPU VMs and
+    the NEMO_JAX_COORDINATOR env; a single process needs nothing."""
+    cluster: str = "auto"  # auto | none | explicit | slurm | k8s | tpu
+    coordinator: str | None = None  # host:port of process 0 (explicit layout)
+    num_processes: int | None = None
+    process_id: int | None = None
+    local_device_ids: list[int] | None = None  # devices this process drives (one process per node)
+    port: int = 0  # coordinator port for SLURM/Kubernetes (0: derived from the job id / 12355)
+    initialization_timeout: int = 300  # seconds for every peer to join
+    heartbeat_timeout: int = 30  # seconds without a heartbeat before a peer counts as lost
+    barrier_timeout: int = 300  # seconds for our own barriers
 
 
 @dataclass(frozen=True)
@@ -89,4 +116,6 @@ class SFTConfig:
     optim: OptimSection = field(default_factory=OptimSection)
     mesh: MeshSection = field(default_factory=MeshSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    lora: LoraSection = field(default_factory=LoraSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
+    distributed: DistributedSection = field(default_factory=DistributedSection)

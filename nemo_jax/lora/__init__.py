@@ -272,3 +272,6 @@ def _merged(w, lora, weight, where):
     if d.shape != w.shape:
         raise ValueError(f"adapter for {where}: delta shape {tuple(d.shape)} != weight shape {tuple(w.shape)}")
     return (w.astype(jnp.float32) + weight * d).astype(w.dtype)
+
+
+from nemo_jax.lora.checkpoint import load_adapter_checkpoint, save_adapter_checkpoint  # noqa: E402,F401

@@ -566,10 +566,14 @@ def load_adapters_any(src, cfg) -> dict:
         return load_peft(src, cfg)
     from nemo_jax.lora import load_adapter_checkpoint
 
+    from nemo_jax.hf.mapping import leaf_specs
+
     acfg, _, adapters = load_adapter_checkpoint(src)
-    if acfg.to_hf_dict() != cfg.to_hf_dict():
-        diff = sorted(k for k, v in acfg.to_hf_dict().items() if cfg.to_hf_dict().get(k) != v)
-        raise PeftFormatError(f"{src}: adapters were trained on a different model config (differs in {diff[:5]})")
+    mine, theirs = leaf_specs(cfg), leaf_specs(acfg)
+    diff = sorted(k for k in set(mine) | set(theirs) if k not in mine or k not in theirs or mine[k].shape != theirs[k].shape)
+    if diff:
+        raise PeftFormatError(f"{src}: adapters belong to a model of another shape (differs at {diff[0]!r} and "
+                              f"{len(diff) - 1} more parameters)")
     return adapters
 
 

@@ -41,3 +41,24 @@ def make_optimizer(o, params, total_steps: int):
         optax.adamw(sched, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask(params)),
     )
     return tx, sched
+
+
+def state_shardings(tx, params, param_sharding_tree, replicated):
+    """Shardings of `tx.init(params)`: every leaf that mirrors a parameter (Adam's mu, nu, ...) is sharded
+    exactly like that parameter (ZeRO-3 / FSDP); counters and other small leaves are replicated.
+
+    Matching is by tree path: a state leaf whose path ends with a parameter's path and has its shape."""
+    from nemo_jax.model.spec import path_str
+
+    by_path = {path_str(p): (x.shape, s) for (p, x), s in zip(jax.tree_util.tree_flatten_with_path(params)[0],
+                                                              jax.tree.leaves(param_sharding_tree))}
+
+    def pick(path, leaf):
+        parts = path_str(path).split("/")
+        for i in range(len(parts)):
+            hit = by_path.get("/".join(parts[i:]))
+            if hit is not None and tuple(hit[0]) == tuple(leaf.shape):
+                return hit[1]
+        return replicated
+
+    return jax.tree_util.tree_map_with_path(pick, jax.eval_shape(tx.init, params))

@@ -19,11 +19,13 @@ from nemo_jax.config.train import SFTConfig
 from nemo_jax.data.chat import ASSETS, ChatTokenizer, PackedIterator, read_chat_jsonl
 from nemo_jax.model import model as M
 from nemo_jax.model.spec import count_params, init as init_params, param_specs
+from nemo_jax.parallel import distributed
 from nemo_jax.parallel.mesh import batch_shards, batch_sharding, make_mesh
 from nemo_jax.parallel.rules import Rules, param_shardings
 from nemo_jax.train.checkpoint import RunCheckpointer, abstract_like
 from nemo_jax.train.metrics import MetricsLogger, check_logging, device_peak_flops, model_flops_per_token
-from nemo_jax.train.optimizer import make_optimizer
+from nemo_jax.lora import LoraConfig, adapter_shardings, attach, init_adapters, save_adapter_checkpoint, summary_table
+from nemo_jax.train.optimizer import make_optimizer, state_shardings
 from nemo_jax.train.step import TrainState, all_finite, make_eval_step, make_train_step
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -48,9 +50,19 @@ def options_from(section, mesh=None) -> M.Options:
 
 
 def initial_params(c: SFTConfig, mesh, rules):
-    """-> (model cfg, params placed in their shardings)."""
+    """-> (model cfg, params placed in their shardings). `model.init` may be a native model dir, an HF dir or
+    an SFT run dir (its latest checkpoint's params); with `model.init_sft_config`, a missing init run is
+    trained first."""
     init = c.model.init
     if init != "random":
+        if not os.path.exists(init) and c.model.init_sft_config:
+            print(f"model.init {init} does not exist yet: training it with {c.model.init_sft_config}")
+            main(c.model.init_sft_config, [f"run_dir={init}"])
+        if os.path.isdir(os.path.join(init, "checkpoints")):
+            from nemo_jax.generate import load_for_generation
+
+            cfg, params, _ = load_for_generation(init)
+            return cfg, jax.device_put(params, param_shardings(param_specs(cfg), mesh, rules))
         return load_any(init, dtype=jnp.float32, mesh=mesh, rules=rules)
     cfg = NemotronHConfig.from_file(model_config_path(c.model.config))
     shardings = param_shardings(param_specs(cfg), mesh, rules)
@@ -69,6 +81,21 @@ class Trainer:
         self.rules = Rules()
         self.cfg, params = initial_params(c, self.mesh, self.rules)
         self.opts = options_from(c.model, self.mesh)
+        # LoRA: the trainable tree is the adapters, the base params are frozen (held in lora.base_dtype)
+        self.lora_cfg, self.frozen, combine = None, None, None
+        param_sh = param_shardings(param_specs(self.cfg), self.mesh, self.rules)
+        if c.lora.targets:
+            if c.lora.base_dtype not in DTYPES:
+                raise ValueError(f"lora.base_dtype: {c.lora.base_dtype!r} (expected one of {sorted(DTYPES)})")
+            self.lora_cfg = LoraConfig(tuple(c.lora.targets), c.lora.rank, c.lora.alpha, c.lora.rslora,
+                                       c.lora.init_seed)
+            dt = DTYPES[c.lora.base_dtype]
+            self.frozen = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(dt), p), out_shardings=param_sh)(params)
+            param_sh = adapter_shardings(self.cfg, self.lora_cfg, self.mesh, self.rules)
+            params = init_adapters(self.cfg, self.lora_cfg, shardings=param_sh)
+            combine = lambda adapters, base: attach(base, adapters)  # noqa: E731
+            if not quiet:
+                print(summary_table(self.cfg, self.lora_cfg))
         o = c.optim
         shards = batch_shards(self.mesh)
         if c.data.batch_size % (o.grad_accum * shards):
@@ -77,26 +104,27 @@ class Trainer:
         if c.data.batch_size % jax.process_count():
             raise ValueError(f"data.batch_size={c.data.batch_size} not divisible by {jax.process_count()} processes")
         self.tx, self.sched = make_optimizer(o, params, c.steps)
-        opt_state = jax.jit(self.tx.init)(params)
+        replicated = NamedSharding(self.mesh, P())
+        opt_sh = state_shardings(self.tx, params, param_sh, replicated)  # Adam moments sharded like params
+        opt_state = jax.jit(self.tx.init, out_shardings=opt_sh)(params)
         rng = jax.random.key_data(jax.random.key(c.model.seed + 1))
         z = lambda: jnp.zeros((), jnp.int32)  # distinct buffers (the state is donated)
-        replicated = NamedSharding(self.mesh, P())
         state = TrainState(params, opt_state, z(), z(), z(), rng)
-        self.state_shardings = TrainState(
-            param_shardings(param_specs(self.cfg), self.mesh, self.rules),
-            jax.tree.map(lambda x: x.sharding if isinstance(x.sharding, NamedSharding) else replicated, opt_state),
-            replicated, replicated, replicated, replicated)
+        self.state_shardings = TrainState(param_sh, opt_sh, replicated, replicated, replicated, replicated)
         self.state = jax.device_put(state, self.state_shardings)
         self.batch_sharding = batch_sharding(self.mesh)
-        step = make_train_step(self.cfg, self.opts, self.tx, self.sched, o, o.grad_accum)
+        step = make_train_step(self.cfg, self.opts, self.tx, self.sched, o, o.grad_accum, combine)
         self.step_fn = jax.jit(step, donate_argnums=0, out_shardings=(self.state_shardings, None))
-        self.eval_fn = jax.jit(make_eval_step(self.cfg, self.opts))
+        self.eval_fn = jax.jit(make_eval_step(self.cfg, self.opts, combine))
         self.tok = ChatTokenizer.load(c.data.tokenizer)
         docs, skipped = read_chat_jsonl(c.data.train, self.tok, self.cfg.vocab_size, c.data.on_error)
         self.skipped_lines = skipped
-        rows = c.data.batch_size // jax.process_count()
-        self.it = PackedIterator(docs, c.data.seq_len, rows, c.data.seed, process_index=jax.process_index(),
-                                 process_count=jax.process_count())
+        # Every process packs the same global batch (numpy, cheap) and puts only its own rows on its devices:
+        # the global batch and the iterator position do not depend on the process count, so a checkpoint
+        # resumes on any number of processes and every process's saved position is the same by construction.
+        self.it = PackedIterator(docs, c.data.seq_len, c.data.batch_size, c.data.seed)
+        self.local_rows = _process_rows(self.batch_sharding, c.data.batch_size, c.data.seq_len)
+        self.trace_dir = os.environ.get("NEMO_JAX_TRACE_BATCHES")  # debugging: per-process row digests
         self.eval_docs = None
         if c.data.eval:
             self.eval_docs, _ = read_chat_jsonl(c.data.eval, self.tok, self.cfg.vocab_size, c.data.on_error)
@@ -108,19 +136,38 @@ class Trainer:
 
     # ------------------------------------------------------------------ pieces
     def _global_batch(self, np_batch: dict) -> dict:
-        return {k: jax.make_array_from_process_local_data(self.batch_sharding, v) for k, v in np_batch.items()}
+        """Global numpy batch -> global jax arrays, this process contributing only its rows."""
+        lo, hi = self.local_rows
+        return {k: jax.make_array_from_process_local_data(self.batch_sharding, v[lo:hi]) for k, v in np_batch.items()}
+
+    def _trace(self, step: int, np_batch: dict):
+        import hashlib
+
+        lo, hi = self.local_rows
+        rows = [hashlib.sha1(np.ascontiguousarray(np_batch["input_ids"][r])).hexdigest()[:16] for r in range(lo, hi)]
+        with open(os.path.join(self.trace_dir, f"batches.{jax.process_index()}.jsonl"), "a") as f:
+            f.write(json.dumps({"step": step, "process": jax.process_index(), "rows": rows}) + "\n")
+
+    def _any_process(self, flag: bool) -> bool:
+        """True on every process when any process has the flag (a stop request must be taken by all)."""
+        if jax.process_count() == 1:
+            return flag
+        from jax.experimental import multihost_utils
+
+        return bool(np.any(multihost_utils.process_allgather(np.int32(flag))))
 
     def evaluate(self) -> float | None:
         if not self.eval_docs:
             return None
-        rows = self.c.data.batch_size // jax.process_count()
-        it = PackedIterator(self.eval_docs, self.c.data.seq_len, rows, 0, process_index=jax.process_index(),
-                            process_count=jax.process_count(), shuffle=False, repeat=False)
+        # the same global batches on every process (each takes its rows), so all processes run the collective
+        # eval step the same number of times; rows past the end of the eval set are empty (loss_mask 0)
+        it = PackedIterator(self.eval_docs, self.c.data.seq_len, self.c.data.batch_size, 0, shuffle=False,
+                            repeat=False)
         total = count = 0.0
         for i, b in enumerate(it):
             if i >= self.c.data.max_eval_batches:
                 break
-            t, n = self.eval_fn(self.state.params, self._global_batch(b))
+            t, n = self.eval_fn(self.state.params, self._global_batch(b), self.frozen)
             total += float(t)
             count += float(n)
         return total / max(count, 1.0)
@@ -132,8 +179,18 @@ class Trainer:
             print("warning: parameters are not finite; checkpoint not written")
             return
         meta = {"step": int(self.state.step), "config": json.loads(json.dumps(_asdict(self.c))),
-                "model_config": self.cfg.to_hf_dict()}
+                "model_config": self.cfg.to_hf_dict(), "process_count": jax.process_count()}
+        if jax.process_count() > 1:  # the data position is global by construction: verify before writing it once
+            from jax.experimental import multihost_utils
+
+            mine = self.it.get_state()
+            every = np.asarray(multihost_utils.process_allgather(np.asarray([mine["epoch"], mine["pos"]])))
+            if not (every == every[0]).all():
+                raise RuntimeError(f"data iterator positions differ between processes at step "
+                                   f"{int(self.state.step)}: {every.tolist()} (process {jax.process_index()})")
         self.ckpt.save(int(self.state.step), self.state, self.it.get_state(), meta, force=force)
+        if self.lora_cfg is not None:  # the latest adapters, readable without the optimiser (lora export, eval)
+            save_adapter_checkpoint(os.path.join(self.run_dir, "adapters"), self.cfg, self.lora_cfg, self.state.params)
 
     def maybe_restore(self) -> bool:
         target = abstract_like(self.state, self.state_shardings)
@@ -179,10 +236,12 @@ class Trainer:
             last["eval_loss"] = ev
         t0, tokens_since = time.perf_counter(), 0
         step = start
-        while step < c.steps and not self.stop_requested:
+        while step < c.steps and not self._any_process(self.stop_requested):
             np_batch = next(self.it)
-            tokens_since += int(np.sum(np_batch["segment_ids"] > 0)) * jax.process_count()
-            self.state, m = self.step_fn(self.state, self._global_batch(np_batch))
+            if self.trace_dir:
+                self._trace(step + 1, np_batch)
+            tokens_since += int(np.sum(np_batch["segment_ids"] > 0))
+            self.state, m = self.step_fn(self.state, self._global_batch(np_batch), self.frozen)
             step += 1
             if int(m["skipped_updates"]) and int(self.state.nonfinite_run) >= c.optim.max_nonfinite_in_a_row:
                 logger.close()
@@ -218,6 +277,20 @@ class Trainer:
         return last
 
 
+def _process_rows(sharding, batch: int, seq_len: int) -> tuple[int, int]:
+    """The contiguous global row range [lo, hi) that this process's devices hold under the batch sharding."""
+    idx = sharding.addressable_devices_indices_map((batch, seq_len))
+    starts = [(s[0].start or 0) for s in idx.values()]
+    stops = [(batch if s[0].stop is None else s[0].stop) for s in idx.values()]
+    lo, hi = min(starts), max(stops)
+    covered = set()
+    for a, b in zip(starts, stops):
+        covered.update(range(a, b))
+    if covered != set(range(lo, hi)):
+        raise ValueError(f"mesh: process {jax.process_index()} holds non-contiguous batch rows {sorted(covered)}")
+    return lo, hi
+
+
 def _scalar(v):
     v = np.asarray(v)
     return v.item() if v.size == 1 else v.tolist()
@@ -240,6 +313,7 @@ def load_sft_config(path: str | None, overrides=()) -> SFTConfig:
 
 def main(path: str | None, overrides=()):
     c = load_sft_config(path, overrides)
+    distributed.initialize(c.distributed)  # before any device use
     run_dir = os.path.abspath(c.run_dir or os.path.join("runs", c.name))
     text = dump_yaml(c)
     if jax.process_index() == 0:

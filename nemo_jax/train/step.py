@@ -40,11 +40,19 @@ def token_loss(params, batch, cfg, opts: Options, mtp_coef: float = 0.0):
     return total, aux
 
 
-def make_train_step(cfg, opts: Options, tx, sched, ocfg, grad_accum: int = 1):
-    """Returns step(state, batch) -> (state, metrics). batch arrays are [A * b, T] for A micro-batches."""
+def _model_params(combine):
+    """combine(trainable, frozen) -> the model's params; default: the trainable tree is the whole model."""
+    return combine or (lambda trainable, frozen: trainable)
 
-    def micro_loss(params, mb, n_tokens):
-        total, aux = token_loss(params, mb, cfg, opts, ocfg.mtp_loss_coef)
+
+def make_train_step(cfg, opts: Options, tx, sched, ocfg, grad_accum: int = 1, combine=None):
+    """Returns step(state, batch, frozen=None) -> (state, metrics). batch arrays are [A * b, T] for A
+    micro-batches. With `combine` (e.g. LoRA: `lambda adapters, base: attach(base, adapters)`) only
+    `state.params` (the adapters) get gradients and optimiser state; `frozen` (the base) is read, never updated."""
+    model_params = _model_params(combine)
+
+    def micro_loss(params, frozen, mb, n_tokens):
+        total, aux = token_loss(model_params(params, frozen), mb, cfg, opts, ocfg.mtp_loss_coef)
         loss = total / n_tokens
         if "aux_loss" in aux:
             loss = loss + ocfg.aux_loss_coef * aux["aux_loss"] / grad_accum
@@ -52,14 +60,14 @@ def make_train_step(cfg, opts: Options, tx, sched, ocfg, grad_accum: int = 1):
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
-    def step(state: TrainState, batch):
+    def step(state: TrainState, batch, frozen=None):
         n_tokens = jnp.maximum(jnp.sum(batch["loss_mask"]).astype(jnp.float32), 1.0)
         micro = jax.tree.map(lambda x: x.reshape(grad_accum, x.shape[0] // grad_accum, *x.shape[1:]), batch)
         zeros = jax.tree.map(jnp.zeros_like, state.params)
 
         def acc(carry, mb):
             g_sum, l_sum, nll_sum, aux_sum, load = carry
-            (l, (total, aux)), g = grad_fn(state.params, mb, n_tokens)
+            (l, (total, aux)), g = grad_fn(state.params, frozen, mb, n_tokens)
             g_sum = jax.tree.map(jnp.add, g_sum, g)
             return (g_sum, l_sum + l, nll_sum + total, aux_sum + aux.get("aux_loss", 0.0),
                     load + aux.get("load", 0.0)), None
@@ -72,7 +80,7 @@ def make_train_step(cfg, opts: Options, tx, sched, ocfg, grad_accum: int = 1):
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, new_opt = tx.update(grads, state.opt_state, state.params)
         new_params = optax.apply_updates(state.params, updates)
-        if n_moe and ocfg.bias_update_rate:
+        if n_moe and ocfg.bias_update_rate and combine is None:  # a frozen base keeps its router bias
             new_params = _update_correction_bias(new_params, load, ocfg.bias_update_rate)
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
         state = TrainState(
@@ -106,9 +114,11 @@ def _update_correction_bias(params, load, rate):
     return out
 
 
-def make_eval_step(cfg, opts: Options):
-    def ev(params, batch):
-        total, _ = token_loss(params, batch, cfg, opts)
+def make_eval_step(cfg, opts: Options, combine=None):
+    model_params = _model_params(combine)
+
+    def ev(params, batch, frozen=None):
+        total, _ = token_loss(model_params(params, frozen), batch, cfg, opts)
         return total, jnp.sum(batch["loss_mask"]).astype(jnp.float32)
 
     return ev
