@@ -220,6 +220,14 @@ def test_cli_lora_export_import(tmp_path):
         cfg2, lc2, back = load_adapter_checkpoint(str(tmp_path / f"ck_{fmt}"))
         assert cfg2 == cfg and (lc2.rank, lc2.alpha, lc2.rslora) == (4, 8.0, False)
         assert_bit_equal(ad, back)
+    # export-hf --adapters takes the adapter checkpoint or its PEFT export alike: the same merged bytes
+    from nemo_jax.checkpoint import save_model
+
+    save_model(str(tmp_path / "native"), cfg, M.init(cfg, jax.random.key(0)))
+    for src in ("ck", "vllm"):
+        main(["export-hf", str(tmp_path / "native"), str(tmp_path / f"merged_{src}"), "--adapters", str(tmp_path / src)])
+    a, b = tensors(tmp_path / "merged_ck"), tensors(tmp_path / "merged_vllm")
+    assert a.keys() == b.keys() and all(a[k][0].tobytes() == b[k][0].tobytes() for k in a)
     with open(tmp_path / "peft" / "adapter_config.json") as f:
         conf = json.load(f)
     conf["base_model_name_or_path"] = "nvidia/not-a-local-dir"

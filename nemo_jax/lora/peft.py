@@ -547,7 +547,7 @@ class MergedSource:
         ndim = len(self.base[path].shape)
         region = tuple(region) + (slice(None),) * (ndim - len(tuple(region)))
         lead, rows, cols = region[:-2], region[-2], region[-1]
-        out = np.asarray(x, np.float32).copy()
+        out = np.array(x, dtype=np.float32)  # a fresh fp32 copy
         for g, weight in self.loras[path]:
             a = g["lora_a"][lead + (rows, slice(None))].astype(np.float32)
             b = g["lora_b"][lead + (slice(None), cols)].astype(np.float32)
