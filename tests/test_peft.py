@@ -19,20 +19,22 @@ from test_hf import hf_logits, make_hf_model, tensors  # noqa: E402
 
 from nemo_jax import model as M  # noqa: E402
 from nemo_jax.hf.io import load_pretrained  # noqa: E402
-from nemo_jax.lora import LoraConfig, attach, init_adapters  # noqa: E402
+from nemo_jax.lora import LoraConfig, adapter_specs, attach  # noqa: E402
 from nemo_jax.lora.peft import PeftFormatError, load_peft, save_peft  # noqa: E402
-from nemo_jax.model.spec import flatten_with_paths  # noqa: E402
+from nemo_jax.model.spec import ParamSpec, flatten_with_paths  # noqa: E402
 
 DENSE = ("attention", r"^layers/mamba/mixer/in_proj/kernel$", "mlp", r"^layers/moe/mixer/fc[12]_latent_proj/kernel$")
 EXPERTS = (r"^layers/moe/mixer/experts/(up|down)_proj$",)
 
 
 def random_adapters(cfg, targets, rank=4, alpha=8.0, seed=0, rslora=False):
-    """Adapters with random A and B (B = 0 would hide any layout error)."""
-    ad = init_adapters(cfg, LoraConfig(targets=targets, rank=rank, alpha=alpha, rslora=rslora))
+    """Adapters (laid out by `adapter_specs`) with random A and B (B = 0 would hide any layout error), in numpy:
+    no compile."""
+    lc = LoraConfig(targets=targets, rank=rank, alpha=alpha, rslora=rslora)
     rng = np.random.RandomState(seed)
     return jax.tree_util.tree_map_with_path(
-        lambda p, x: np.asarray(x) if p[-1].key == "lora_scale" else (0.3 * rng.randn(*x.shape)).astype(np.float32), ad)
+        lambda p, sp: np.full(sp.shape, lc.scale, np.float32) if p[-1].key == "lora_scale"
+        else (0.3 * rng.randn(*sp.shape)).astype(np.float32), adapter_specs(cfg, lc), is_leaf=lambda x: isinstance(x, ParamSpec))
 
 
 def flat(tree):

@@ -275,3 +275,4 @@ def _merged(w, lora, weight, where):
 
 
 from nemo_jax.lora.checkpoint import load_adapter_checkpoint, save_adapter_checkpoint  # noqa: E402,F401
+from nemo_jax.lora.peft import load_peft, save_peft  # noqa: E402,F401
