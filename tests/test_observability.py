@@ -28,18 +28,23 @@ WANDB_ENV = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONSOLE": "
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Two finished tiny runs: `a` logs to TensorBoard and to an offline W&B run, `b` (another seed and lr) to
-    metrics.jsonl only."""
+    """Two finished tiny runs: `a` logs to TensorBoard and to an offline W&B run, `b` (other model and data
+    seeds) to metrics.jsonl only."""
     root = tmp_path_factory.mktemp("obs")
     with pytest.MonkeyPatch.context() as mp:
         for k, v in {**WANDB_ENV, "WANDB_DIR": str(root / "wandb_home")}.items():
             mp.setenv(k, v)
         a = load_config(SFTConfig, None, BASE + [f"run_dir={root / 'a'}", "name=run-a",
                                                  "logging.wandb.project=nemo-jax-tests", "logging.wandb.mode=offline"])
-        Trainer(a, quiet=True, devices=jax.devices()[:1]).run()
-        b = load_config(SFTConfig, None, BASE + [f"run_dir={root / 'b'}", "model.seed=1", "optim.lr=1e-3",
+        ta = Trainer(a, quiet=True, devices=jax.devices()[:1])
+        ta.run()
+        b = load_config(SFTConfig, None, BASE + [f"run_dir={root / 'b'}", "model.seed=1", "data.seed=1",
                                                  "logging.tensorboard=false"])
-        Trainer(b, quiet=True, devices=jax.devices()[:1]).run()
+        tb = Trainer(b, quiet=True, devices=jax.devices()[:1])
+        # same model, shapes, shardings and optimizer: reuse a's compiled steps (this file tests logging, and
+        # compiling them again would double its time)
+        tb.step_fn, tb.eval_fn = ta.step_fn, ta.eval_fn
+        tb.run()
     return {"a": str(root / "a"), "b": str(root / "b"), "root": root}
 
 
