@@ -130,6 +130,7 @@ class Trainer:
             self.eval_docs, _ = read_chat_jsonl(c.data.eval, self.tok, self.cfg.vocab_size, c.data.on_error)
         self.ckpt = RunCheckpointer(os.path.join(self.run_dir, "checkpoints"), c.checkpoint.keep,
                                     c.checkpoint.async_save)
+        self.saved_steps = set(self.ckpt.steps())
         self.flops_per_token = model_flops_per_token(self.cfg, c.data.seq_len)
         self.peak = device_peak_flops()
         self.stop_requested = False
@@ -173,8 +174,11 @@ class Trainer:
         return total / max(count, 1.0)
 
     def save(self, force: bool = False):
-        if int(self.state.step) in self.ckpt.steps():
+        # decided from what this process itself saved or found at start, never from a fresh directory listing:
+        # processes that disagreed (one seeing the primary's new step, one not) would deadlock in the save
+        if int(self.state.step) in self.saved_steps:
             return
+        self.saved_steps.add(int(self.state.step))
         if not bool(all_finite(self.state.params)):
             print("warning: parameters are not finite; checkpoint not written")
             return
@@ -321,10 +325,11 @@ def main(path: str | None, overrides=()):
         os.makedirs(run_dir, exist_ok=True)
         with open(os.path.join(run_dir, "config.yaml"), "w") as f:
             f.write(text)
-    tr = Trainer(c)
-    print(f"model: {count_params(tr.cfg):,} parameters, pattern {tr.cfg.pattern}; mesh {dict(tr.mesh.shape)}; "
-          f"run dir {run_dir}")
-    out = tr.run()
+    with distributed.failure_guard("sft"):  # a lost peer: name it, exit non-zero at once
+        tr = Trainer(c)
+        print(f"model: {count_params(tr.cfg):,} parameters, pattern {tr.cfg.pattern}; mesh {dict(tr.mesh.shape)}; "
+              f"run dir {run_dir}")
+        out = tr.run()
     summary = {k: out[k] for k in ("step", "loss", "eval_loss", "tokens_per_sec", "stopped_early") if k in out}
     print("done:", json.dumps(summary))
     return out
