@@ -145,3 +145,178 @@ def test_launch_scripts_and_manifest_schema():
                          "NEMO_JAX_CLUSTER": env["NEMO_JAX_CLUSTER"]["value"], **labels})
     assert lay(got) == (f"{m['metadata']['name']}-{rj['name']}-0-0.{m['metadata']['name']}:"
                         f"{ctr['ports'][0]['containerPort']}", nodes, nodes - 1, None)
+
+
+def test_local_run_sh_fails_fast_and_kills_the_rest(tmp_path):
+    """One process failing makes run.sh exit with its status and end the others after --grace seconds."""
+    cmd = ("if [ \"$NEMO_JAX_PROCESS_ID\" = 1 ]; then exit 7; fi; "
+           "echo \"$NEMO_JAX_COORDINATOR $NEMO_JAX_NUM_PROCESSES $JAX_PLATFORMS $XLA_FLAGS\"; exec sleep 300")
+    t0 = time.time()
+    r = subprocess.run([RUN_SH, "--processes", "3", "--devices-per-process", "2", "--grace", "1", "--",
+                        "bash", "-c", cmd], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 7 and time.time() - t0 < 20, (r.returncode, r.stdout, r.stderr)
+    assert "process 1 exited with status 7" in r.stderr
+    lines = sorted(r.stdout.splitlines())
+    assert len(lines) == 2 and all(re.fullmatch(r"\[[02]\] 127\.0\.0\.1:\d+ 3 cpu --xla_force_host_platform_device_count=2",
+                                                 ln) for ln in lines), lines
+    ok = subprocess.run([RUN_SH, "--processes", "2", "--", "bash", "-c", "exit 0"], capture_output=True, timeout=60)
+    assert ok.returncode == 0
+
+
+# ----------------------------------------------------------------------------- real processes (gloo)
+BASE = ["data.seq_len=64", "data.batch_size=8", "log_every=1", "checkpoint.async_save=false",
+        "optim.warmup_steps=2", "model.config=tiny"]
+
+
+@pytest.fixture(scope="module")
+def xla_cache(tmp_path_factory):
+    """One persistent compilation cache for every launch here: later runs skip most compiles."""
+    return tmp_path_factory.mktemp("xla_cache")
+
+
+def _env(cache, **extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NEMO_JAX_", "SLURM_", "JOB_COMPLETION"))}
+    env.update(PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(cache),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0", **extra)
+    return env
+
+
+def _launch(n, d, run_dir, args, cache, trace=None):
+    cmd = [RUN_SH, "--processes", str(n), "--devices-per-process", str(d), "--grace", "5", "--",
+           sys.executable, "-m", "nemo_jax.cli", "sft", *BASE, f"run_dir={run_dir}", *args]
+    env = _env(cache, **({"NEMO_JAX_TRACE_BATCHES": str(trace)} if trace else {}))
+    if trace:
+        os.makedirs(trace, exist_ok=True)
+    t0 = time.time()
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, f"{n}x{d} run failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    print(f"{n} process(es) x {d} devices: {time.time() - t0:.1f}s")
+    return r.stdout + r.stderr
+
+
+def _metrics(run_dir):
+    """step -> last record with a train loss; step -> eval loss."""
+    train, ev = {}, {}
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        for r in map(json.loads, f):
+            if "loss" in r:
+                train[r["step"]] = r["loss"]
+            if r.get("eval_loss") is not None:
+                ev[r["step"]] = r["eval_loss"]
+    return train, ev
+
+
+def _trace(d):
+    """(process, step) -> row digests, the last record winning (a resumed run repeats steps)."""
+    out = {}
+    for name in os.listdir(d):
+        with open(os.path.join(d, name)) as f:
+            for r in map(json.loads, f):
+                out[(r["process"], r["step"])] = r["rows"]
+    return out
+
+
+def _resume_copy(src, dst, drop_step):
+    shutil.copytree(src, dst)
+    shutil.rmtree(os.path.join(dst, "checkpoints", str(drop_step)))
+    os.remove(os.path.join(dst, "metrics.jsonl"))
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_and_checkpoints_move_between_process_counts(tmp_path, xla_cache):
+    from nemo_jax.data.chat import ASSETS, ChatTokenizer, PackedIterator, read_chat_jsonl
+
+    # a 3-document eval set: its only global batch leaves process 1's rows (4..7) empty, the uneven case
+    eval3 = tmp_path / "eval3.jsonl"
+    with open(os.path.join(ASSETS, "tiny_chat", "eval.jsonl")) as f:
+        eval3.write_text("".join(f.readlines()[:3]))
+    tok = ChatTokenizer.load("builtin:tiny")
+    docs, _ = read_chat_jsonl(str(eval3), tok, 10**9, "raise")
+    batches = list(PackedIterator(docs, 64, 8, 0, shuffle=False, repeat=False))
+    assert batches[-1]["loss_mask"][4:].sum() == 0 and batches[-1]["loss_mask"][:4].sum() > 0
+    args = ["steps=6", "checkpoint.every=3", "eval_every=3", f"data.eval={eval3}", "data.max_eval_batches=50"]
+    cache = xla_cache
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    _launch(1, 8, one, args, cache, trace=tmp_path / "trace_one")
+    out = _launch(2, 4, two, args, cache, trace=tmp_path / "trace_two")
+    assert "[process 1/2] coordinator 127.0.0.1:" in out and "global devices 8" in out
+    (l1, e1), (l2, e2) = _metrics(one), _metrics(two)
+    assert sorted(l1) == sorted(l2) == [1, 2, 3, 4, 5, 6] and sorted(e1) == sorted(e2) == [0, 3, 6]
+    for s in l1:
+        assert l2[s] == pytest.approx(l1[s], rel=1e-5), (s, l1, l2)
+    for s in e1:
+        assert e2[s] == pytest.approx(e1[s], rel=1e-5), (s, e1, e2)
+    t1, t2 = _trace(tmp_path / "trace_one"), _trace(tmp_path / "trace_two")
+    for s in range(1, 7):  # each process fed exactly its half of the 1-process global batch
+        assert t2[(0, s)] == t1[(0, s)][:4] and t2[(1, s)] == t1[(0, s)][4:]
+
+    # resume the 2-process run from its step-3 checkpoint on 2 processes: each fed the same rows as uninterrupted
+    again = tmp_path / "two_again"
+    _resume_copy(two, again, 6)
+    out = _launch(2, 4, again, args, cache, trace=tmp_path / "trace_again")
+    assert "resumed from" in out and "at step 3" in out
+    ta, (la, _) = _trace(tmp_path / "trace_again"), _metrics(again)
+    assert sorted(ta) == [(p, s) for p in (0, 1) for s in (4, 5, 6)]
+    for k, rows in ta.items():
+        assert rows == t2[k], k
+    for s in (4, 5, 6):
+        assert la[s] == pytest.approx(l2[s], rel=1e-5)
+
+    # and on 1 process with 8 devices: the run continues identically
+    solo = tmp_path / "solo"
+    _resume_copy(two, solo, 6)
+    out = _launch(1, 8, solo, args, cache)
+    assert "at step 3" in out
+    ls, es = _metrics(solo)
+    for s in (4, 5, 6):
+        assert ls[s] == pytest.approx(l1[s], rel=1e-5)
+    assert es[6] == pytest.approx(e1[6], rel=1e-5)
+
+
+def _spawn(pid, n, port, run_dir, args, cache):
+    env = _env(cache, XLA_FLAGS="--xla_force_host_platform_device_count=4", NEMO_JAX_COORDINATOR=f"127.0.0.1:{port}",
+               NEMO_JAX_NUM_PROCESSES=str(n), NEMO_JAX_PROCESS_ID=str(pid))
+    cmd = [sys.executable, "-m", "nemo_jax.cli", "sft", *BASE, f"run_dir={run_dir}", *args]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_missing_peer_and_killed_peer_fail_fast(tmp_path, xla_cache):
+    cache = xla_cache
+    # a peer that never arrives: the configured initialization_timeout, then a clear error
+    t0 = time.time()
+    p = _spawn(1, 2, _free_port(), tmp_path / "missing", ["distributed.initialization_timeout=5"], cache)
+    out, _ = p.communicate(timeout=120)
+    took = time.time() - t0
+    assert p.returncode != 0 and "not every process joined within 5s" in out, out[-2000:]
+    assert took < 5 + 40, took  # the timeout plus interpreter/jax start-up
+    print(f"missing peer detected after {took:.1f}s (timeout 5s)")
+
+    # SIGKILL of process 1 mid-run: process 0 exits non-zero naming it, well within 60 s
+    run = tmp_path / "kill"
+    port = _free_port()
+    args = ["steps=100000", "checkpoint.every=100000", "eval_every=0", "data.eval=null",
+            "distributed.heartbeat_timeout=10"]
+    procs = [_spawn(i, 2, port, run, args, cache) for i in range(2)]
+    metrics = run / "metrics.jsonl"
+    t0 = time.time()
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        assert all(q.poll() is None for q in procs) and time.time() - t0 < 400, [q.poll() for q in procs]
+        time.sleep(0.2)
+    procs[1].send_signal(signal.SIGKILL)
+    t_kill = time.time()
+    out, _ = procs[0].communicate(timeout=90)
+    detect = time.time() - t_kill
+    procs[1].wait()
+    assert procs[0].returncode not in (0, None) and detect < 60, (procs[0].returncode, detect, out[-2000:])
+    assert "lost process(es) 1" in out, out[-3000:]
+    print(f"dead peer detected after {detect:.1f}s (heartbeat_timeout 10s)")

@@ -145,7 +145,7 @@ class Trainer:
         import hashlib
 
         lo, hi = self.local_rows
-        rows = [hashlib.sha1(np.ascontiguousarray(np_batch["input_ids"][r])).hexdigest()[:16] for r in range(lo, hi)]
+        rows = [hashlib.sha1(np.ascontiguousarray(np_batch["tokens"][r])).hexdigest()[:16] for r in range(lo, hi)]
         with open(os.path.join(self.trace_dir, f"batches.{jax.process_index()}.jsonl"), "a") as f:
             f.write(json.dumps({"step": step, "process": jax.process_index(), "rows": rows}) + "\n")
 
