@@ -85,7 +85,6 @@ class DistributedSection:
     port: int = 0  # coordinator port for SLURM/Kubernetes (0: derived from the job id / 12355)
     initialization_timeout: int = 300  # seconds for every peer to join
     heartbeat_timeout: int = 30  # seconds without a heartbeat before a peer counts as lost
-    barrier_timeout: int = 300  # seconds for our own barriers
 
 
 @dataclass(frozen=True)

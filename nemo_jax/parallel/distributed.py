@@ -243,7 +243,6 @@ def initialize(settings=None, env: dict | None = None) -> Layout:
     layout = resolve(settings, env)
     timeout = int(getattr(settings, "initialization_timeout", 300))
     heartbeat = int(getattr(settings, "heartbeat_timeout", 30))
-    _STATE["barrier_timeout"] = int(getattr(settings, "barrier_timeout", 300))
     _STATE["heartbeat_timeout"] = heartbeat
     if layout.multi:
         import jax
@@ -294,24 +293,6 @@ def log_view(layout: Layout):
     print(f"[process {jax.process_index()}/{jax.process_count()}] coordinator {layout.coordinator or 'auto'} "
           f"(from {layout.source}); local devices {len(local)} [{', '.join(str(d.id) for d in local)}] "
           f"({local[0].platform}); global devices {jax.device_count()}", file=sys.stderr, flush=True)
-
-
-def barrier(name: str, timeout_s: int | None = None):
-    """A named barrier over all processes with a timeout (jax's sync_global_devices has none)."""
-    import jax
-
-    if jax.process_count() == 1:
-        return
-    from jax._src import distributed as _dist
-
-    client = _dist.global_state.client
-    t = timeout_s or _STATE.get("barrier_timeout", 300)
-    try:
-        client.wait_at_barrier(name, timeout_in_ms=t * 1000)
-    except Exception as e:  # noqa: BLE001 - re-raised naming the barrier and the timeout
-        raise RuntimeError(f"process {jax.process_index()}: barrier {name!r} not reached by every process within "
-                           f"{t}s (distributed.barrier_timeout); a peer died or hangs. JAX said: "
-                           f"{str(e).splitlines()[0][:500]}") from e
 
 
 def lost_peers(wait_s: float = 0.0) -> list[int] | None:
