@@ -22,7 +22,7 @@ import numpy as np
 
 from nemo_jax.lora import attach
 from nemo_jax.model import model as M
-from nemo_jax.model.cache import DecodeState, init_decode_state
+from nemo_jax.model.cache import DecodeState, init_decode_state, state_shardings
 
 
 @dataclass(frozen=True)
@@ -87,56 +87,126 @@ def left_pad(rows: list[list[int]], pad_id: int = 0, length: int | None = None):
     return jnp.asarray(toks), jnp.asarray(valid)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "opts"))
-def _append(params, tokens, valid, state, cfg, opts):
-    logits, state = M.forward_cached(params, tokens, valid, state, cfg, opts=opts)
-    return logits[:, -1], state
+def _mesh_of(tree):
+    """The Mesh of the first NamedSharding leaf of `tree`, or None (unsharded / single device)."""
+    for x in jax.tree.leaves(tree):
+        sh = getattr(x, "sharding", None)
+        if isinstance(sh, jax.sharding.NamedSharding) and sh.mesh.size > 1:
+            return sh.mesh
+    return None
+
+
+def _keep_sharded(state: DecodeState, cfg, mesh) -> DecodeState:
+    """Constrain a state (inside jit) to its `state_shardings`, so the donated buffers are reused in place."""
+    if mesh is None:
+        return state
+    sh = state_shardings(cfg, state.valid.shape[0], state.valid.shape[1], mesh,
+                         dtype=state.kv.k.dtype if state.kv is not None else jnp.float32)
+    return jax.lax.with_sharding_constraint(state, sh)
+
+
+def _rows_on(x, mesh):
+    """Put a [b, ...] host array on `mesh` with its rows over the batch axes (or as is without a mesh)."""
+    if mesh is None:
+        return x
+    from nemo_jax.parallel.rules import Rules
+
+    return jax.device_put(x, Rules().sharding(mesh, ("batch",) + (None,) * (x.ndim - 1), x.shape))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "opts", "mesh"), donate_argnames=("state",))
+def _append(params, tokens, valid, state, cfg, opts, mesh=None):
+    """-> (logits [b, V] at the chunk's last position, new state). `state` is donated (updated in place)."""
+    logits, state = M.forward_cached(params, tokens, valid, state, cfg, opts=opts, positions="last")
+    return logits[:, 0], _keep_sharded(state, cfg, mesh)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "opts", "mesh"), donate_argnames=("state",))
+def _append_at(params, tokens, valid, state, positions, cfg, opts, mesh=None):
+    """-> (logits [b, n, V] at chunk positions [b, n], new state). `state` is donated."""
+    logits, state = M.forward_cached(params, tokens, valid, state, cfg, opts=opts, positions=positions)
+    return logits, _keep_sharded(state, cfg, mesh)
+
+
+def _padded_positions(rows: list[list[int]], width: int, positions) -> jax.Array:
+    """positions[i] index row i's own tokens; -> [b, n] indices into the left-padded [b, width] chunk."""
+    pos = np.asarray(positions, np.int32)
+    if pos.ndim != 2 or pos.shape[0] != len(rows):
+        raise ValueError(f"positions must be [{len(rows)}, n], got shape {pos.shape}")
+    for i, r in enumerate(rows):
+        if pos.shape[1] and (pos[i].min() < 0 or pos[i].max() >= len(r)):
+            raise ValueError(f"positions of row {i} must lie in [0, {len(r)})")
+    return jnp.asarray(pos + (width - np.asarray([len(r) for r in rows], np.int32))[:, None])
+
+
+def _run_chunk(params, rows, state, cfg, opts, positions, pad_id):
+    mesh = _mesh_of(params)
+    toks, valid = left_pad(rows, pad_id)
+    toks, valid = _rows_on(toks, mesh), _rows_on(valid, mesh)
+    if positions is None:
+        return _append(params, toks, valid, state, cfg, opts, mesh)
+    at = _rows_on(_padded_positions(rows, toks.shape[1], positions), mesh)
+    return _append_at(params, toks, valid, state, at, cfg, opts, mesh)
 
 
 def prefill(params, prompts: list[list[int]], cfg, max_len: int, *, opts: M.Options = M.Options(),
-            adapters=None, pad_id: int = 0):
-    """Left-pad prompts, run them through an empty state of capacity `max_len`. -> (last logits [b, V], state)."""
+            adapters=None, pad_id: int = 0, positions=None):
+    """Left-pad prompts, run them through an empty state of capacity `max_len`.
+
+    -> (last logits [b, V], state); with `positions` ([b, n], indices into each prompt's own tokens, e.g. to
+    score a given continuation) -> (logits [b, n, V] there, state). The lm_head runs only at those positions.
+    On sharded params the state is created in its `state_shardings` on their mesh.
+    """
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
-    toks, valid = left_pad(prompts, pad_id)
-    if toks.shape[1] > max_len:
-        raise ValueError(f"prompt length {toks.shape[1]} exceeds max_len {max_len}")
-    state = init_decode_state(cfg, len(prompts), max_len, opts.dtype)
-    return _append(attach(params, adapters), toks, valid, state, cfg, opts)
+    n = max(len(p) for p in prompts)
+    if n > max_len:
+        raise ValueError(f"prompt length {n} exceeds max_len {max_len}")
+    p = attach(params, adapters)
+    state = init_decode_state(cfg, len(prompts), max_len, opts.dtype, mesh=_mesh_of(p))
+    return _run_chunk(p, prompts, state, cfg, opts, positions, pad_id)
 
 
 def append(params, state: DecodeState, rows: list[list[int]], cfg, *, opts: M.Options = M.Options(), adapters=None,
-           pad_id: int = 0):
-    """Continue a decode state with more tokens per row (rows may differ in length; empty rows add nothing)."""
-    toks, valid = left_pad(rows, pad_id)
-    if int(state.pos) + toks.shape[1] > state.max_len:
-        raise ValueError(f"state holds {state.max_len} positions; {int(state.pos)} used, {toks.shape[1]} more asked")
-    return _append(attach(params, adapters), toks, valid, state, cfg, opts)
+           pad_id: int = 0, positions=None):
+    """Continue a decode state with more tokens per row (rows may differ in length; empty rows add nothing).
+
+    `state` is donated: it is updated in place and must not be used afterwards (use the returned one).
+    -> (last logits [b, V], state), or with `positions` [b, n] (into each row's new tokens) logits [b, n, V]."""
+    n = max(1, max(len(r) for r in rows))
+    if int(state.pos) + n > state.max_len:
+        raise ValueError(f"state holds {state.max_len} positions; {int(state.pos)} used, {n} more asked")
+    return _run_chunk(attach(params, adapters), rows, state, cfg, opts, positions, pad_id)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "opts", "sp"))
-def _decode_and_sample(params, logits, state, done, key, cfg, opts, sp):
+@functools.partial(jax.jit, static_argnames=("cfg", "opts", "sp", "mesh"), donate_argnames=("state",))
+def _decode_and_sample(params, logits, state, done, key, cfg, opts, sp, mesh=None):
     tok, lp = sample_token(logits, key, sp)
     stop = jnp.isin(tok, jnp.asarray(sp.stop_token_ids, jnp.int32)) if sp.stop_token_ids else jnp.zeros_like(done)
-    new_logits, state = M.forward_cached(params, tok[:, None], (~done)[:, None], state, cfg, opts=opts)
-    return tok, lp, stop, new_logits[:, -1], state
+    new_logits, state = M.forward_cached(params, tok[:, None], (~done)[:, None], state, cfg, opts=opts,
+                                         positions="last")
+    return tok, lp, stop, new_logits[:, 0], _keep_sharded(state, cfg, mesh)
 
 
 def decode_step(params, token, state, cfg, *, opts: M.Options = M.Options(), active=None):
-    """Append one token per row ([b]); rows with active=False append nothing. -> (logits [b, V], state)."""
+    """Append one token per row ([b]); rows with active=False append nothing. `state` is donated.
+    -> (logits [b, V], state)."""
     active = jnp.ones(token.shape, bool) if active is None else active
-    return _append(params, token[:, None], active[:, None], state, cfg, opts)
+    return _append(params, token[:, None], active[:, None], state, cfg, opts, _mesh_of(params))
 
 
 def generate(params, prompts: list[list[int]], cfg, sp: SamplingParams = SamplingParams(), *, key=None,
              opts: M.Options = M.Options(), adapters=None, state: DecodeState | None = None, last_logits=None,
              max_len: int | None = None, on_token=None) -> Generation:
-    """Sample continuations. With `state` (+ `last_logits`) continue it instead of prefilling `prompts`.
+    """Sample continuations. With `state` (+ `last_logits`) continue it instead of prefilling `prompts`
+    (the state is donated: use `Generation.state` afterwards). On sharded params (a mesh) the decode state is
+    sharded too (rows over the batch axes, KV heads over `tensor`) and every step updates it in place.
 
     on_token(step, tokens [b], done [b]) is called as tokens come (for streaming).
     """
     key = jax.random.key(0) if key is None else key
     p = attach(params, adapters)
+    mesh = _mesh_of(p)
     if state is None:
         max_len = max_len or (max(len(x) for x in prompts) + sp.max_new_tokens)
         last_logits, state = prefill(p, prompts, cfg, max_len, opts=opts)
@@ -146,11 +216,11 @@ def generate(params, prompts: list[list[int]], cfg, sp: SamplingParams = Samplin
     if int(state.pos) + sp.max_new_tokens > state.max_len:
         raise ValueError(f"max_new_tokens={sp.max_new_tokens} does not fit the state ({state.max_len} positions, "
                          f"{int(state.pos)} used)")
-    done = jnp.zeros((b,), bool)
+    done = _rows_on(jnp.zeros((b,), bool), mesh)
     toks, lps, stops = [], [], []
     for i in range(sp.max_new_tokens):
         key, sub = jax.random.split(key)
-        tok, lp, stop, last_logits, state = _decode_and_sample(p, last_logits, state, done, sub, cfg, opts, sp)
+        tok, lp, stop, last_logits, state = _decode_and_sample(p, last_logits, state, done, sub, cfg, opts, sp, mesh)
         toks.append(tok)
         lps.append(lp)
         stops.append(stop & ~done)

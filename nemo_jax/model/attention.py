@@ -49,6 +49,32 @@ def _attend_blocked(q, k, v, segment_ids, dtype, block: int):
     return jnp.concatenate(outs, axis=1)
 
 
+def _cached_mask(valid_cache, pos, start, l: int):
+    """Mask [b, l, S] of chunk queries at positions pos + start + [0, l) over cache slots: causal and valid."""
+    S = valid_cache.shape[1]
+    causal = jnp.arange(S)[None, :] <= (pos + start + jnp.arange(l))[:, None]  # [l, S]
+    return causal[None] & valid_cache[:, None, :]
+
+
+def _attend_cached_blocked(q, kc, vc, valid_cache, pos, dtype, block: int):
+    """Cached `_attend` in query blocks: q [b, l, kv, r, hd] over the whole cache kc/vc [b, S, kv, hd]; one
+    block of `block` queries at a time (`lax.map`), so the logits held are [b, heads, block, S], not
+    [b, heads, l, S]: prefill memory grows linearly in the prompt length. -> [b, l, kv*r*hd]."""
+    b, l = q.shape[:2]
+    if l <= block:
+        return _attend(q, kc, vc, _cached_mask(valid_cache, pos, 0, l), dtype)
+    n = -(-l // block)
+    qp = jnp.pad(q, ((0, 0), (0, n * block - l)) + ((0, 0),) * (q.ndim - 2))
+    qb = jnp.moveaxis(qp.reshape((b, n, block) + q.shape[2:]), 1, 0)  # [n, b, block, kv, r, hd]
+
+    def one(args):
+        qi, i = args
+        return _attend(qi, kc, vc, _cached_mask(valid_cache, pos, i * block, block), dtype)
+
+    out = jax.lax.map(one, (qb, jnp.arange(n, dtype=jnp.int32)))  # [n, b, block, kv*r*hd]
+    return jnp.moveaxis(out, 0, 1).reshape(b, n * block, -1)[:, :l]
+
+
 IMPLEMENTATIONS = ("blocked", "full")
 BLOCK = 128  # query rows per block (1x1024 on CPU: fwd+bwd ~150 ms vs ~300 ms for the full form)
 MAX_BLOCKS = 16  # longer sequences get larger blocks, so the unrolled blocks (and compile time) stay bounded
@@ -59,7 +85,8 @@ def attention(p: dict, u: jax.Array, cfg, dtype, *, segment_ids=None, cache: KVC
     """u [b, l, D] -> (out [b, l, D], new KVCache or None).
 
     Training (no cache): `impl` "blocked" runs query blocks of `block` rows over their key prefixes; "full"
-    is the plain [l, l] masked reference. With `cache`: the chunk's keys/values are written at
+    is the plain [l, l] masked reference. With `cache`: "blocked" attends `block` queries at a time over the
+    cache (`_attend_cached_blocked`), "full" the whole chunk at once (reference). The chunk's keys/values are written at
     [pos, pos+l); `valid_cache` [b, S] is the validity of every cache slot *after* the write (the caller owns
     it, shared by all layers).
     """
@@ -74,10 +101,10 @@ def attention(p: dict, u: jax.Array, cfg, dtype, *, segment_ids=None, cache: KVC
     else:
         kc = jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), (0, pos, 0, 0))
         vc = jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), (0, pos, 0, 0))
-        S = kc.shape[1]
-        causal = jnp.arange(S)[None, :] <= (pos + jnp.arange(l))[:, None]  # [l, S]
-        mask = causal[None] & valid_cache[:, None, :]
-        out = _attend(q, kc.astype(dtype), vc.astype(dtype), mask, dtype)
+        if impl == "blocked":
+            out = _attend_cached_blocked(q, kc.astype(dtype), vc.astype(dtype), valid_cache, pos, dtype, block)
+        else:
+            out = _attend(q, kc.astype(dtype), vc.astype(dtype), _cached_mask(valid_cache, pos, 0, l), dtype)
         new_cache = KVCache(kc, vc)
     return linear(out, p["o_proj"], dtype), new_cache
 

@@ -34,18 +34,51 @@ class DecodeState(NamedTuple):
         return out
 
 
-def init_decode_state(cfg, batch: int, max_len: int, dtype=jnp.float32) -> DecodeState:
+# Logical axes of each state leaf (see nemo_jax.parallel.rules): rows over the batch axes, KV heads and the
+# conv channels over `tensor`, the SSM state over its heads (`ssm_heads` -> `tensor` here, see state_shardings).
+STATE_AXES = {
+    "conv": ("layers", "batch", None, "mamba_conv"),  # [nM, b, K-1, C]
+    "ssm": ("layers", "batch", "ssm_heads", None, None),  # [nM, b, H, P, N]
+    "kv": ("layers", "batch", None, "kv_heads", None),  # [nA, b, S, nkv, hd]
+    "valid": ("batch", None),  # [b, S]
+    "pos": (),
+}
+
+
+def state_shapes(cfg, batch: int, max_len: int, dtype=jnp.float32) -> DecodeState:
+    """The state as a tree of ShapeDtypeStructs (no allocation)."""
     counts = cfg.kind_counts()
     nM, nA = counts.get("mamba", 0), counts.get("attention", 0)
+    sds = jax.ShapeDtypeStruct
     mamba = None
     if nM:
-        mamba = MambaState(
-            jnp.zeros((nM, batch, cfg.conv_kernel - 1, cfg.conv_dim), dtype),
-            jnp.zeros((nM, batch, cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size), jnp.float32),
-        )
+        mamba = MambaState(sds((nM, batch, cfg.conv_kernel - 1, cfg.conv_dim), dtype),
+                           sds((nM, batch, cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size), jnp.float32))
     kv = None
     if nA:
         shape = (nA, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
-        kv = KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
-    return DecodeState(mamba, kv, jnp.zeros((batch, max_len), bool), jnp.zeros((), jnp.int32))
+        kv = KVCache(sds(shape, dtype), sds(shape, dtype))
+    return DecodeState(mamba, kv, sds((batch, max_len), jnp.bool_), sds((), jnp.int32))
 
+
+def state_shardings(cfg, batch: int, max_len: int, mesh, rules=None, dtype=jnp.float32) -> DecodeState:
+    """NamedShardings of the state on `mesh`: rows over (data, fsdp, expert), KV heads and conv channels over
+    `tensor`, the SSM state over its heads on `tensor`. An axis that does not divide a dimension is dropped."""
+    from nemo_jax.parallel.rules import Rules
+
+    rules = (rules or Rules()).with_overrides(ssm_heads="tensor")
+    sh = state_shapes(cfg, batch, max_len, dtype)
+    f = lambda x, axes: rules.sharding(mesh, axes, x.shape)
+    mamba = None if sh.mamba is None else MambaState(f(sh.mamba[0], STATE_AXES["conv"]),
+                                                     f(sh.mamba[1], STATE_AXES["ssm"]))
+    kv = None if sh.kv is None else KVCache(f(sh.kv.k, STATE_AXES["kv"]), f(sh.kv.v, STATE_AXES["kv"]))
+    return DecodeState(mamba, kv, f(sh.valid, STATE_AXES["valid"]), f(sh.pos, ()))
+
+
+def init_decode_state(cfg, batch: int, max_len: int, dtype=jnp.float32, mesh=None, rules=None) -> DecodeState:
+    """An empty state; with `mesh`, created directly in its `state_shardings` (never whole on one device)."""
+    sh = state_shapes(cfg, batch, max_len, dtype)
+    zeros = lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), sh)
+    if mesh is None:
+        return zeros()
+    return jax.jit(zeros, out_shardings=state_shardings(cfg, batch, max_len, mesh, rules, dtype))()

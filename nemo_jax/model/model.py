@@ -343,11 +343,27 @@ def _summarise_aux(aux: dict) -> dict:
 
 
 def forward_cached(params: dict, tokens: jax.Array, valid: jax.Array, state: DecodeState, cfg, *,
-                   opts: Options = Options()):
+                   opts: Options = Options(), positions=None):
     """Append a chunk to a decode state. tokens/valid [b, l] (padding only on the left of the chunk).
 
-    Returns (logits [b, l, V] fp32, new state). Prefill = this on an empty state; decode = l == 1.
+    positions: None -> logits at every position [b, l, V] fp32 (the reference); "last" -> [b, 1, V] for the
+    chunk's last position; an int array [b, n] of chunk positions -> [b, n, V]. The lm_head runs only where
+    logits are returned, so a long prefill never holds [b, l, V]. Returns (logits, new state).
+    Prefill = this on an empty state; decode = l == 1.
     """
+    h, new = hidden_cached(params, tokens, valid, state, cfg, opts=opts)
+    if isinstance(positions, str):
+        if positions != "last":
+            raise ValueError(f"positions: {positions!r} is not 'last', None or an index array")
+        h = h[:, -1:]
+    elif positions is not None:
+        h = jnp.take_along_axis(h, jnp.asarray(positions, jnp.int32)[..., None], axis=1)
+    return logits_from_hidden(h, params["lm_head"]), new
+
+
+def hidden_cached(params: dict, tokens: jax.Array, valid: jax.Array, state: DecodeState, cfg, *,
+                  opts: Options = Options()):
+    """`forward_cached` without the lm_head: -> (final-normed hidden [b, l, D] in opts.dtype, new state)."""
     l = tokens.shape[1]
     valid = valid.astype(bool)
     valid_cache = jax.lax.dynamic_update_slice(state.valid, valid, (0, state.pos))
@@ -355,5 +371,4 @@ def forward_cached(params: dict, tokens: jax.Array, valid: jax.Array, state: Dec
     h = embed(params["embeddings"], tokens, opts.dtype)
     h, caches, _ = run_layers(params["layers"], h, cfg.layer_kinds, ctx, state.layer_caches())
     h = rms_norm(h, params["norm_f"]["scale"], cfg.layer_norm_epsilon)
-    new = DecodeState(caches.get("mamba"), caches.get("attention"), valid_cache, state.pos + l)
-    return logits_from_hidden(h, params["lm_head"]), new
+    return h, DecodeState(caches.get("mamba"), caches.get("attention"), valid_cache, state.pos + l)
