@@ -1,4 +1,4 @@
-"""`nemo-jax` command line: sft, generate, plot, import-hf, export-hf, lora, forward."""
+"""`nemo-jax` command line: sft, generate, plot, import-hf, export-hf, merge, lora, forward."""
 
 from __future__ import annotations
 
@@ -44,6 +44,20 @@ def cmd_export_hf(a):
     save_pretrained(cfg, params, a.dst, max_shard_size=a.max_shard_size, dtypes=dtypes, tokenizer_dir=a.src,
                     progress=True)
     print(f"exported {a.src} -> {a.dst}")
+
+
+def cmd_merge(a):
+    from nemo_jax.merge import load_recipe, run_recipe, summary
+
+    recipe = load_recipe(a.recipe, a.overrides)
+    src = run_recipe(recipe, progress=True)
+    print(summary(src.stats))
+    if a.report:
+        from nemo_jax.merge import stats_table
+
+        with open(a.report, "w") as f:
+            f.write(stats_table(src.stats))
+    print(f"merged {len(recipe.models)} models -> {recipe.output}")
 
 
 def cmd_lora_export(a):
@@ -171,6 +185,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="merge this LoRA adapter set (PEFT dir, adapter checkpoint or LoRA SFT run dir) into the "
                         "written weights, times WEIGHT (default 1); repeatable")
     s.set_defaults(fn=cmd_export_hf)
+
+    s = sub.add_parser("merge", help="merge checkpoints (HF or native) by a YAML recipe of per-tensor rules")
+    s.add_argument("recipe", metavar="RECIPE.yaml")
+    s.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. output=runs/m rules.1.linear.sft=0.3")
+    s.add_argument("--report", default=None, help="also write every tensor's change norm and survival here (TSV)")
+    s.set_defaults(fn=cmd_merge)
 
     s = sub.add_parser("lora", help="LoRA adapters: export to / import from PEFT (vLLM) adapter directories")
     lsub = s.add_subparsers(dest="lora_cmd", required=True)

@@ -270,9 +270,10 @@ def test_streaming_import_export_by_chunks(tmp_path, monkeypatch, chunk_bytes):
     stacked leaf); what orbax restores equals the in-memory load, and exports from it (and from an orbax
     `save_model` checkpoint) reproduce the original bytes and dtypes."""
     import nemo_jax.checkpoint as C
+    import nemo_jax.tensorio as T
     from nemo_jax.hf.io import import_pretrained
 
-    monkeypatch.setattr(C, "CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr(T, "CHUNK_BYTES", chunk_bytes)
     model = make_hf_model("nano_like", seed=4).to(torch.bfloat16)
     model.save_pretrained(tmp_path / "hf", max_shard_size="40KB")
     original = tensors(tmp_path / "hf")

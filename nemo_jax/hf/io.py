@@ -196,14 +196,14 @@ def import_pretrained(path: str, dst: str, dtype=None, *, ignore_unexpected: boo
     whole storage chunks of its leaf, so memory holds a few chunks (`CHUNK_BYTES` each), never a tensor or a
     stacked leaf. The output appears at `dst` only when complete.
     """
-    from nemo_jax.checkpoint import CHUNK_BYTES, NativeWriter
+    from nemo_jax import tensorio
 
     cfg, reader, by_leaf = _open_checked(path, ignore_unexpected, config_overrides)
     specs = leaf_specs(cfg)
     total = sum(int(np.prod(e.hf_shape)) * ST_DTYPES[reader.tensors[e.hf_name][2]].itemsize
                 for es in by_leaf.values() for e in es)
     with atomic_dir(dst) as tmp:
-        writer = NativeWriter(os.path.join(tmp, "params"))
+        writer = tensorio.NativeWriter(os.path.join(tmp, "params"))
         bar = _bar(progress, total, "B", "import", unit_scale=True)
         jobs = []  # (target array, region, entry, HF row block, dtype) in file-friendly order
         for leaf, spec in specs.items():
@@ -212,7 +212,7 @@ def import_pretrained(path: str, dst: str, dtype=None, *, ignore_unexpected: boo
             lead = len(entries[0].index)
             inner = spec.shape[lead:]
             axis = row_axis(entries[0].transform, len(inner))
-            rows = _block_rows(inner, axis, dt.itemsize, CHUNK_BYTES)
+            rows = _block_rows(inner, axis, dt.itemsize, tensorio.CHUNK_BYTES)
             chunks = (1,) * lead + tuple(rows if k == axis else n for k, n in enumerate(inner))
             arr = writer.create(leaf, spec.shape, dt, chunks)
             jobs += [(arr, region, e, block, dt) for e in entries for block, region in _row_blocks(e, inner, axis, rows)]
@@ -388,7 +388,7 @@ def save_pretrained(cfg: NemotronHConfig, params: dict, path: str, max_shard_siz
 
 class ArraySource:
     """In-memory params as a region source (the interface `save_pretrained` reads, like
-    `nemo_jax.checkpoint.NativeReader`): `src[path]` has shape/dtype, `src.read(path, region)` gives numpy.
+    `nemo_jax.tensorio.NativeReader`): `src[path]` has shape/dtype, `src.read(path, region)` gives numpy.
     The two most recently read leaves are kept on the host (thread-safe)."""
 
     def __init__(self, params):
@@ -411,7 +411,9 @@ class ArraySource:
 
 
 def _write_shard(fp: str, shard, src, bar):
-    from nemo_jax.checkpoint import CHUNK_BYTES
+    """Write one safetensors shard. `src` is a region source over our leaves; one that also has
+    `read_hf(entry, hf_row_slices)` (e.g. the merge engine) hands over HF-layout rows directly."""
+    from nemo_jax.tensorio import CHUNK_BYTES
 
     header, off = {"__metadata__": {"format": "pt"}}, 0
     for e, dt in shard:
@@ -429,12 +431,13 @@ def _write_shard(fp: str, shard, src, bar):
         # HF rows r0:r1 are a region of our leaf; read along the storage chunks so each decodes once
         c = src.chunks(e.path)[lead + axis] if inner else 1
         rows = n if c >= n else c * max(1, _block_rows(inner, axis, dt.itemsize, CHUNK_BYTES) // c)
-        jobs += [(e, dt, region) for _, region in _row_blocks(e, inner, axis, rows)]
+        jobs += [(e, dt, block, region) for block, region in _row_blocks(e, inner, axis, rows)]
+    read_hf = getattr(src, "read_hf", None)
 
     def hf_rows(job):
-        e, dt, region = job
-        x = to_hf_layout(src.read(e.path, region), e.transform).astype(dt, copy=False)
-        return np.ascontiguousarray(x)
+        e, dt, block, region = job
+        x = read_hf(e, block) if read_hf else to_hf_layout(src.read(e.path, region), e.transform)
+        return np.ascontiguousarray(x.astype(dt, copy=False))
 
     with open(fp, "wb") as f:
         f.write(struct.pack("<Q", len(hb)))
