@@ -223,7 +223,7 @@ class MergeSource:
     def _compute(self, rule: Rule, e: Entry, block: tuple, get, ref) -> np.ndarray:
         k = rule.kind
         if k == "take":
-            return ops.f32(get(rule.model)).copy()
+            return np.array(get(rule.model), dtype=np.float32)
         if k == "linear":
             return ops.linear([get(n) for n in rule.weights], list(rule.weights.values()))
         if k == "task_arithmetic":

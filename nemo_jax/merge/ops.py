@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 F32 = np.float32
+_STAT_BLOCK = 1 << 20
 
 
 def f32(x) -> np.ndarray:
@@ -23,8 +24,10 @@ def f32(x) -> np.ndarray:
 def linear(xs, weights) -> np.ndarray:
     """sum_i w_i x_i."""
     out = np.zeros(np.shape(xs[0]), F32)
-    for x, w in zip(xs, weights):
-        out += F32(w) * f32(x)
+    for x, w in zip(xs, weights):  # in place: memory for the output and one fp32 temporary
+        t = np.array(x, dtype=F32)
+        t *= F32(w)
+        out += t
     return out
 
 
@@ -32,8 +35,11 @@ def task_arithmetic(base, xs, weights) -> np.ndarray:
     """base + sum_i w_i (x_i - base)."""
     b = f32(base)
     out = b.copy()
-    for x, w in zip(xs, weights):
-        out += F32(w) * (f32(x) - b)
+    for x, w in zip(xs, weights):  # in place: memory for base, output and one fp32 temporary
+        t = np.array(x, dtype=F32)
+        t -= b
+        t *= F32(w)
+        out += t
     return out
 
 
@@ -119,10 +125,15 @@ def finish(merged: np.ndarray, ref, dtype) -> tuple[np.ndarray, float, float]:
     """Round `merged` (fp32) once to `dtype` -> (rounded, sum of squares of the change against `ref`,
     sum of squares of the change that survived the rounding)."""
     out = merged.astype(dtype, copy=False)
-    r = f32(ref)
-    change = merged - r
-    kept = f32(out) - r
-    return out, float(np.vdot(change, change)), float(np.vdot(kept, kept))
+    m, o, r = merged.reshape(-1), out.reshape(-1), np.asarray(ref).reshape(-1)
+    change = kept = 0.0
+    for i in range(0, m.size, _STAT_BLOCK):  # in slices: the statistics need little extra memory
+        ri = f32(r[i:i + _STAT_BLOCK])
+        c = m[i:i + _STAT_BLOCK] - ri
+        k = f32(o[i:i + _STAT_BLOCK]) - ri
+        change += float(np.vdot(c, c))
+        kept += float(np.vdot(k, k))
+    return out, change, kept
 
 
 # --------------------------------------------------------------------------- pytrees

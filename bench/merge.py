@@ -1,0 +1,129 @@
+"""Streaming merge speed and memory: `nemo-jax merge` of three synthetic HF checkpoints (random bf16 tensors
+shaped like a scaled-down Nano 3, >= 4 GB each) with the QK-restore recipe plus a task vector, as a ratio to
+reading all three inputs and writing the output once with plain file copies, and peak RSS as a ratio to the
+largest single tensor. Goal: time <= 1.5x, RSS <= 2x the largest tensor + 1 GB.
+
+    python bench/merge.py [--dir /tmp/merge_bench] [--keep]
+"""
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import common
+import ml_dtypes
+import numpy as np
+from convert import synth_config
+
+from nemo_jax.hf.mapping import build_table
+
+CHILD = r"""
+import sys, time, json
+t0 = time.perf_counter()
+from nemo_jax.cli import main
+main(["merge"] + sys.argv[1:])
+hwm = [int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM")][0]
+print(json.dumps({"seconds": time.perf_counter() - t0, "peak_rss": hwm}))
+"""
+
+RECIPE = """\
+output: {out}
+models: {{base: {d}/base, sft: {d}/sft, rl: {d}/rl}}
+rules:
+  - match: '\\.mixer\\.(q_proj|k_proj)\\.weight$'   # QK-restore
+    take: base
+  - match: '.*'                                      # SFT and RL task vectors on the base
+    task_arithmetic: {{sft: 0.5, rl: 0.3}}
+"""
+
+
+def write_checkpoint(cfg, path, seed, shard_bytes=1 << 30) -> tuple[int, int]:
+    """Random finite bf16 tensors (the fp32 correction bias as fp32), sharded with an index."""
+    from safetensors.numpy import save_file
+
+    os.makedirs(path, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    shards, cur, size, weight_map = [], {}, 0, {}
+
+    def flush():
+        nonlocal cur, size
+        if cur:
+            name = f"model-{len(shards) + 1:05d}.safetensors"
+            save_file(cur, os.path.join(path, name), metadata={"format": "pt"})
+            shards.append(name)
+            weight_map.update({k: name for k in cur})
+            cur, size = {}, 0
+
+    table = build_table(cfg)
+    for e in table:
+        n = int(np.prod(e.hf_shape))
+        bits = rng.integers(0, 1 << 16, n, dtype=np.uint16) & np.uint16(0xBFFF)  # finite, |x| < 2
+        arr = bits.view(ml_dtypes.bfloat16).reshape(e.hf_shape)
+        if "correction_bias" in e.hf_name:
+            arr = arr.astype(np.float32)
+        if size + arr.nbytes > shard_bytes:
+            flush()
+        cur[e.hf_name] = arr
+        size += arr.nbytes
+    flush()
+    total = sum(os.path.getsize(os.path.join(path, s)) for s in shards)
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg.to_hf_dict(), f)
+    return total, max(int(np.prod(e.hf_shape)) * 2 for e in table)
+
+
+def timed_copies(d: str) -> float:
+    """Read every input once and write one output's bytes: `cp -r base` (+ sync) and `cat` of the others."""
+    subprocess.run(["sync"])
+    t0 = time.perf_counter()
+    subprocess.run(["cp", "-r", os.path.join(d, "base"), os.path.join(d, "copy")], check=True)
+    for m in ("sft", "rl"):
+        subprocess.run(f"cat {os.path.join(d, m)}/*.safetensors > /dev/null", shell=True, check=True)
+    subprocess.run(["sync"])
+    dt = time.perf_counter() - t0
+    shutil.rmtree(os.path.join(d, "copy"))
+    subprocess.run(["sync"])
+    return dt
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dir", default="/tmp/merge_bench")
+    ap.add_argument("--keep", action="store_true")
+    a = ap.parse_args()
+    shutil.rmtree(a.dir, ignore_errors=True)
+    cfg = synth_config()
+    try:
+        sizes = [write_checkpoint(cfg, os.path.join(a.dir, m), seed) for seed, m in enumerate(("base", "sft", "rl"))]
+        total, largest = sizes[0]
+        recipe = os.path.join(a.dir, "recipe.yaml")
+        with open(recipe, "w") as f:
+            f.write(RECIPE.format(out=os.path.join(a.dir, "merged"), d=a.dir))
+        t_copy = timed_copies(a.dir)
+        subprocess.run(["sync"])
+        out = subprocess.run([sys.executable, "-c", CHILD, recipe], capture_output=True, text=True)
+        if out.returncode:
+            raise SystemExit(out.stderr[-3000:])
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+        subprocess.run(["sync"])
+        print(f"inputs: 3 x {total / 1e9:.2f} GB, largest tensor {largest / 2**20:.0f} MiB; recipe: QK-restore + "
+              "task vectors (base + 0.5 (sft - base) + 0.3 (rl - base)), fp32 math, bf16 out")
+        common.table([{"step": "merge", "seconds": f"{r['seconds']:.1f}", "copies": f"{t_copy:.1f}",
+                       "time / copies": f"{r['seconds'] / t_copy:.2f}x", "goal time": "<= 1.50x",
+                       "peak RSS": f"{r['peak_rss'] / 2**30:.2f} GiB",
+                       "RSS / largest tensor": f"{r['peak_rss'] / largest:.2f}x",
+                       "goal RSS": f"<= {(2 * largest + 2**30) / 2**30:.2f} GiB"}])
+        print("\n".join(out.stdout.strip().splitlines()[:-1][-12:]))
+    finally:
+        if not a.keep:
+            shutil.rmtree(a.dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
