@@ -1,7 +1,7 @@
 """Streaming Hugging Face (safetensors, `model_type: nemotron_h`) checkpoint reading and writing.
 
 Reading goes tensor slice by tensor slice through the safetensors library (never pickle): each of our
-leaves is built with `jax.make_array_from_callback`, so with a mesh each device reads only its own shard.
+leaves is read once per host (the region its local devices hold) and its pieces handed to those devices.
 Writing streams one tensor at a time into safetensors shards (the format is a JSON header and raw bytes),
 inside a temporary directory that is renamed into place only when complete.
 """
@@ -173,16 +173,25 @@ def load_pretrained(path: str, dtype=None, mesh=None, rules=None, *, ignore_unex
 
     dtype None keeps each tensor's dtype from the safetensors header (a stacked leaf whose sources
     disagree takes their promoted type). With `mesh` (and `rules`, default `Rules()`), every leaf is placed
-    straight into its `NamedSharding`, each device reading only its slice.
+    straight into its `NamedSharding`: the part of it this process's devices hold is read once (each byte
+    about once per host) and sliced for them; reading the next leaf overlaps placing this one (host memory:
+    about two leaves' local parts).
     """
     cfg, reader, by_leaf = _open_checked(path, ignore_unexpected, config_overrides)
     specs = leaf_specs(cfg)
     sharding_for = _sharding_fn(mesh, rules)
     flat = {}
     bar = _bar(progress, len(specs), "tensors", "import")
-    for path_, spec in specs.items():
-        entries = by_leaf[path_]
-        flat[path_] = _build_leaf(reader, spec.shape, entries, _leaf_dtype(reader, entries, dtype), sharding_for(spec))
+
+    def read(item):  # on a worker thread, one leaf ahead of the placement below
+        path_, spec = item
+        entries, sh = by_leaf[path_], sharding_for(spec)
+        region = _local_region(spec.shape, sh)
+        return path_, spec, sh, region, _read_region(reader, spec.shape, entries, _leaf_dtype(reader, entries, dtype),
+                                                     region)
+
+    for path_, spec, sh, region, host in _pipelined(read, list(specs.items()), depth=1):
+        flat[path_] = _place(host, region, spec.shape, sh)
         bar.update(1)
     bar.close()
     return cfg, _unflatten(flat, cfg)
@@ -263,22 +272,49 @@ def _block_rows(inner: tuple, axis: int, itemsize: int, target: int) -> int:
     return max(1, min(inner[axis], target // max(1, row)))
 
 
-def _build_leaf(reader: HFReader, shape, entries: list[Entry], dtype, sharding):
+def _local_region(shape, sharding) -> tuple:
+    """The bounding box (slices of `shape`) of every shard this process's devices hold."""
+    idx = list(sharding.addressable_devices_indices_map(tuple(shape)).values())
+    out = []
+    for d, n in enumerate(shape):
+        rs = [range(*(i[d] if d < len(i) else slice(None)).indices(n)) for i in idx]
+        out.append(slice(min(r.start for r in rs), max(r.stop for r in rs)))
+    return tuple(out)
+
+
+def _read_region(reader: HFReader, shape, entries: list[Entry], dtype, region: tuple) -> np.ndarray:
+    """Our leaf's `region` (slices of `shape`) as one host array, reading each HF tensor's part of it once:
+    the HF rows the region covers (one contiguous byte range per tensor), re-laid out and cut to the region."""
     lead = len(entries[0].index)
     where = {e.index: e for e in entries}
+    ranges = [range(*sl.indices(n)) for sl, n in zip(region[:lead], shape[:lead])]
+    inner = region[lead:]
+    out = np.empty([len(range(*sl.indices(n))) for sl, n in zip(region, shape)], dtype)
+    for pos in np.ndindex(*[len(r) for r in ranges]):
+        e = where[tuple(r[i] for r, i in zip(ranges, pos))]
+        out[pos] = from_hf_layout(reader.read(e.hf_name, _hf_slices(inner, e.transform)), e.transform).astype(dtype)
+    return out
+
+
+def _place(host: np.ndarray, region: tuple, shape, sharding):
+    """A host array holding `region` of a `shape` leaf -> the jax.Array in `sharding`: each local device gets
+    its slice of the host array (no further reads)."""
+    off = [sl.start for sl in region]
 
     def cb(index):
         index = tuple(index) + (slice(None),) * (len(shape) - len(index))
-        ranges = [range(*sl.indices(n)) for sl, n in zip(index[:lead], shape[:lead])]
-        inner = index[lead:]
-        rest_shape = shape[lead:]
-        out = np.empty([len(r) for r in ranges] + [len(range(*s.indices(n))) for s, n in zip(inner, rest_shape)], dtype)
-        for pos in np.ndindex(*[len(r) for r in ranges]):
-            e = where[tuple(r[i] for r, i in zip(ranges, pos))]
-            out[pos] = from_hf_layout(reader.read(e.hf_name, _hf_slices(inner, e.transform)), e.transform).astype(dtype)
-        return out
+        return host[tuple(slice(r.start - o, r.stop - o) for r, o in
+                          zip((range(*sl.indices(n)) for sl, n in zip(index, shape)), off))]
 
     return jax.make_array_from_callback(tuple(shape), sharding, cb)
+
+
+def _build_leaf(reader: HFReader, shape, entries: list[Entry], dtype, sharding):
+    """One leaf in `sharding`: the region this process's devices need is read once (`_read_region`) and its
+    pieces handed to the devices, so every checkpoint byte is read about once per host however the leaf is
+    sharded (reading per device re-read whole HF rows once per device)."""
+    region = _local_region(shape, sharding)
+    return _place(_read_region(reader, shape, entries, dtype, region), region, shape, sharding)
 
 
 def _hf_slices(inner: tuple, transform: str) -> tuple:
