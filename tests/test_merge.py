@@ -247,6 +247,7 @@ def _mismatched(tmp_path, **kw):
 @pytest.mark.parametrize("case, message", [
     ("shape", r"model 'sft'.*tensor '.*' has shape"),
     ("names", r"model 'sft'.*missing tensor 'mtp\."),
+    ("native_names", r"model 'sft'.*lacks tensor 'mtp/0/"),
     ("unmatched", r"rules\[1\] \(match 'nothing_like_this'\) matches nothing \(no tensor name"),
     ("shadowed", r"rules\[1\].*matches nothing \(its tensors, e.g. '.*', are claimed by earlier rules"),
     ("unclaimed", r"tensor 'backbone\.embeddings\.weight' is claimed by no rule"),
@@ -264,6 +265,10 @@ def test_errors_write_nothing(three, tmp_path, case, message):
         rec["models"]["sft"] = _mismatched(tmp_path, intermediate_size=40)
     elif case == "names":
         rec["models"]["sft"] = _mismatched(tmp_path, num_nextn_predict_layers=0)
+    elif case == "native_names":
+        odd = tiny_cfg("M*E-")
+        save_model(str(tmp_path / "odd"), odd, jax.tree.map(jnp.asarray, rand_params(odd, 9)))
+        rec["models"]["sft"] = str(tmp_path / "odd")
     elif case == "unmatched":
         rec["rules"].append({"match": "nothing_like_this", "take": "base"})
     elif case == "shadowed":

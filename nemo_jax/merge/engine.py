@@ -91,6 +91,10 @@ def open_model(name: str, path: str, cfg: NemotronHConfig | None = None) -> Mode
         own, leaves = lazy_model(path)
         cfg = cfg or own
         specs = leaf_specs(cfg)
+        extra = sorted(set(leaves.paths()) - set(specs))
+        if extra:
+            raise RecipeError(f"model {name!r} ({path}): has tensor {extra[0]!r} (and {len(extra) - 1} more) that the "
+                              "base config does not describe")
         for p, s in specs.items():
             if p not in leaves.paths():
                 raise RecipeError(f"model {name!r} ({path}): lacks tensor {p!r} required by the base config")
