@@ -54,25 +54,20 @@ def new_skill(rng):
     return {"messages": msgs}
 
 
-def write_lora_split():
-    """nemo_jax/assets/tiny_lora: LoRA SFT data (configs/sft/tiny-lora-cpu.yaml); its own seed, so the SFT
-    assets above do not change."""
-    rng = random.Random(1)
-    os.makedirs(os.path.join(ROOT, "tiny_lora"), exist_ok=True)
-    for split, n in (("train", 2000), ("eval", 100)):
-        with open(os.path.join(ROOT, "tiny_lora", f"{split}.jsonl"), "w") as f:
+def write_splits(name: str, make, seed: int, sizes: dict[str, int]):
+    """nemo_jax/assets/NAME/{split}.jsonl with sizes[split] chats from make(rng), one seed per dataset."""
+    rng = random.Random(seed)
+    os.makedirs(os.path.join(ROOT, name), exist_ok=True)
+    for split, n in sizes.items():
+        with open(os.path.join(ROOT, name, f"{split}.jsonl"), "w") as f:
             for _ in range(n):
-                f.write(json.dumps(new_skill(rng)) + "\n")
+                f.write(json.dumps(make(rng)) + "\n")
 
 
 def main():
-    write_lora_split()
-    rng = random.Random(0)
-    os.makedirs(os.path.join(ROOT, "tiny_chat"), exist_ok=True)
-    for split, n in (("train", 4000), ("eval", 200)):
-        with open(os.path.join(ROOT, "tiny_chat", f"{split}.jsonl"), "w") as f:
-            for _ in range(n):
-                f.write(json.dumps(conversation(rng)) + "\n")
+    write_splits("tiny_chat", conversation, 0, {"train": 4000, "eval": 200})
+    # LoRA SFT data (configs/sft/tiny-lora-cpu.yaml): its own seed, so the SFT data above does not change
+    write_splits("tiny_lora", new_skill, 1, {"train": 2000, "eval": 100})
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
