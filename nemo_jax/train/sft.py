@@ -115,7 +115,7 @@ class Trainer:
         self.batch_sharding = batch_sharding(self.mesh)
         step = make_train_step(self.cfg, self.opts, self.tx, self.sched, o, o.grad_accum, combine)
         self.step_fn = jax.jit(step, donate_argnums=0, out_shardings=(self.state_shardings, None))
-        self.eval_fn = jax.jit(make_eval_step(self.cfg, self.opts, combine))
+        self.eval_fn = jax.jit(make_eval_step(self.cfg, self.opts, combine, o.grad_accum))
         self.tok = ChatTokenizer.load(c.data.tokenizer)
         docs, skipped = read_chat_jsonl(c.data.train, self.tok, self.cfg.vocab_size, c.data.on_error)
         self.skipped_lines = skipped

@@ -114,11 +114,20 @@ def _update_correction_bias(params, load, rate):
     return out
 
 
-def make_eval_step(cfg, opts: Options, combine=None):
+def make_eval_step(cfg, opts: Options, combine=None, micro_batches: int = 1):
+    """ev(params, batch, frozen=None) -> (summed NLL, loss tokens). The batch runs in `micro_batches`
+    sequential micro-batches (the training micro-batch size), so eval never needs more memory than a step."""
     model_params = _model_params(combine)
 
     def ev(params, batch, frozen=None):
-        total, _ = token_loss(model_params(params, frozen), batch, cfg, opts)
+        p = model_params(params, frozen)
+        micro = jax.tree.map(lambda x: x.reshape(micro_batches, x.shape[0] // micro_batches, *x.shape[1:]), batch)
+
+        def one(total, mb):
+            t, _ = token_loss(p, mb, cfg, opts)
+            return total + t, None
+
+        total, _ = jax.lax.scan(one, jnp.zeros((), jnp.float32), micro)
         return total, jnp.sum(batch["loss_mask"]).astype(jnp.float32)
 
     return ev
