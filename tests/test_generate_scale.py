@@ -180,8 +180,8 @@ def test_hf_load_onto_fsdp8_reads_each_byte_once(tmp_path, small, monkeypatch):
 
     cfg, params = small
     hf_io.save_pretrained(cfg, params, str(tmp_path / "hf"))
-    total = sum(os.path.getsize(tmp_path / "hf" / f) for f in os.listdir(tmp_path / "hf")
-                if f.endswith(".safetensors"))
+    total = sum(int(np.prod(shape)) * hf_io.ST_DTYPES[dt].itemsize  # the checkpoint's tensor bytes
+                for _, shape, dt in hf_io.HFReader(str(tmp_path / "hf")).tensors.values())
     _, one = hf_io.load_pretrained(str(tmp_path / "hf"))
     read = [0]
     orig = hf_io.HFReader.read
@@ -195,9 +195,42 @@ def test_hf_load_onto_fsdp8_reads_each_byte_once(tmp_path, small, monkeypatch):
     monkeypatch.setattr(hf_io.HFReader, "read", counting)
     mesh = make_mesh({"fsdp": 8})
     _, eight = hf_io.load_pretrained(str(tmp_path / "hf"), mesh=mesh)
-    assert read[0] <= 1.2 * total, (read[0], total)
+    assert total <= read[0] <= 1.2 * total, (read[0], total)
     q = eight["layers"]["attention"]["mixer"]["q_proj"]["kernel"]
     assert "fsdp" in str(q.sharding.spec)
     for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(eight)):
         assert a.dtype == b.dtype
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_lora_run_dir_loads_base_and_merges_adapters(tmp_path, small):
+    from nemo_jax.checkpoint import save_model
+    from nemo_jax.lora import LoraConfig, adapter_specs, merge_adapters, save_adapter_checkpoint
+    from nemo_jax.model.spec import ParamSpec
+
+    cfg, params = small
+    save_model(str(tmp_path / "base"), cfg, params)
+    lc = LoraConfig(targets=("attention",), rank=2)
+    specs = adapter_specs(cfg, lc)
+    rng = np.random.default_rng(0)
+    adapters = jax.tree.map(lambda s: jnp.asarray(rng.normal(size=s.shape).astype(np.float32) * 0.1), specs,
+                            is_leaf=lambda x: isinstance(x, ParamSpec))
+    run = tmp_path / "run"
+    save_adapter_checkpoint(str(run / "adapters"), cfg, lc, adapters)
+    os.makedirs(run / "checkpoints" / "5" / "meta")
+    meta = {"model_config": cfg.to_hf_dict(), "config": {"data": {"tokenizer": "tiny"},
+                                                         "model": {"init": str(tmp_path / "base")},
+                                                         "lora": {"targets": ["attention"]}}}
+    with open(run / "checkpoints" / "5" / "meta" / "metadata", "w") as f:
+        json.dump(meta, f)
+    _, got, _ = load_for_generation(str(run))
+    want = merge_adapters(params, adapters)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+    q = "layers", "attention", "mixer", "q_proj", "kernel"
+    assert not np.allclose(got[q[0]][q[1]][q[2]][q[3]][q[4]], params[q[0]][q[1]][q[2]][q[3]][q[4]])
+    meta["config"]["model"]["init"] = "random"
+    with open(run / "checkpoints" / "5" / "meta" / "metadata", "w") as f:
+        json.dump(meta, f)
+    with pytest.raises(FileNotFoundError, match="adapters only"):
+        load_for_generation(str(run))
