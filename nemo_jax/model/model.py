@@ -25,6 +25,7 @@ import numpy as np
 from nemo_jax.model import attention as attn_lib
 from nemo_jax.model import mamba2, moe as moe_lib
 from nemo_jax.model.cache import DecodeState
+from nemo_jax.parallel.mesh import BATCH_AXES
 from nemo_jax.model.layers import embed, linear, logits_from_hidden, mlp, rms_norm
 
 KIND_ORDER = ("mamba", "attention", "mlp", "moe")
@@ -43,7 +44,9 @@ class Options:
     moe_dispatch: str = "sorted"  # see moe.DISPATCHES
     capacity_factor: float = 1.25
     remat: str = "none"  # "none" | "layer" | "save_matmuls"
-    mesh: Any = None  # a Mesh with an `expert` axis > 1 turns on expert parallelism for routed experts
+    # a Mesh: activations are pinned batch-sharded (rows over data/fsdp/expert, hidden unsharded) at every layer
+    # boundary, and an `expert` axis > 1 turns on expert parallelism for routed experts
+    mesh: Any = None
 
     def __post_init__(self):
         if self.remat not in REMAT_POLICIES:
@@ -108,7 +111,19 @@ def apply_layer(kind: str, p: dict, h: jax.Array, ctx: _Ctx, cache=None):
                              capacity_factor=ctx.opts.capacity_factor, token_mask=mask, mesh=ctx.opts.mesh)
     else:
         raise ValueError(f"unknown layer kind {kind!r}")
-    return (h + y.astype(h.dtype)).astype(h.dtype), new, aux
+    return pin_batch((h + y.astype(h.dtype)).astype(h.dtype), ctx.opts.mesh), new, aux
+
+
+def pin_batch(h: jax.Array, mesh) -> jax.Array:
+    """h [B, ...]: rows over the mesh's batch axes, everything else unsharded, so GSPMD never picks a layout
+    sharded on the hidden dimension (from an FSDP-sharded embedding table) with global-batch activations."""
+    if mesh is None:
+        return h
+    axes = tuple(a for a in BATCH_AXES if mesh.shape.get(a, 1) > 1)
+    if not axes or h.shape[0] % int(np.prod([mesh.shape[a] for a in axes])):
+        return h
+    spec = jax.sharding.PartitionSpec(axes, *([None] * (h.ndim - 1)))
+    return jax.lax.with_sharding_constraint(h, jax.sharding.NamedSharding(mesh, spec))
 
 
 def _spread(tree, unit_to_layer: np.ndarray, layer_to_unit: np.ndarray):
@@ -296,7 +311,7 @@ def _run_unrolled(stacks, h, kinds, ctx, caches, layer=None):
 def hidden_states(params: dict, tokens: jax.Array, cfg, segment_ids=None, *, opts: Options = Options()):
     """tokens [B, T] -> (final-normed hidden [B, T, D] in opts.dtype, aux)."""
     ctx = _Ctx(cfg, opts, segment_ids=segment_ids)
-    h = embed(params["embeddings"], tokens, opts.dtype)
+    h = pin_batch(embed(params["embeddings"], tokens, opts.dtype), opts.mesh)
     h, _, aux = run_layers(params["layers"], h, cfg.layer_kinds, ctx)
     return rms_norm(h, params["norm_f"]["scale"], cfg.layer_norm_epsilon), _summarise_aux(aux)
 

@@ -44,9 +44,8 @@ def model_config_path(name: str) -> str:
 def options_from(section, mesh=None) -> M.Options:
     if section.dtype not in DTYPES:
         raise ValueError(f"model.dtype: {section.dtype!r} (expected one of {sorted(DTYPES)})")
-    ep_mesh = mesh if mesh is not None and mesh.shape.get("expert", 1) > 1 else None
     return M.Options(dtype=DTYPES[section.dtype], remat=section.remat, moe_dispatch=section.moe_dispatch,
-                     capacity_factor=section.capacity_factor, mesh=ep_mesh)
+                     capacity_factor=section.capacity_factor, mesh=mesh if mesh is not None and mesh.size > 1 else None)
 
 
 def initial_params(c: SFTConfig, mesh, rules):
