@@ -3,7 +3,7 @@ shaped like a scaled-down Nano 3, >= 4 GB each) with the QK-restore recipe plus 
 reading all three inputs and writing the output once with plain file copies, and peak RSS as a ratio to the
 largest single tensor. Goal: time <= 1.5x, RSS <= 2x the largest tensor + 1 GB.
 
-    python bench/merge.py [--dir /tmp/merge_bench] [--keep]
+    python bench/merge.py [--dir /tmp/merge_bench] [--keep] [--reuse]   (--reuse: inputs a --keep run left)
 """
 
 import argparse
@@ -96,12 +96,20 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--dir", default="/tmp/merge_bench")
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--reuse", action="store_true", help="reuse the inputs a --keep run left in --dir")
     a = ap.parse_args()
-    shutil.rmtree(a.dir, ignore_errors=True)
     cfg = synth_config()
+    if not a.reuse:
+        shutil.rmtree(a.dir, ignore_errors=True)
+    shutil.rmtree(os.path.join(a.dir, "merged"), ignore_errors=True)
     try:
-        sizes = [write_checkpoint(cfg, os.path.join(a.dir, m), seed) for seed, m in enumerate(("base", "sft", "rl"))]
-        total, largest = sizes[0]
+        if a.reuse:
+            base = os.path.join(a.dir, "base")
+            total = sum(os.path.getsize(os.path.join(base, f)) for f in os.listdir(base) if f.endswith(".safetensors"))
+            largest = max(int(np.prod(e.hf_shape)) * 2 for e in build_table(cfg))
+        else:
+            sizes = [write_checkpoint(cfg, os.path.join(a.dir, m), seed) for seed, m in enumerate(("base", "sft", "rl"))]
+            total, largest = sizes[0]
         recipe = os.path.join(a.dir, "recipe.yaml")
         with open(recipe, "w") as f:
             f.write(RECIPE.format(out=os.path.join(a.dir, "merged"), d=a.dir))

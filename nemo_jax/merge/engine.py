@@ -24,6 +24,9 @@ from nemo_jax.hf.mapping import Entry, build_table, from_hf_layout, leaf_specs, 
 from nemo_jax.merge import ops
 from nemo_jax.merge.recipe import WHOLE_TENSOR, Recipe, RecipeError, Rule
 
+ELEMENTWISE = ("take", "linear", "task_arithmetic", "dare")
+SLICE = 1 << 18  # elements per cache-sized slice of an elementwise rule
+
 
 # --------------------------------------------------------------------------- inputs
 def _region(e: Entry, ndim: int, block: tuple) -> tuple:
@@ -216,29 +219,49 @@ class MergeSource:
             return cache[name]
 
         ref = get(self.base)
-        merged = self._compute(rule, e, block, get, ref)
-        out, change, kept = ops.finish(merged, ref, self.models[self.base].dtype(e))
+        dtype = self.models[self.base].dtype(e)
+        if rule.kind in ELEMENTWISE:
+            out, change, kept = self._sliced(rule, e, block, get, ref, dtype)
+        else:
+            out, change, kept = ops.finish(self._whole(rule, e, block, get, ref), ref, dtype)
         with self._lock:
             st = self.stats[e.hf_name]
             st.change_sq += change
             st.kept_sq += kept
         return out
 
-    def _compute(self, rule: Rule, e: Entry, block: tuple, get, ref) -> np.ndarray:
+    def _sliced(self, rule: Rule, e: Entry, block: tuple, get, ref, dtype):
+        """An elementwise rule over flat slices that fit in cache (computing, rounding and measuring each
+        slice in one go keeps memory traffic to the inputs and the output)."""
+        names = [rule.model] if rule.kind == "take" else list(rule.weights)
+        xs = [get(n).reshape(-1) for n in names]
+        w = list(rule.weights.values())
+        r_all = ref.reshape(-1)
+        start = (block[0].start or 0) * int(np.prod(ref.shape[1:])) if block else 0
+        out = np.empty(r_all.shape, dtype)
+        change = kept = 0.0
+        for i in range(0, r_all.size, SLICE):
+            sl = slice(i, i + SLICE)
+            xi, ri = [x[sl] for x in xs], ops.f32(r_all[sl])  # the base in fp32 once per slice
+            if rule.kind == "take":
+                m = ops.f32(xi[0])
+            elif rule.kind == "linear":
+                m = ops.linear(xi, w)
+            elif rule.kind == "task_arithmetic":
+                m = ops.task_arithmetic(ri, xi, w)
+            else:  # dare: the mask of these elements of the whole tensor
+                masks = [ops.dare_keep(rule.seed, f"{e.hf_name}#{n}", start + i, (ri.size,), rule.density) for n in names]
+                m = ops.dare(ri, xi, w, rule.density, masks)
+            o, c, k = ops.finish(m, ri, dtype)
+            out[sl] = o
+            change += c
+            kept += k
+        return out.reshape(ref.shape), change, kept
+
+    def _whole(self, rule: Rule, e: Entry, block: tuple, get, ref) -> np.ndarray:
         k = rule.kind
-        if k == "take":
-            return np.array(get(rule.model), dtype=np.float32)
-        if k == "linear":
-            return ops.linear([get(n) for n in rule.weights], list(rule.weights.values()))
-        if k == "task_arithmetic":
-            return ops.task_arithmetic(ref, [get(n) for n in rule.weights], list(rule.weights.values()))
         if k == "ties":
             return ops.ties(ref, [get(n) for n in rule.weights], list(rule.weights.values()), rule.density)
-        if k == "dare":
-            shape = np.shape(ref)
-            start = (block[0].start or 0) * int(np.prod(shape[1:])) if block and block[0] is not None else 0
-            masks = [ops.dare_keep(rule.seed, f"{e.hf_name}#{n}", start, shape, rule.density) for n in rule.weights]
-            return ops.dare(ref, [get(n) for n in rule.weights], list(rule.weights.values()), rule.density, masks)
         if k == "slerp":
             return ops.slerp(get(rule.a), get(rule.b), rule.t)
         if k == "add_adapters":
