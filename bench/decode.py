@@ -1,7 +1,10 @@
 """Cached decode: tokens/s with the decode state vs recomputing the full forward at context 1024, and
 per-token decode time at context 256 vs 4096 for a Mamba-only and a mixed config (Mamba-only ~ flat).
+Prefill (lm_head at the last position, cached attention in query blocks) peak temporaries and time vs prompt
+length 1k / 4k / 16k against the reference (all logits, whole-chunk attention), and decode tokens/s vs batch
+1 / 16 / 64 with the state donated (updated in place).
 
-    python bench/decode.py
+    python bench/decode.py [--quick]   # --quick: skip the 16k prefill and the reference at 16k
 """
 
 import common
@@ -9,7 +12,11 @@ import jax
 import jax.numpy as jnp
 
 from nemo_jax.config.model import NemotronHConfig, parse_pattern
-from nemo_jax.model import forward, forward_cached, init, init_decode_state
+import sys
+
+from nemo_jax.generate import _append
+from nemo_jax.model import Options, forward, forward_cached, init, init_decode_state
+from nemo_jax.model.cache import state_shapes
 
 
 def cfg_for(pattern: str) -> NemotronHConfig:
@@ -35,7 +42,59 @@ def decode_time(cfg, params, ctx: int, batch: int = 4) -> float:
     return common.timeit(run, warmup=2, iters=10)
 
 
+def prefill_rows(cfg, params, lengths) -> list[dict]:
+    """Compiled temporaries (+ returned logits) and wall time of a one-row prefill, fast path vs reference."""
+    rows = []
+    for L in lengths:
+        toks = jax.random.randint(jax.random.key(1), (1, L), 0, cfg.vocab_size)
+        valid = jnp.ones((1, L), bool)
+        out = {"prompt": L}
+        for name, pos, impl in (("last+blocked", "last", "blocked"), ("reference", None, "full")):
+            if name == "reference" and L > 4096:
+                out[f"{name} MiB"] = out[f"{name} s"] = "skipped"
+                continue
+            f = jax.jit(lambda p, t, v, s, pos=pos, impl=impl: forward_cached(
+                p, t, v, s, cfg, opts=Options(attention=impl), positions=pos)[0])
+            m = f.lower(params, toks, valid, state_shapes(cfg, 1, L)).compile().memory_analysis()
+            out[f"{name} MiB"] = f"{(m.temp_size_in_bytes + m.output_size_in_bytes) / 2**20:,.1f}"
+            run = lambda: jax.block_until_ready(f(params, toks, valid, init_decode_state(cfg, 1, L)))
+            out[f"{name} s"] = f"{common.timeit(run, warmup=1, iters=2):.2f}"
+        rows.append(out)
+    return rows
+
+
+def decode_rows(cfg, params, batches, ctx: int = 512, steps: int = 16) -> list[dict]:
+    """Decode tokens/s at `ctx` context vs batch, one token per row per step, the state donated."""
+    rows = []
+    opts = Options()
+    for b in batches:
+        toks = jax.random.randint(jax.random.key(2), (b, ctx), 0, cfg.vocab_size)
+        _, state = _append(params, toks, jnp.ones((b, ctx), bool), init_decode_state(cfg, b, ctx + 2 * steps + 2),
+                           cfg, opts)
+        one, on = toks[:, :1], jnp.ones((b, 1), bool)
+        c = _append.lower(params, one, on, state, cfg, opts).compile()
+        st = [state]
+
+        def run():
+            for _ in range(steps // 2):
+                logits, st[0] = _append(params, one, on, st[0], cfg, opts)
+            jax.block_until_ready(logits)
+
+        t = common.timeit(run, warmup=1, iters=3) / (steps // 2)
+        rows.append({"batch": b, "ms/step": f"{t * 1e3:.2f}", "tokens/s": f"{b / t:,.0f}",
+                     "state MiB": f"{sum(x.nbytes for x in jax.tree.leaves(st[0])) / 2**20:,.1f}",
+                     "aliased MiB": f"{c.memory_analysis().alias_size_in_bytes / 2**20:,.1f}"})
+    return rows
+
+
 def main():
+    quick = "--quick" in sys.argv
+    mixed = cfg_for("MEM*EM*E")
+    params = init(mixed, jax.random.key(0))
+    print("prefill, one row, mixed (MEM*EM*E, D=256, V=4096): temporaries + returned logits, and time")
+    common.table(prefill_rows(mixed, params, (1024, 4096) if quick else (1024, 4096, 16384)))
+    print("decode, mixed, context 512, state donated")
+    common.table(decode_rows(mixed, params, (1, 16, 64)))
     rows = []
     mixed = cfg_for("MEM*EM*E")
     params = init(mixed, jax.random.key(0))
