@@ -45,7 +45,9 @@ def test_freed_blocks_are_reused_without_page_faults():
     assert kept == "True"
     assert faults < 1024  # 16384 pages of 4 KiB would fault again if the block were unmapped on free
     kept, faults = _probe("system")
-    assert kept == "False" and faults > 8192  # the default: mmap'd, unmapped on free, faulted in again
+    # the default: mmap'd, unmapped on free, faulted in again: 16384 faults with 4 KiB faults, ~4200 on kernels
+    # that fault in larger folios; either way far above the kept case's < 1024
+    assert kept == "False" and faults > 2048
 
 
 @pytest.mark.skipif(not GLIBC, reason="glibc malloc only")
