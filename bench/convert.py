@@ -40,11 +40,13 @@ def synth_config() -> NemotronHConfig:
                            moe_shared_expert_intermediate_size=3712, routed_scaling_factor=2.5)
 
 
-def write_checkpoint(cfg, path, shard_bytes=1 << 30):
+def write_checkpoint(cfg, path, shard_bytes=1 << 30, seed: int = 0) -> tuple[int, int]:
+    """Random finite bf16 tensors (the fp32 correction bias as fp32), sharded with an index.
+    -> (bytes on disk, bytes of the largest tensor)."""
     from safetensors.numpy import save_file
 
     os.makedirs(path, exist_ok=True)
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     shards, cur, size, weight_map = [], {}, 0, {}
     table = build_table(cfg)
 

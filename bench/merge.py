@@ -15,9 +15,8 @@ import sys
 import time
 
 import common
-import ml_dtypes
 import numpy as np
-from convert import synth_config
+from convert import synth_config, write_checkpoint
 
 from nemo_jax.hf.mapping import build_table
 
@@ -39,43 +38,6 @@ rules:
   - match: '.*'                                      # SFT and RL task vectors on the base
     task_arithmetic: {{sft: 0.5, rl: 0.3}}
 """
-
-
-def write_checkpoint(cfg, path, seed, shard_bytes=1 << 30) -> tuple[int, int]:
-    """Random finite bf16 tensors (the fp32 correction bias as fp32), sharded with an index."""
-    from safetensors.numpy import save_file
-
-    os.makedirs(path, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    shards, cur, size, weight_map = [], {}, 0, {}
-
-    def flush():
-        nonlocal cur, size
-        if cur:
-            name = f"model-{len(shards) + 1:05d}.safetensors"
-            save_file(cur, os.path.join(path, name), metadata={"format": "pt"})
-            shards.append(name)
-            weight_map.update({k: name for k in cur})
-            cur, size = {}, 0
-
-    table = build_table(cfg)
-    for e in table:
-        n = int(np.prod(e.hf_shape))
-        bits = rng.integers(0, 1 << 16, n, dtype=np.uint16) & np.uint16(0xBFFF)  # finite, |x| < 2
-        arr = bits.view(ml_dtypes.bfloat16).reshape(e.hf_shape)
-        if "correction_bias" in e.hf_name:
-            arr = arr.astype(np.float32)
-        if size + arr.nbytes > shard_bytes:
-            flush()
-        cur[e.hf_name] = arr
-        size += arr.nbytes
-    flush()
-    total = sum(os.path.getsize(os.path.join(path, s)) for s in shards)
-    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(cfg.to_hf_dict(), f)
-    return total, max(int(np.prod(e.hf_shape)) * 2 for e in table)
 
 
 def timed_copies(d: str) -> float:
@@ -108,7 +70,7 @@ def main():
             total = sum(os.path.getsize(os.path.join(base, f)) for f in os.listdir(base) if f.endswith(".safetensors"))
             largest = max(int(np.prod(e.hf_shape)) * 2 for e in build_table(cfg))
         else:
-            sizes = [write_checkpoint(cfg, os.path.join(a.dir, m), seed) for seed, m in enumerate(("base", "sft", "rl"))]
+            sizes = [write_checkpoint(cfg, os.path.join(a.dir, m), seed=seed) for seed, m in enumerate(("base", "sft", "rl"))]
             total, largest = sizes[0]
         recipe = os.path.join(a.dir, "recipe.yaml")
         with open(recipe, "w") as f:
