@@ -15,7 +15,8 @@ from safetensors import safe_open
 
 from nemo_jax.checkpoint import save_model
 from nemo_jax.cli import main
-from nemo_jax.hf.io import _unflatten, save_pretrained
+from nemo_jax.hf.io import save_pretrained
+from nemo_jax.model.spec import unflatten_paths
 from nemo_jax.hf.mapping import build_table, leaf_specs
 from nemo_jax.merge import (RecipeError, linear, load_recipe, lora, merge_params, ops, parse_recipe, run_recipe, slerp,
                             task_arithmetic, ties, tree_dare, tree_linear, tree_slerp, tree_task_arithmetic, tree_ties)
@@ -29,7 +30,7 @@ def rand_params(cfg, seed, dtype=BF16):
     rng = np.random.default_rng(seed)
     flat = {p: (0.1 * rng.standard_normal(s.shape)).astype(np.float32 if p.endswith("correction_bias") else dtype)
             for p, s in leaf_specs(cfg).items()}
-    return _unflatten(flat, cfg)
+    return unflatten_paths(flat)
 
 
 def hf_tensors(path):

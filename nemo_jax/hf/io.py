@@ -24,6 +24,7 @@ from safetensors import SafetensorError, safe_open
 from nemo_jax.config.model import NemotronHConfig
 from nemo_jax.fsutil import RecentCache, atomic_dir, copy_tokenizer_files
 from nemo_jax.hf.mapping import Entry, build_table, from_hf_layout, leaf_specs, row_axis, to_hf_layout
+from nemo_jax.model.spec import unflatten_paths
 
 ST_DTYPES = {
     "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
@@ -194,7 +195,7 @@ def load_pretrained(path: str, dtype=None, mesh=None, rules=None, *, ignore_unex
         flat[path_] = _place(host, region, spec.shape, sh)
         bar.update(1)
     bar.close()
-    return cfg, _unflatten(flat, cfg)
+    return cfg, unflatten_paths(flat)
 
 
 def import_pretrained(path: str, dst: str, dtype=None, *, ignore_unexpected: bool = False,
@@ -333,19 +334,6 @@ def _sharding_fn(mesh, rules) -> Callable:
 
     rules = rules or Rules()
     return lambda spec: rules.sharding(mesh, spec.axes, spec.shape)
-
-
-def _unflatten(flat: dict[str, object], cfg) -> dict:
-    tree: dict = {}
-    for path, v in flat.items():
-        node = tree
-        parts = path.split("/")
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-        node[parts[-1]] = v
-    if "mtp" in tree:
-        tree["mtp"] = [tree["mtp"][str(d)] for d in range(cfg.num_nextn_predict_layers)]
-    return tree
 
 
 # --------------------------------------------------------------------------- writing

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from nemo_jax.fsutil import atomic_dir
+from nemo_jax.model.spec import unflatten_paths
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -195,20 +196,6 @@ def _check_group(path: str, g: dict, site_list: list[Site]):
     if r < 1:
         raise PeftFormatError(f"adapter {path}: rank 0")
     return a, b, s.astype(np.float32), r
-
-
-def _unflatten(flat: dict[str, np.ndarray]) -> dict:
-    tree: dict = {}
-    for path, v in flat.items():
-        node = tree
-        parts = path.split("/")
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-        node[parts[-1]] = v
-    if "mtp" in tree:  # the params hold mtp as a list of blocks
-        n = max(int(k) for k in tree["mtp"]) + 1
-        tree["mtp"] = [tree["mtp"].get(str(i), {}) for i in range(n)]
-    return tree
 
 
 # --------------------------------------------------------------------------- export
@@ -489,7 +476,7 @@ def load_peft(path, cfg, *, dtype=None) -> dict:
         flat[f"{apath}/lora_a"] = np.stack(A_parts) if stacked else A_parts[0]
         flat[f"{apath}/lora_b"] = np.stack(B_parts) if stacked else B_parts[0]
         flat[f"{apath}/lora_scale"] = np.array(S_parts, np.float32) if stacked else np.array(S_parts[0], np.float32)
-    return _unflatten(flat)
+    return unflatten_paths(flat)
 
 
 def lora_config_of(path, adapters):

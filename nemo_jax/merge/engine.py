@@ -309,9 +309,9 @@ def merge_params(cfg, params: dict, rules, base: str = "base", adapters: dict | 
         like = base_src[path]
         if isinstance(like, jax.Array):
             out[path] = jax.device_put(x, like.sharding)
-    from nemo_jax.hf.io import _unflatten
+    from nemo_jax.model.spec import unflatten_paths
 
-    return _unflatten(out, cfg), src.stats
+    return unflatten_paths(out), src.stats
 
 
 def open_recipe(recipe: Recipe) -> tuple[NemotronHConfig, MergeSource]:

@@ -230,3 +230,19 @@ def path_str(path) -> str:
 
 def flatten_with_paths(tree) -> dict[str, object]:
     return {path_str(p): v for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def unflatten_paths(flat: dict[str, object]) -> dict:
+    """{'a/b/c': leaf} -> nested dicts (the inverse of `flatten_with_paths`); `mtp` becomes the list of blocks
+    the params hold (missing blocks empty)."""
+    tree: dict = {}
+    for path, v in flat.items():
+        node = tree
+        parts = path.split("/")
+        for k in parts[:-1]:
+            node = node.setdefault(k, {})
+        node[parts[-1]] = v
+    if "mtp" in tree:
+        n = max(int(k) for k in tree["mtp"]) + 1
+        tree["mtp"] = [tree["mtp"].get(str(i), {}) for i in range(n)]
+    return tree
