@@ -1,7 +1,6 @@
 """PEFT / vLLM adapter directories: round trips, peft + transformers parity, merged HF export, CLI."""
 
 import json
-import os
 import re
 import warnings
 

@@ -5,7 +5,6 @@ import re
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from nemo_jax.model import Options
 from nemo_jax.model.spec import abstract_params, param_specs
@@ -37,7 +36,7 @@ def compiled_grad_hlo(cfg, mesh, B, T, pin: bool) -> str:
 def test_fsdp_activations_stay_batch_sharded():
     cfg = tiny_cfg("M*-", hidden_size=64, vocab_size=512)
     mesh = make_mesh({"fsdp": 8})
-    B, T, D = 16, 32, cfg.hidden_size
+    B, T = 16, 32
     act = re.compile(rf"^(f32|bf16)\[{B},{T},\d+\]")  # a global-batch float activation [B, T, *]
     before = [c for c in collectives(compiled_grad_hlo(cfg, mesh, B, T, pin=False)) if act.match(c[0])]
     after = [c for c in collectives(compiled_grad_hlo(cfg, mesh, B, T, pin=True)) if act.match(c[0])]

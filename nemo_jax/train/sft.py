@@ -60,8 +60,8 @@ def initial_params(c: SFTConfig, mesh, rules):
         if os.path.isdir(os.path.join(init, "checkpoints")):
             from nemo_jax.generate import load_for_generation
 
-            cfg, params, _ = load_for_generation(init)
-            return cfg, jax.device_put(params, param_shardings(param_specs(cfg), mesh, rules))
+            cfg, params, _ = load_for_generation(init, mesh=mesh, rules=rules, dtype=jnp.float32)  # params only
+            return cfg, params
         return load_any(init, dtype=jnp.float32, mesh=mesh, rules=rules)
     cfg = NemotronHConfig.from_file(model_config_path(c.model.config))
     shardings = param_shardings(param_specs(cfg), mesh, rules)
