@@ -133,6 +133,10 @@ def make_eval_step(cfg, opts: Options, combine=None, micro_batches: int = 1):
     return ev
 
 
+@jax.jit
 def all_finite(tree) -> jax.Array:
+    """One compiled reduction over every floating leaf. Jitted so that on several processes it is one program
+    with one collective: as eager ops, each leaf's reduction was its own asynchronously dispatched collective,
+    and processes running those in different orders deadlocked (seen in the 2-process SFT test)."""
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
                               if jnp.issubdtype(x.dtype, jnp.floating)]))
