@@ -168,17 +168,6 @@ def adapter_shardings(cfg, lora_cfg: LoraConfig, mesh, rules=None):
     return param_shardings(adapter_specs(cfg, lora_cfg), mesh, rules)
 
 
-def adapter_paths(adapters) -> list[str]:
-    """Paths of the adapted tensors in an adapter tree (e.g. 'layers/attention/mixer/q_proj/kernel')."""
-    out = []
-    for path, _ in jax.tree_util.tree_flatten_with_path(adapters)[0]:
-        p = path_str(path)
-        if p.endswith("/lora_a"):
-            base = p[: -len("/lora_a")]
-            out.append(base[: -len("_lora")] if base.endswith("_lora") else base + "/kernel")
-    return out
-
-
 def summary_table(cfg, lora_cfg: LoraConfig) -> str:
     """What is adapted: one row per adapted tensor (MTP blocks folded) with the count of adapted matrices
     (layers x experts) and of adapter parameters."""
