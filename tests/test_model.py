@@ -7,7 +7,8 @@ from nemo_jax import model as M
 
 from helpers import tiny_cfg
 
-PATTERNS = ["MEM*E-", "MEM*E-MEM*E-", "M-M*-MM-"]  # inline units; a period scanned twice; irregular
+# inline units; a period scanned twice; irregular; runs of identical units as inner scans in a repeated period
+PATTERNS = ["MEM*E-", "MEM*E-MEM*E-", "M-M*-MM-", "MEMEM*EMEMEM*EME"]
 
 
 def _setup(pattern="MEM*E-", seed=0, **kw):
@@ -50,11 +51,16 @@ def test_segments_cover_units_in_order():
     for name, kinds in cases.items():
         us = M.model.units(kinds)
         segs = M.model.segments(us)
-        assert [tuple(u) for period, reps in segs for _ in range(reps) for u in period] == [tuple(u) for u in us], name
-    shape = lambda kinds: [(len(p), r) for p, r in M.model.segments(M.model.units(kinds))]
-    assert shape(cases["super-120b-a12b"]) == [(4, 8), (1, 8)]
-    assert shape(cases["nano3-30b-a3b"]) == [(3, 5), (1, 3), (1, 1), (1, 4)]
-    assert shape(cases["bench"]) == [(3, 2)]
+        flat = [tuple(u) for period, reps in segs for _ in range(reps) for u, n in period for _ in range(n)]
+        assert flat == [tuple(u) for u in us], name
+    # [(runs of (unit size, n), repeats)]: the body holds the runs, a run of n > 1 units is an inner scan
+    shape = lambda kinds: [([(len(u), n) for u, n in p], r) for p, r in M.model.segments(M.model.units(kinds))]
+    # the release order: ("ME"x3, "M*E") x3, ("ME"x4, "M*E") x4, "ME"x3, "M*E", "ME"x4 -> 7 runs, no lax.cond
+    assert shape(cases["super-120b-a12b"]) == [([(2, 3), (3, 1)], 3), ([(2, 4), (3, 1)], 4), ([(2, 3)], 1),
+                                               ([(3, 1)], 1), ([(2, 4)], 1)]
+    assert sum(len(p) for p, _ in M.model.segments(M.model.units(cases["super-120b-a12b"]))) <= M.model.MAX_BODY_UNITS
+    assert shape(cases["nano3-30b-a3b"]) == [([(2, 2), (3, 1)], 5), ([(2, 3)], 1), ([(3, 1)], 1), ([(2, 4)], 1)]
+    assert shape(cases["bench"]) == [([(2, 1), (3, 1), (1, 1)], 2)]
 
 
 @pytest.mark.parametrize("length", [5, 16, 37])
@@ -78,13 +84,14 @@ def test_blocked_attention_matches_full(length):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("schedule", ["periodic", "cond"])
-def test_cached_chunks_match_forward_on_a_repeating_pattern(schedule, monkeypatch):
+@pytest.mark.parametrize("schedule,pattern", [("periodic", "MEM*E-MEM*E-"), ("cond", "MEM*E-MEM*E-"),
+                                              ("periodic", "MEMEM*EMEMEM*EME")])  # the last: inner scans
+def test_cached_chunks_match_forward_on_a_repeating_pattern(schedule, pattern, monkeypatch):
     """Prefill + one-token steps through the decode state (caches carried through the scanned period)
     give the full forward's logits."""
     from nemo_jax.model.cache import init_decode_state
 
-    cfg, params = _setup("MEM*E-MEM*E-")
+    cfg, params = _setup(pattern)
     assert M.model.segments(M.model.units(cfg.layer_kinds))[0][1] == 2  # one period, scanned twice
     if schedule == "cond":
         monkeypatch.setattr(M.model, "MAX_BODY_UNITS", 0)

@@ -5,11 +5,12 @@
     logits = lm_head(rms_norm(h))                      # fp32, never tied, no embedding scale
 
 Layers are grouped into *units* of at most one Mamba, one attention and one FFN (mlp or moe) layer, in
-that order ("MEMEM*E" -> ME, ME, M*E), and the units into runs of a repeated period (`segments`: Super is
-"ME ME ME M*E" x8 + "ME" x8). Each run is one `lax.scan` over its repeats with the period's layers unrolled
-in the body, so compile time is flat in depth and every layer runs unconditionally. Patterns without a
-short period fall back to one scan over all units where a kind present in only some units runs under
-`lax.cond` (`_run_cond_scan`). `scan=False` is the plain unrolled reference path.
+that order ("MEMEM*E" -> ME, ME, M*E), and runs of identical units into periods repeated back to back
+(`segments`: Super is ("ME"x3, "M*E") x3 + ("ME"x4, "M*E") x4 + ...). Each repeated period is one `lax.scan`
+with the period's runs in the body (a run of n > 1 identical units is an inner scan), so compile time is flat in
+depth and every layer runs unconditionally. Patterns without a short period fall back to one scan over all
+units where a kind present in only some units runs under `lax.cond` (`_run_cond_scan`). `scan=False` is the
+plain unrolled reference path.
 """
 
 from __future__ import annotations
@@ -153,7 +154,7 @@ def _update(tree, new, i):
 
 
 # --------------------------------------------------------------------------- the layer stack
-MAX_BODY_UNITS = 8  # periodic schedules whose scan bodies would hold more units fall back to the cond scan
+MAX_BODY_UNITS = 8  # periodic schedules whose scan bodies would hold more runs fall back to the cond scan
 
 
 def run_layers(stacks: dict, h: jax.Array, kinds: tuple[str, ...], ctx: _Ctx, caches: dict | None = None):
@@ -166,34 +167,42 @@ def run_layers(stacks: dict, h: jax.Array, kinds: tuple[str, ...], ctx: _Ctx, ca
         return _run_unrolled(stacks, h, kinds, ctx, caches)
     us = units(kinds)
     segs = segments(us)
-    if sum(len(period) for period, _ in segs) > MAX_BODY_UNITS:
+    if sum(len(period) for period, _ in segs) > MAX_BODY_UNITS:  # runs of scan body
         return _run_cond_scan(stacks, h, us, ctx, caches)
     return _run_periodic(stacks, h, segs, ctx, caches)
 
 
-def segments(us: list[dict]) -> list[tuple[list[dict], int]]:
-    """Split the units into runs of a repeated period: [(period units, repeats)], greedily taking at each
-    point the period whose repeats save the most units of scan body (covered - period), the shortest on ties
-    (Nano 3: "ME ME M*E" x5, "ME" x3, "M*E", "ME" x4)."""
-    sig = [tuple(u) for u in us]
+def segments(us: list[dict]) -> list[tuple[list[tuple[dict, int]], int]]:
+    """Split the units into runs of a repeated period: [(period, repeats)], a period being a list of runs
+    (unit, n) of n identical consecutive units (n > 1 runs as an inner scan). Greedy over the run-length
+    encoded units: at each point take the period whose repeats save the most runs of scan body (covered -
+    period), the shortest on ties. The body cost is the number of runs over all periods (Super's release
+    order: "ME"x3 "M*E" x3, "ME"x4 "M*E" x4, "ME"x3, "M*E", "ME"x4 -> 2 + 2 + 1 + 1 + 1 = 7 runs)."""
+    runs: list[tuple[dict, int]] = []
+    for u in us:
+        if runs and tuple(runs[-1][0]) == tuple(u):
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((u, 1))
+    sig = [(tuple(u), n) for u, n in runs]
     out, i = [], 0
     while i < len(sig):
-        best = (-1, 0, 0, 0)  # (units saved, -period, period, repeats)
+        best = (-1, 0, 0, 0)  # (runs saved, -period, period, repeats)
         for p in range(1, max(1, min(MAX_BODY_UNITS, len(sig) - i)) + 1):
             reps = 1
             while sig[i + reps * p:i + (reps + 1) * p] == sig[i:i + p]:
                 reps += 1
             best = max(best, ((reps - 1) * p, -p, p, reps))
         _, _, p, reps = best
-        out.append((us[i:i + p], reps))
+        out.append((runs[i:i + p], reps))
         i += p * reps
     return out
 
 
 def _run_periodic(stacks: dict, h: jax.Array, segs, ctx: _Ctx, caches: dict):
-    """Each segment is one `lax.scan` over its repeats, with the period's layers unrolled in the body, so
-    every layer runs unconditionally. Per kind, a segment owns a contiguous slice of the stack, viewed as
-    [repeats, per-period count, ...]."""
+    """Each segment is one `lax.scan` over its repeats (inline when it repeats once); in the body each run of n
+    identical units is an inner `lax.scan` (n > 1) or inline, so every layer runs unconditionally. Per kind, a
+    segment owns a contiguous slice of the stack, viewed as [repeats, per-period count, ...]."""
     policy = jax.checkpoint_policies.checkpoint_dots if ctx.opts.remat == "save_matmuls" else None
 
     def layer(kind, p, h, c):  # remat is per layer: the scan saves each layer's input, not its internals
@@ -203,13 +212,13 @@ def _run_periodic(stacks: dict, h: jax.Array, segs, ctx: _Ctx, caches: dict):
     new_caches: dict[str, list] = {k: [] for k in caches}
     auxs: dict[str, list] = {}
     for period, reps in segs:
-        count = {k: sum(k in u for u in period) for k in stacks}
+        count = {k: sum(n for u, n in period if k in u) for k in stacks}
         view = lambda t, k: jax.tree.map(lambda a: a[start[k]:start[k] + reps * count[k]].reshape(
             (reps, count[k]) + a.shape[1:]), t)
         xs = ({k: view(stacks[k], k) for k in stacks if count[k]}, {k: view(caches[k], k) for k in caches if count[k]})
 
-        def body(h, xs, kinds=tuple(k for u in period for k in u)):
-            h, new, aux = _run_unrolled(xs[0], h, kinds, ctx, xs[1], layer)
+        def body(h, xs, period=period):
+            h, new, aux = _run_runs(xs[0], h, period, xs[1], layer, ctx)
             return h, (new, aux)
 
         if reps == 1:  # a one-off stretch runs inline
@@ -223,6 +232,35 @@ def _run_periodic(stacks: dict, h: jax.Array, segs, ctx: _Ctx, caches: dict):
         for k, v in ys_aux.items():
             auxs.setdefault(k, []).append(flat(v))
         start = {k: start[k] + reps * count[k] for k in stacks}
+    cat = lambda parts: jax.tree.map(lambda *x: jnp.concatenate(x), *parts)
+    return h, {k: cat(v) for k, v in new_caches.items() if v}, {k: cat(v) for k, v in auxs.items()}
+
+
+def _run_runs(stacks: dict, h: jax.Array, period, caches: dict, layer, ctx: _Ctx):
+    """One period: its runs (unit, n) in order over per-period stacks {kind: [count, ...]}. Returns (h, new
+    caches {kind: [count, ...]}, aux {kind: {name: [count, ...]}})."""
+    off: dict[str, int] = {}
+    new_caches: dict[str, list] = {k: [] for k in caches}
+    auxs: dict[str, list] = {}
+    for unit, n in period:
+        kinds = tuple(unit)
+        take = lambda t: {k: jax.tree.map(lambda a: a[off.get(k, 0):off.get(k, 0) + n], t[k]) for k in kinds if k in t}
+        p_run, c_run = take(stacks), take(caches)
+        if n == 1:
+            h, new, aux = _run_unrolled(p_run, h, kinds, ctx, c_run, layer)
+        else:
+            def step(h, xs, kinds=kinds):
+                one = lambda t: jax.tree.map(lambda a: a[None], t)
+                h, new, aux = _run_unrolled(one(xs[0]), h, kinds, ctx, one(xs[1]), layer)
+                return h, jax.tree.map(lambda a: a[0], (new, aux))
+
+            h, (new, aux) = jax.lax.scan(step, h, (p_run, c_run), length=n)
+        for k, v in new.items():
+            new_caches[k].append(v)
+        for k, v in aux.items():
+            auxs.setdefault(k, []).append(v)
+        for k in kinds:
+            off[k] = off.get(k, 0) + n
     cat = lambda parts: jax.tree.map(lambda *x: jnp.concatenate(x), *parts)
     return h, {k: cat(v) for k, v in new_caches.items() if v}, {k: cat(v) for k, v in auxs.items()}
 
