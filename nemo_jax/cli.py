@@ -1,4 +1,4 @@
-"""`nemo-jax` command line: sft, generate, plot, import-hf, export-hf, merge, lora, forward."""
+"""`nemo-jax` command line: sft, plan, generate, plot, import-hf, export-hf, merge, lora, forward."""
 
 from __future__ import annotations
 
@@ -109,19 +109,32 @@ def cmd_forward(a):
                       "next_token_nll": float(nll), "uniform_nll": float(np.log(cfg.vocab_size))}))
 
 
-def cmd_sft(a):
-    import yaml
+def _mesh_overrides(mesh: str | None) -> list[str]:
+    """--mesh (a preset YAML or inline sizes "fsdp=8,tensor=2") -> mesh.* overrides."""
+    if not mesh:
+        return []
+    from nemo_jax.parallel.mesh import read_mesh_sizes
 
+    return [f"mesh.{k}={v}" for k, v in read_mesh_sizes(mesh).items()]
+
+
+def cmd_sft(a):
     from nemo_jax.train.sft import main as sft_main
 
-    overrides = list(a.overrides)
-    if a.mesh:
-        with open(a.mesh) as f:
-            mesh = yaml.safe_load(f) or {}
-        if not isinstance(mesh, dict):
-            raise ValueError(f"{a.mesh}: a mesh preset must be a mapping of axis: size")
-        overrides = [f"mesh.{k}={v}" for k, v in mesh.items()] + overrides
-    sft_main(a.config, overrides)
+    sft_main(a.config, _mesh_overrides(a.mesh) + list(a.overrides))
+
+
+def cmd_plan(a):
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    try:  # the simulated devices: possible only before jax starts its backends (plan then says how many it has)
+        jax.config.update("jax_num_cpu_devices", a.devices)
+    except RuntimeError as e:
+        print(f"note: {e}", file=sys.stderr)
+    from nemo_jax.plan import cli_plan
+
+    cli_plan(a, _mesh_overrides(a.mesh) + list(a.overrides))
 
 
 def cmd_plot(a):
@@ -144,9 +157,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("sft", help="supervised fine-tuning from a YAML config")
     s.add_argument("--config", default=None, help="YAML config (default: the embedded tiny CPU config)")
-    s.add_argument("--mesh", default=None, help="mesh preset YAML (configs/mesh/*.yaml)")
+    s.add_argument("--mesh", default=None, help="mesh preset YAML (configs/mesh/*.yaml) or sizes like fsdp=4,expert=2")
     s.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. steps=20 optim.lr=1e-4")
     s.set_defaults(fn=cmd_sft)
+
+    s = sub.add_parser("plan", help="per-device memory, FLOPs, collectives and step time of a config on N "
+                       "simulated devices (ahead-of-time compile on this CPU machine)")
+    s.add_argument("--config", default=None, help="SFT YAML config (default: the embedded tiny CPU config)")
+    s.add_argument("--devices", type=int, required=True, help="number of devices of the job")
+    s.add_argument("--device-kind", required=True, choices=("h100", "h200", "b200", "tpu-v5p"))
+    s.add_argument("--mesh", default=None, help="mesh preset YAML or sizes like fsdp=8,expert=8")
+    s.add_argument("--json", action="store_true", help="print every figure as JSON (stable keys)")
+    s.add_argument("--search", action="store_true", help="try mesh shapes and remat policies, rank those that fit")
+    s.add_argument("--max-candidates", type=int, default=12, help="--search: compile at most this many variants")
+    s.add_argument("--headroom", type=float, default=0.1, help="share of device memory kept free (default 0.1)")
+    s.add_argument("--sampler", action="store_true", help="also plan the sampler's prefill and decode steps")
+    s.add_argument("--rollout-batch", type=int, default=None, help="sampler rows (default data.batch_size)")
+    s.add_argument("--context", type=int, default=None, help="sampler context (default data.seq_len)")
+    s.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. data.seq_len=4096")
+    s.set_defaults(fn=cmd_plan)
 
     s = sub.add_parser("generate", help="sample from a model with the chat template applied")
     s.add_argument("--ckpt", required=True, help="native model dir, HF dir, or SFT run dir")

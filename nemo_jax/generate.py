@@ -250,15 +250,9 @@ def cli_generate(a):
 
     mesh = None
     if getattr(a, "mesh", None):
-        import yaml
+        from nemo_jax.parallel.mesh import make_mesh, read_mesh_sizes
 
-        from nemo_jax.parallel.mesh import make_mesh
-
-        with open(a.mesh) as f:
-            sizes = yaml.safe_load(f) or {}
-        if not isinstance(sizes, dict):
-            raise ValueError(f"{a.mesh}: a mesh preset must be a mapping of axis: size")
-        mesh = make_mesh(sizes)
+        mesh = make_mesh(read_mesh_sizes(a.mesh))
     cfg, params, tok_dir = load_for_generation(a.ckpt, mesh=mesh, dtype=jnp.float32)
     tok = ChatTokenizer.load(a.tokenizer or tok_dir)
     if a.no_chat_template:

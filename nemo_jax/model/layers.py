@@ -63,27 +63,30 @@ def logits_from_hidden(h: jax.Array, lm_head: dict) -> jax.Array:
     return _linear32(h, lm_head, h.dtype)
 
 
-def chunked_cross_entropy(h: jax.Array, lm_head: dict, targets: jax.Array, chunk: int = 1024) -> jax.Array:
+def chunked_cross_entropy(h: jax.Array, lm_head: dict, targets: jax.Array, chunk: int = 1024,
+                          row_shards: int = 1) -> jax.Array:
     """Per-token -log p(target) without materialising all fp32 logits at once.
 
-    h [B, T, D], targets [B, T] -> nll [B, T] fp32. The vocabulary projection is recomputed per
-    chunk of tokens in the backward pass (jax.checkpoint), so peak memory is one chunk of logits.
+    h [B, T, D], targets [B, T] -> nll [B, T] fp32. Chunks run along the sequence, all rows at once: c positions
+    with c = chunk / (B / row_shards), so with the rows sharded over `row_shards` devices each device projects
+    about `chunk` of its own tokens per chunk (chunks of the flattened global token axis would make every
+    device compute every chunk). The vocabulary projection is recomputed per chunk in the backward pass
+    (jax.checkpoint), so peak memory is one chunk of logits.
     """
     B, T, D = h.shape
-    n = B * T
-    c = min(chunk, n)
-    pad = (-n) % c
-    hf = jnp.pad(h.reshape(n, D), ((0, pad), (0, 0))).reshape(-1, c, D)
-    tf = jnp.pad(targets.reshape(n), (0, pad)).reshape(-1, c)
+    c = max(1, min(T, chunk // max(1, B // max(1, row_shards))))
+    pad = (-T) % c
+    hc = jnp.pad(h, ((0, 0), (0, pad), (0, 0))).reshape(B, -1, c, D)
+    tc = jnp.pad(targets, ((0, 0), (0, pad))).reshape(B, -1, c)
 
-    def one(hc, tc):
+    def one(hc, tc):  # [B, c, D], [B, c] -> [B, c]
         logits = _linear32(hc, lm_head, hc.dtype)
         lse = jax.nn.logsumexp(logits, axis=-1)
-        tgt = jnp.take_along_axis(logits, tc[:, None], axis=-1)[:, 0]
+        tgt = jnp.take_along_axis(logits, tc[..., None], axis=-1)[..., 0]
         return lse - tgt
 
-    if hf.shape[0] == 1:  # one chunk: nothing to save by recomputing
-        nll = one(hf[0], tf[0])[None]
+    if hc.shape[1] == 1:  # one chunk: nothing to save by recomputing
+        nll = one(hc[:, 0], tc[:, 0])[:, None]
     else:
-        nll = jax.lax.map(lambda a: jax.checkpoint(one)(*a), (hf, tf))
-    return nll.reshape(-1)[:n].reshape(B, T)
+        nll = jax.lax.map(lambda a: jax.checkpoint(one)(*a), (hc.swapaxes(0, 1), tc.swapaxes(0, 1))).swapaxes(0, 1)
+    return nll.reshape(B, -1)[:, :T]

@@ -115,6 +115,14 @@ def apply_layer(kind: str, p: dict, h: jax.Array, ctx: _Ctx, cache=None):
     return pin_batch((h + y.astype(h.dtype)).astype(h.dtype), ctx.opts.mesh), new, aux
 
 
+def row_shards(mesh, rows: int) -> int:
+    """How many ways `pin_batch` splits `rows` rows on `mesh` (1 without a mesh or when they do not divide)."""
+    if mesh is None:
+        return 1
+    n = int(np.prod([mesh.shape[a] for a in BATCH_AXES if mesh.shape.get(a, 1) > 1]))
+    return n if rows % n == 0 else 1
+
+
 def pin_batch(h: jax.Array, mesh) -> jax.Array:
     """h [B, ...]: rows over the mesh's batch axes, everything else unsharded, so GSPMD never picks a layout
     sharded on the hidden dimension (from an FSDP-sharded embedding table) with global-batch activations."""
@@ -125,6 +133,18 @@ def pin_batch(h: jax.Array, mesh) -> jax.Array:
         return h
     spec = jax.sharding.PartitionSpec(axes, *([None] * (h.ndim - 1)))
     return jax.lax.with_sharding_constraint(h, jax.sharding.NamedSharding(mesh, spec))
+
+
+def _whole_rows(emb: dict, mesh) -> dict:
+    """The embedding table [V, D] with its hidden dim gathered (FSDP gathers the weight, never the batch):
+    indexed by batch-sharded tokens, a D-sharded table would make GSPMD all-gather the tokens and build the
+    global batch's embeddings on every device. The vocab dim keeps its `tensor` split (a masked gather)."""
+    if mesh is None:
+        return emb
+    t = emb["embedding"]
+    vocab = "tensor" if mesh.shape.get("tensor", 1) > 1 and t.shape[0] % mesh.shape["tensor"] == 0 else None
+    spec = jax.sharding.PartitionSpec(vocab, None)
+    return dict(emb, embedding=jax.lax.with_sharding_constraint(t, jax.sharding.NamedSharding(mesh, spec)))
 
 
 def _spread(tree, unit_to_layer: np.ndarray, layer_to_unit: np.ndarray):
@@ -349,7 +369,7 @@ def _run_unrolled(stacks, h, kinds, ctx, caches, layer=None):
 def hidden_states(params: dict, tokens: jax.Array, cfg, segment_ids=None, *, opts: Options = Options()):
     """tokens [B, T] -> (final-normed hidden [B, T, D] in opts.dtype, aux)."""
     ctx = _Ctx(cfg, opts, segment_ids=segment_ids)
-    h = pin_batch(embed(params["embeddings"], tokens, opts.dtype), opts.mesh)
+    h = pin_batch(embed(_whole_rows(params["embeddings"], opts.mesh), tokens, opts.dtype), opts.mesh)
     h, _, aux = run_layers(params["layers"], h, cfg.layer_kinds, ctx)
     return rms_norm(h, params["norm_f"]["scale"], cfg.layer_norm_epsilon), _summarise_aux(aux)
 
@@ -376,7 +396,7 @@ def mtp_hidden(params: dict, h: jax.Array, tokens: jax.Array, cfg, segment_ids=N
     outs, prev = [], h
     for d, p in enumerate(params["mtp"]):
         nxt = jnp.pad(tokens[:, 1 + d:], ((0, 0), (0, 1 + d)))
-        e = rms_norm(embed(params["embeddings"], nxt, opts.dtype), p["enorm"]["scale"], cfg.layer_norm_epsilon)
+        e = rms_norm(embed(_whole_rows(params["embeddings"], opts.mesh), nxt, opts.dtype), p["enorm"]["scale"], cfg.layer_norm_epsilon)
         hh = rms_norm(prev, p["hnorm"]["scale"], cfg.layer_norm_epsilon)
         x = linear(jnp.concatenate([e, hh], axis=-1), p["eh_proj"], opts.dtype)
         x, _, _ = run_layers(p["layers"], x, cfg.mtp_layer_kinds, ctx)

@@ -123,7 +123,7 @@ def mixer_specs(cfg: NemotronHConfig, kind: str) -> dict:
         }
     if kind == "moe":
         E, Din, Ie = cfg.n_routed_experts, cfg.moe_input_size, cfg.moe_intermediate_size
-        in_axis = "latent" if cfg.moe_latent_size else "embed"
+        in_axis = "expert_in"  # the experts' model-side dim (D, or the latent size): FSDP-sharded like `embed`
         out = {
             "gate": {
                 "kernel": ParamSpec((D, E), ("embed", "router_experts"), _normal(std)),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import jax
 import numpy as np
@@ -28,6 +29,29 @@ def resolve_sizes(sizes: dict, n_devices: int) -> dict:
         sizes[free[0]] = n_devices // fixed
     if math.prod(sizes.values()) != n_devices:
         raise ValueError(f"mesh: sizes {sizes} use {math.prod(sizes.values())} devices, {n_devices} available")
+    return sizes
+
+
+def read_mesh_sizes(spec: str) -> dict:
+    """A `--mesh` argument: a preset YAML (configs/mesh/*.yaml) or inline sizes "fsdp=8,tensor=2" -> {axis: size}."""
+    if os.path.isfile(spec):
+        import yaml
+
+        with open(spec) as f:
+            sizes = yaml.safe_load(f) or {}
+        if not isinstance(sizes, dict):
+            raise ValueError(f"{spec}: a mesh preset must be a mapping of axis: size")
+    elif "=" in spec:
+        sizes = {k.strip(): v for k, v in (kv.split("=", 1) for kv in spec.split(",") if kv)}
+    else:
+        raise FileNotFoundError(f"--mesh {spec!r}: neither a preset file nor sizes like fsdp=8,tensor=2")
+    for k, v in sizes.items():
+        if k not in MESH_AXES:
+            raise ValueError(f"--mesh {spec}: unknown axis {k!r} (axes: {', '.join(MESH_AXES)})")
+        try:
+            sizes[k] = int(v)
+        except (TypeError, ValueError):
+            raise ValueError(f"--mesh {spec}: size of {k!r} must be an integer, got {v!r}") from None
     return sizes
 
 

@@ -26,6 +26,7 @@ DEFAULT_RULES = {
     "router_experts": None,
     "experts": "expert",
     "expert_mlp": "tensor",
+    "expert_in": "fsdp",  # routed experts' D (or latent) dim: without it latent experts were split only E-ways
     "latent": None,
     # activations
     "batch": ("data", "fsdp", "expert"),

@@ -6,6 +6,8 @@ import json
 import os
 import signal
 import time
+from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +20,7 @@ from nemo_jax.config.model import NemotronHConfig
 from nemo_jax.config.train import SFTConfig
 from nemo_jax.data.chat import ASSETS, ChatTokenizer, PackedIterator, read_chat_jsonl
 from nemo_jax.model import model as M
-from nemo_jax.model.spec import count_params, init as init_params, param_specs
+from nemo_jax.model.spec import abstract_params, count_params, init as init_params, param_specs
 from nemo_jax.parallel import distributed
 from nemo_jax.parallel.mesh import batch_shards, batch_sharding, make_mesh
 from nemo_jax.parallel.rules import Rules, param_shardings
@@ -69,6 +71,77 @@ def initial_params(c: SFTConfig, mesh, rules):
     return cfg, params
 
 
+@dataclass
+class StepProgram:
+    """The SFT (or LoRA SFT) step on a mesh, decided before any array exists: the Trainer fills it with arrays,
+    `nemo-jax plan` compiles it with abstract ones (`abstract_inputs`)."""
+    cfg: NemotronHConfig
+    mesh: Any
+    opts: M.Options
+    lora_cfg: LoraConfig | None
+    base_dtype: Any  # the frozen base's dtype under LoRA (None: no frozen base)
+    model_shardings: Any  # of the full model's params
+    trainable_shardings: Any  # of state.params (the model, or the adapters under LoRA)
+    tx: Any
+    sched: Any
+    state_shardings: TrainState
+    batch_sharding: Any
+    step: Any  # jitted step(state, batch, frozen) -> (state, metrics); the state is donated
+    eval_step: Any  # jitted ev(params, batch, frozen) -> (summed NLL, tokens)
+    combine: Any
+
+    def abstract_trainable(self):
+        if self.lora_cfg is None:
+            return abstract_params(self.cfg)
+        return jax.eval_shape(lambda: init_adapters(self.cfg, self.lora_cfg))
+
+    def abstract_inputs(self, batch_rows: int, seq_len: int) -> tuple:
+        """(state, batch, frozen) as ShapeDtypeStructs in their shardings: what `step` is lowered with."""
+        sds = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+        trainable = self.abstract_trainable()
+        opt = jax.eval_shape(self.tx.init, trainable)
+        scalar, key = jax.ShapeDtypeStruct((), jnp.int32), jax.eval_shape(
+            lambda: jax.random.key_data(jax.random.key(0)))
+        state = jax.tree.map(sds, TrainState(trainable, opt, scalar, scalar, scalar, key), self.state_shardings)
+        b = lambda dt: jax.ShapeDtypeStruct((batch_rows, seq_len), dt, sharding=self.batch_sharding)
+        batch = {"tokens": b(jnp.int32), "targets": b(jnp.int32), "loss_mask": b(jnp.bool_),
+                 "segment_ids": b(jnp.int32)}
+        frozen = None
+        if self.base_dtype is not None:
+            frozen = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, self.base_dtype, sharding=s),
+                                  abstract_params(self.cfg), self.model_shardings)
+        return state, batch, frozen
+
+
+def step_program(c: SFTConfig, cfg, mesh, rules) -> StepProgram:
+    """Everything about the step that follows from the config, the model config and the mesh."""
+    opts = options_from(c.model, mesh)
+    model_sh = param_shardings(param_specs(cfg), mesh, rules)
+    lora_cfg, base_dtype, combine, trainable_sh = None, None, None, model_sh
+    if c.lora.targets:
+        if c.lora.base_dtype not in DTYPES:
+            raise ValueError(f"lora.base_dtype: {c.lora.base_dtype!r} (expected one of {sorted(DTYPES)})")
+        lora_cfg = LoraConfig(tuple(c.lora.targets), c.lora.rank, c.lora.alpha, c.lora.rslora, c.lora.init_seed)
+        base_dtype = DTYPES[c.lora.base_dtype]
+        trainable_sh = adapter_shardings(cfg, lora_cfg, mesh, rules)
+        combine = lambda adapters, base: attach(base, adapters)  # noqa: E731
+    o = c.optim
+    shards = batch_shards(mesh)
+    if c.data.batch_size % (o.grad_accum * shards):
+        raise ValueError(f"data.batch_size={c.data.batch_size} must split into optim.grad_accum={o.grad_accum} "
+                         f"micro-batches whose rows divide over {shards} batch shards (data*fsdp*expert)")
+    trainable = (abstract_params(cfg) if lora_cfg is None
+                 else jax.eval_shape(lambda: init_adapters(cfg, lora_cfg)))
+    tx, sched = make_optimizer(o, trainable, c.steps)
+    replicated = NamedSharding(mesh, P())
+    opt_sh = state_shardings(tx, trainable, trainable_sh, replicated)  # Adam moments sharded like params
+    state_sh = TrainState(trainable_sh, opt_sh, replicated, replicated, replicated, replicated)
+    step = make_train_step(cfg, opts, tx, sched, o, o.grad_accum, combine)
+    return StepProgram(cfg, mesh, opts, lora_cfg, base_dtype, model_sh, trainable_sh, tx, sched, state_sh,
+                       batch_sharding(mesh), jax.jit(step, donate_argnums=0, out_shardings=(state_sh, None)),
+                       jax.jit(make_eval_step(cfg, opts, combine, o.grad_accum)), combine)
+
+
 class Trainer:
     def __init__(self, c: SFTConfig, *, quiet: bool = False, devices=None):
         check_logging(c.logging)  # a bad wandb mode or a missing extra fails before any work
@@ -79,42 +152,25 @@ class Trainer:
                                "expert": c.mesh.expert}, devices)
         self.rules = Rules()
         self.cfg, params = initial_params(c, self.mesh, self.rules)
-        self.opts = options_from(c.model, self.mesh)
-        # LoRA: the trainable tree is the adapters, the base params are frozen (held in lora.base_dtype)
-        self.lora_cfg, self.frozen, combine = None, None, None
-        param_sh = param_shardings(param_specs(self.cfg), self.mesh, self.rules)
-        if c.lora.targets:
-            if c.lora.base_dtype not in DTYPES:
-                raise ValueError(f"lora.base_dtype: {c.lora.base_dtype!r} (expected one of {sorted(DTYPES)})")
-            self.lora_cfg = LoraConfig(tuple(c.lora.targets), c.lora.rank, c.lora.alpha, c.lora.rslora,
-                                       c.lora.init_seed)
-            dt = DTYPES[c.lora.base_dtype]
-            self.frozen = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(dt), p), out_shardings=param_sh)(params)
-            param_sh = adapter_shardings(self.cfg, self.lora_cfg, self.mesh, self.rules)
-            params = init_adapters(self.cfg, self.lora_cfg, shardings=param_sh)
-            combine = lambda adapters, base: attach(base, adapters)  # noqa: E731
-            if not quiet:
-                print(summary_table(self.cfg, self.lora_cfg))
-        o = c.optim
-        shards = batch_shards(self.mesh)
-        if c.data.batch_size % (o.grad_accum * shards):
-            raise ValueError(f"data.batch_size={c.data.batch_size} must split into optim.grad_accum={o.grad_accum} "
-                             f"micro-batches whose rows divide over {shards} batch shards (data*fsdp*expert)")
         if c.data.batch_size % jax.process_count():
             raise ValueError(f"data.batch_size={c.data.batch_size} not divisible by {jax.process_count()} processes")
-        self.tx, self.sched = make_optimizer(o, params, c.steps)
-        replicated = NamedSharding(self.mesh, P())
-        opt_sh = state_shardings(self.tx, params, param_sh, replicated)  # Adam moments sharded like params
-        opt_state = jax.jit(self.tx.init, out_shardings=opt_sh)(params)
+        prog = self.program = step_program(c, self.cfg, self.mesh, self.rules)
+        self.opts, self.lora_cfg, self.frozen = prog.opts, prog.lora_cfg, None
+        if prog.lora_cfg is not None:  # the trainable tree is the adapters; the base is frozen in lora.base_dtype
+            dt = prog.base_dtype
+            self.frozen = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(dt), p),
+                                  out_shardings=prog.model_shardings)(params)
+            params = init_adapters(self.cfg, prog.lora_cfg, shardings=prog.trainable_shardings)
+            if not quiet:
+                print(summary_table(self.cfg, prog.lora_cfg))
+        self.tx, self.sched = prog.tx, prog.sched
+        opt_state = jax.jit(self.tx.init, out_shardings=prog.state_shardings.opt_state)(params)
         rng = jax.random.key_data(jax.random.key(c.model.seed + 1))
         z = lambda: jnp.zeros((), jnp.int32)  # distinct buffers (the state is donated)
-        state = TrainState(params, opt_state, z(), z(), z(), rng)
-        self.state_shardings = TrainState(param_sh, opt_sh, replicated, replicated, replicated, replicated)
-        self.state = jax.device_put(state, self.state_shardings)
-        self.batch_sharding = batch_sharding(self.mesh)
-        step = make_train_step(self.cfg, self.opts, self.tx, self.sched, o, o.grad_accum, combine)
-        self.step_fn = jax.jit(step, donate_argnums=0, out_shardings=(self.state_shardings, None))
-        self.eval_fn = jax.jit(make_eval_step(self.cfg, self.opts, combine, o.grad_accum))
+        self.state_shardings = prog.state_shardings
+        self.state = jax.device_put(TrainState(params, opt_state, z(), z(), z(), rng), self.state_shardings)
+        self.batch_sharding = prog.batch_sharding
+        self.step_fn, self.eval_fn = prog.step, prog.eval_step
         self.tok = ChatTokenizer.load(c.data.tokenizer)
         docs, skipped = read_chat_jsonl(c.data.train, self.tok, self.cfg.vocab_size, c.data.on_error)
         self.skipped_lines = skipped

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from nemo_jax.model.layers import chunked_cross_entropy
-from nemo_jax.model.model import Options, hidden_states, mtp_hidden
+from nemo_jax.model.model import Options, hidden_states, mtp_hidden, row_shards
 
 
 class TrainState(NamedTuple):
@@ -24,7 +24,8 @@ class TrainState(NamedTuple):
 def token_loss(params, batch, cfg, opts: Options, mtp_coef: float = 0.0):
     """-> (sum of masked NLL, aux). batch: tokens/targets/loss_mask/segment_ids [b, T]."""
     h, aux = hidden_states(params, batch["tokens"], cfg, batch["segment_ids"], opts=opts)
-    nll = chunked_cross_entropy(h, params["lm_head"], batch["targets"])
+    rows = row_shards(opts.mesh, h.shape[0])
+    nll = chunked_cross_entropy(h, params["lm_head"], batch["targets"], row_shards=rows)
     mask = batch["loss_mask"].astype(jnp.float32)
     total = jnp.sum(nll * mask)
     if mtp_coef and cfg.num_nextn_predict_layers and "mtp" in params:
@@ -34,7 +35,7 @@ def token_loss(params, batch, cfg, opts: Options, mtp_coef: float = 0.0):
             tgt = jnp.pad(batch["targets"][:, 1 + d:], ((0, 0), (0, 1 + d)))
             m = jnp.pad(batch["loss_mask"][:, 1 + d:], ((0, 0), (0, 1 + d))) & (
                 jnp.pad(seg[:, 1 + d:], ((0, 0), (0, 1 + d))) == seg)
-            mnll = chunked_cross_entropy(hm, params["lm_head"], tgt)
+            mnll = chunked_cross_entropy(hm, params["lm_head"], tgt, row_shards=rows)
             aux[f"mtp{d}_nll_sum"] = jnp.sum(mnll * m)
             total = total + mtp_coef * aux[f"mtp{d}_nll_sum"]
     return total, aux

@@ -1,0 +1,47 @@
+"""`nemo-jax plan`: per-device memory, FLOPs, collectives and step time of a job, compiled ahead of time on
+simulated devices (`plan.py`), with the loop-aware HLO counting in `hlo.py`."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from nemo_jax.plan.plan import (DEVICE_KINDS, ESTIMATES, format_plan, format_search, plan_sampler, plan_sft,  # noqa: F401
+                                search)
+
+# the keys every `--json` plan carries at its top level (those of the training step)
+PLAN_KEYS = ("fits", "per_device_bytes", "flops_per_step", "model_flops_per_step", "collective_bytes",
+             "step_time_s", "mfu")
+
+
+def cli_plan(a, overrides: list[str]) -> dict:
+    from nemo_jax.train.sft import load_sft_config
+
+    c = load_sft_config(a.config, overrides)
+    kind = DEVICE_KINDS[a.device_kind]
+    say = (lambda *x: print(*x, file=sys.stderr)) if a.json else print
+    head = {"config": a.config or "embedded tiny CPU config", "devices": a.devices, "device_kind": a.device_kind,
+            "headroom": a.headroom, "estimates": ESTIMATES}
+    if a.search:
+        rows = search(c, a.devices, kind, a.max_candidates, a.headroom, progress=say)
+        out = {**head, "candidates": rows, "best": rows[0] if rows and rows[0]["fits"] else None}
+        if a.json:
+            print(json.dumps(out, indent=1))
+        else:
+            print(format_search(rows))
+            if out["best"] is None:
+                print("no candidate fits: try more devices, a smaller data.batch_size or more optim.grad_accum")
+        return out
+    programs = [plan_sft(c, a.devices, kind, a.headroom)]
+    if a.sampler:
+        programs += plan_sampler(c, a.devices, kind, a.rollout_batch or c.data.batch_size,
+                                 a.context or c.data.seq_len, a.headroom)
+    out = {**head, **{k: programs[0][k] for k in PLAN_KEYS}, "fits_all": all(p["fits"] for p in programs),
+           "programs": programs}
+    if a.json:
+        print(json.dumps(out, indent=1))
+    else:
+        for p in programs:
+            print(format_plan(p, kind) + "\n")
+        print(f"estimates: {ESTIMATES}")
+    return out

@@ -1,0 +1,234 @@
+"""What one device does per step, read from a compiled SPMD module's HLO text: FLOPs with loops counted
+(XLA's own cost analysis counts a `while` body once, whatever its trip count) and the bytes of every
+collective, with the size of its replica groups.
+
+The counting follows XLA's HloCostAnalysis where it matters: a dot is 2 x output elements x contracted
+elements; elementwise arithmetic and compares are one FLOP per output element; transcendentals are counted
+apart; a reduce is one FLOP per input element folded in. Fusions and calls are counted through their
+computations, a `while` as trip count x (body + condition), a conditional as its most expensive branch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+                "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1,
+                "s4": 1, "u4": 1, "token": 0}
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([a-z][a-z0-9\-]*)\((.*)$")
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\((.*)\)\s*->\s*.*\{\s*$")
+ELEMENTWISE = {"add", "subtract", "multiply", "divide", "maximum", "minimum", "compare", "select", "negate", "abs",
+               "and", "or", "xor", "not", "clamp", "remainder", "sign", "floor", "ceil", "round-nearest-even",
+               "round-nearest-afz", "atan2", "shift-left", "shift-right-logical", "shift-right-arithmetic"}
+TRANSCENDENTAL = {"exponential", "log", "tanh", "logistic", "sqrt", "rsqrt", "cbrt", "sine", "cosine", "tan",
+                  "exponential-minus-one", "log-plus-one", "power", "erf"}
+COLLECTIVES = {"all-reduce": "all-reduce", "all-reduce-start": "all-reduce", "all-gather": "all-gather",
+               "all-gather-start": "all-gather", "reduce-scatter": "reduce-scatter", "all-to-all": "all-to-all",
+               "collective-permute": "collective-permute", "collective-permute-start": "collective-permute",
+               "ragged-all-to-all": "all-to-all"}
+
+
+def _arrays(type_str: str) -> list[tuple[str, tuple[int, ...]]]:
+    """'(f32[2,3]{1,0}, s32[])' -> [('f32', (2, 3)), ('s32', ())]."""
+    return [(d, tuple(int(x) for x in dims.split(",") if x)) for d, dims in _ARRAY.findall(type_str)
+            if d in _DTYPE_BYTES]
+
+
+def _bytes(type_str: str) -> int:
+    return sum(_DTYPE_BYTES[d] * math.prod(s) for d, s in _arrays(type_str))
+
+
+def _elements(type_str: str) -> int:
+    a = _arrays(type_str)
+    return math.prod(a[0][1]) if a else 0
+
+
+@dataclass
+class Instr:
+    name: str
+    type: str
+    opcode: str
+    operands: list[str]
+    attrs: str
+
+
+@dataclass
+class Collective:
+    kind: str
+    bytes: int  # per device, per execution: the full buffer (all-gather: gathered output; others: operand)
+    group: int  # devices in one replica group
+    groups: list[list[int]]  # device ids of each group (logical, as the mesh numbers them)
+    count: int  # executions per step (loop trips multiplied in)
+
+
+@dataclass
+class HloCost:
+    flops: float = 0.0
+    transcendentals: float = 0.0
+    collectives: list[Collective] = field(default_factory=list)
+    unknown_trip_counts: int = 0  # while loops whose trip count XLA did not annotate (counted once)
+
+    def collective_bytes(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for c in self.collectives:
+            out[c.kind] = out.get(c.kind, 0) + c.bytes * c.count
+        return out
+
+
+def _split_operands(s: str) -> tuple[list[str], str]:
+    """The text after 'opcode(' -> (operand names, attribute text after the closing paren)."""
+    depth, i = 1, 0
+    while i < len(s) and depth:
+        depth += {"(": 1, ")": -1}.get(s[i], 0)
+        i += 1
+    inner, attrs = s[:i - 1], s[i:]
+    return re.findall(r"%([\w.\-]+)", inner), attrs
+
+
+def parse_module(text: str) -> tuple[dict[str, list[Instr]], dict[str, dict[str, str]], str]:
+    """-> ({computation: [instructions]}, {computation: {value name: type}}, entry computation name)."""
+    comps: dict[str, list[Instr]] = {}
+    types: dict[str, dict[str, str]] = {}
+    entry, cur = None, None
+    for line in text.splitlines():
+        if cur is None:
+            m = _HEADER.match(line)
+            if m:
+                cur = m.group(1)
+                comps[cur], types[cur] = [], {}
+                if line.startswith("ENTRY"):
+                    entry = cur
+                for pname, ptype in re.findall(r"([\w.\-]+):\s*((?:\([^)]*\))|(?:[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?))",
+                                               m.group(2)):
+                    types[cur][pname] = ptype
+            continue
+        if line.strip() == "}":
+            cur = None
+            continue
+        m = _INSTR.match(line)
+        if m:
+            name, typ, opcode, rest = m.groups()
+            operands, attrs = _split_operands(rest)
+            comps[cur].append(Instr(name, typ, opcode, operands, attrs))
+            types[cur][name] = typ
+    if entry is None:
+        raise ValueError("HLO text without an ENTRY computation")
+    return comps, types, entry
+
+
+def _called(attrs: str, key: str) -> list[str]:
+    m = re.search(key + r"=\{?([^}\s,]+(?:,\s*%[\w.\-]+)*)\}?", attrs)
+    return re.findall(r"%?([\w.\-]+)", m.group(1)) if m else []
+
+
+def _trip_count(attrs: str) -> int | None:
+    m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', attrs)
+    return int(m.group(1)) if m else None
+
+
+def replica_groups(attrs: str, n_devices: int) -> list[list[int]]:
+    """Parse `replica_groups={{0,1},{2,3}}` or the iota form `replica_groups=[2,4]<=[4,2]T(1,0)`; collective
+    permutes give their source-target pairs as groups. Empty -> one group of all devices."""
+    m = re.search(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", attrs)
+    if m:
+        shape = [int(x) for x in m.group(1).split(",")]
+        dims = [int(x) for x in m.group(2).split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if m.group(3):
+            ids = ids.transpose([int(x) for x in m.group(3).split(",")])
+        return ids.reshape(shape).tolist()
+    m = re.search(r"replica_groups=\{((?:\{[0-9,]*\},?)*)\}", attrs)
+    if m and m.group(1):
+        return [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([0-9,]*)\}", m.group(1))]
+    m = re.search(r"source_target_pairs=\{((?:\{[0-9,]*\},?)*)\}", attrs)
+    if m and m.group(1):
+        return [[int(x) for x in g.split(",")] for g in re.findall(r"\{([0-9,]*)\}", m.group(1))]
+    return [list(range(n_devices))]
+
+
+def analyse(text: str, n_devices: int) -> HloCost:
+    """FLOPs and collectives of one device's step (the SPMD module), loops counted by their trip counts."""
+    comps, types, entry = parse_module(text)
+    cost = HloCost()
+    memo: dict[str, tuple[float, float, list]] = {}
+
+    def visit(comp: str) -> tuple[float, float, list]:
+        if comp in memo:
+            return memo[comp]
+        memo[comp] = (0.0, 0.0, [])  # recursion guard
+        flops = trans = 0.0
+        colls: list[tuple[Collective, int]] = []  # (collective, multiplier)
+        ty = types[comp]
+
+        def sub(names, mult=1):
+            nonlocal flops, trans
+            for n in names:
+                if n in comps:
+                    f, t, c = visit(n)
+                    flops += mult * f
+                    trans += mult * t
+                    colls.extend((x, m * mult) for x, m in c)
+
+        for ins in comps[comp]:
+            op = ins.opcode
+            if op == "dot":
+                lhs = _arrays(ty.get(ins.operands[0], ""))
+                m = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", ins.attrs)
+                k = math.prod(lhs[0][1][int(d)] for d in m.group(1).split(",") if d) if (m and lhs) else 1
+                flops += 2.0 * _elements(ins.type) * k
+            elif op in ELEMENTWISE:
+                flops += _elements(ins.type)
+            elif op in TRANSCENDENTAL:
+                trans += _elements(ins.type)
+            elif op == "reduce":
+                n_in = sum(_elements(ty.get(o, "")) for o in ins.operands[:max(1, len(ins.operands) // 2)])
+                flops += max(0, n_in - _elements(ins.type))
+            elif op in ("fusion", "call", "async-start", "custom-call"):
+                sub(_called(ins.attrs, "calls") + _called(ins.attrs, "to_apply"))
+            elif op == "while":
+                n = _trip_count(ins.attrs)
+                if n is None:
+                    cost.unknown_trip_counts += 1
+                    n = 1
+                sub(_called(ins.attrs, "body") + _called(ins.attrs, "condition"), n)
+            elif op == "conditional":
+                branches = (_called(ins.attrs, "branch_computations")
+                            or _called(ins.attrs, "true_computation") + _called(ins.attrs, "false_computation"))
+                best = max((visit(b) for b in branches if b in comps), key=lambda r: r[0], default=None)
+                if best:
+                    flops += best[0]
+                    trans += best[1]
+                    colls.extend(best[2])
+            if op in COLLECTIVES:
+                kind = COLLECTIVES[op]
+                operand_bytes = sum(_bytes(ty.get(o, "")) for o in ins.operands)
+                size = _bytes(ins.type) if kind == "all-gather" else operand_bytes
+                groups = replica_groups(ins.attrs, n_devices)
+                if kind == "all-gather" and op.endswith("-start"):
+                    size = _bytes(ins.type) - operand_bytes  # the start's type is (operand, output)
+                colls.append((Collective(kind, size, max(len(g) for g in groups), groups, 1), 1))
+        memo[comp] = (flops, trans, colls)
+        return memo[comp]
+
+    f, t, c = visit(entry)
+    cost.flops, cost.transcendentals = f, t
+    cost.collectives = [Collective(x.kind, x.bytes, x.group, x.groups, m) for x, m in c]
+    return cost
+
+
+def cost_analysis_flops(compiled) -> float:
+    """XLA's own FLOP count of a compiled program (loop bodies once)."""
+    ca = compiled.cost_analysis()
+    ca = ca[0] if isinstance(ca, (list, tuple)) else ca
+    return float(ca.get("flops", 0.0))
+
+
+def dumps(cost: HloCost) -> str:
+    return json.dumps({"flops": cost.flops, "transcendentals": cost.transcendentals,
+                       "collective_bytes": cost.collective_bytes()})
