@@ -113,3 +113,26 @@ def test_expert_parallel_matches_single_device(mesh_shape, dispatch):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
     hlo = jax.jit(lambda p, u: loss(p, u, mesh)[0]).lower(p, u).compile().as_text()
     assert "all-gather" in hlo and "reduce-scatter" in hlo
+
+
+def test_expert_parallel_capacity_bounds_the_buffer():
+    """ep_capacity: a generous bound (>= ep, the worst case) gives the dropless values; a tight one holds a
+    smaller per-device buffer (compiled temporaries shrink) and counts the slots it drops."""
+    from nemo_jax.parallel.mesh import make_mesh
+
+    cfg = tiny_cfg(moe_latent_size=8)
+    p = _params(cfg)
+    mesh = make_mesh(dict(data=2, expert=4))
+    u = jax.random.normal(jax.random.key(4), (8, 16, cfg.hidden_size))
+
+    def run(ep_capacity):
+        f = jax.jit(lambda p, u: moe_lib.moe(p, u, cfg, jnp.float32, mesh=mesh, ep_capacity=ep_capacity))
+        (y, aux), temp = f(p, u), f.lower(p, u).compile().memory_analysis().temp_size_in_bytes
+        return y, int(aux["dropped"]), temp
+
+    y0, d0, t0 = run(0.0)
+    y4, d4, _ = run(4.0)
+    y_tight, d_tight, t_tight = run(0.5)
+    assert d0 == d4 == 0
+    np.testing.assert_allclose(y4, y0, rtol=1e-6, atol=1e-6)
+    assert d_tight > 0 and t_tight < t0

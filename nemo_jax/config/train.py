@@ -14,6 +14,7 @@ class ModelSection:
     remat: str = "none"  # none | layer | save_matmuls
     moe_dispatch: str = "sorted"
     capacity_factor: float = 1.25
+    ep_capacity: float = 0.0  # expert parallel: per-device expert buffer = this x the even share (0: dropless, ep x)
     seed: int = 0
 
 

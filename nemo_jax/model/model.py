@@ -44,6 +44,7 @@ class Options:
     attention: str = "blocked"  # "blocked" (causal query blocks over key prefixes) | "full" (reference)
     moe_dispatch: str = "sorted"  # see moe.DISPATCHES
     capacity_factor: float = 1.25
+    ep_capacity: float = 0.0  # expert parallel: each device's sorted buffer holds this x its even share (0: dropless)
     remat: str = "none"  # "none" | "layer" | "save_matmuls"
     # a Mesh: activations are pinned batch-sharded (rows over data/fsdp/expert, hidden unsharded) at every layer
     # boundary, and an `expert` axis > 1 turns on expert parallelism for routed experts
@@ -109,7 +110,8 @@ def apply_layer(kind: str, p: dict, h: jax.Array, ctx: _Ctx, cache=None):
     elif kind == "moe":
         mask = ctx.valid if ctx.valid is not None else (None if ctx.segment_ids is None else ctx.segment_ids > 0)
         y, aux = moe_lib.moe(p["mixer"], u, cfg, dtype, dispatch=ctx.opts.moe_dispatch,
-                             capacity_factor=ctx.opts.capacity_factor, token_mask=mask, mesh=ctx.opts.mesh)
+                             capacity_factor=ctx.opts.capacity_factor, token_mask=mask, mesh=ctx.opts.mesh,
+                             ep_capacity=ctx.opts.ep_capacity)
     else:
         raise ValueError(f"unknown layer kind {kind!r}")
     return pin_batch((h + y.astype(h.dtype)).astype(h.dtype), ctx.opts.mesh), new, aux

@@ -46,10 +46,11 @@ def block_size(n_slots: int, n_experts: int) -> int:
     return max(1, n_slots // (2 * n_experts))
 
 
-def _slot_layout(flat_e, E: int, dispatch: str, capacity_factor: float, valid=None):
+def _slot_layout(flat_e, E: int, dispatch: str, capacity_factor: float, valid=None, max_slots: int | None = None):
     """Where each token-slot goes in the expert buffer.
 
-    flat_e [n] expert of each slot (in [0, E)); valid [n] (optional) marks slots this buffer serves.
+    flat_e [n] expert of each slot (in [0, E)); valid [n] (optional) marks slots this buffer serves; max_slots
+    (sorted dispatch) bounds the slots the buffer holds (else n, the worst case): the overflow is dropped.
     Returns dest [n] (slot index, out of range = dropped), keep [n], block_expert [nb], nb, bs.
     """
     n = flat_e.shape[0]
@@ -65,8 +66,9 @@ def _slot_layout(flat_e, E: int, dispatch: str, capacity_factor: float, valid=No
         bs = max(1, math.ceil(capacity_factor * n / E))
         keep = ok & (rank < bs)
         return jnp.where(keep, flat_e * bs + rank, E * bs), keep, jnp.arange(E), E, bs
-    bs = block_size(n, E)
-    nb = min(n, (n + E * (bs - 1)) // bs)
+    cap = n if max_slots is None else max(1, min(n, max_slots))
+    bs = block_size(cap, E)
+    nb = min(n, (cap + E * (bs - 1)) // bs)
     padded = (counts + bs - 1) // bs * bs
     pend = jnp.cumsum(padded)
     dest = (pend - padded)[jnp.minimum(flat_e, E - 1)] + rank
@@ -99,14 +101,15 @@ def _experts_mlp(eq_up: str, eq_down: str, x, pe: dict, dtype, take=None):
     return _lora_einsum(eq_down, h, pe["down_proj"], pe.get("down_proj_lora"), dtype, take)
 
 
-def _buffered_experts(pe, x, w, idx, E: int, dtype, dispatch: str, capacity_factor: float, valid=None):
+def _buffered_experts(pe, x, w, idx, E: int, dtype, dispatch: str, capacity_factor: float, valid=None,
+                      max_slots: int | None = None):
     """Sorted / capacity dispatch over E local experts (pe: up_proj/down_proj [E, ...] in `dtype`, optional
     `*_lora`). -> (y [T, Din] dtype, dropped slots among valid ones)."""
     T, k = idx.shape
     flat_e = idx.reshape(-1)
     fvalid = None if valid is None else valid.reshape(-1)
     tok = jnp.arange(T * k) // k
-    dest, keep, block_expert, nb, bs = _slot_layout(flat_e, E, dispatch, capacity_factor, fvalid)
+    dest, keep, block_expert, nb, bs = _slot_layout(flat_e, E, dispatch, capacity_factor, fvalid, max_slots)
     buf = jnp.zeros((nb * bs, x.shape[-1]), dtype).at[dest].set(x[tok], mode="drop")
     xb = buf.reshape(nb, bs, -1)
     take = None if dispatch == "capacity" else block_expert
@@ -119,18 +122,18 @@ def _buffered_experts(pe, x, w, idx, E: int, dtype, dispatch: str, capacity_fact
 
 
 def experts_forward(pe: dict, x: jax.Array, w: jax.Array, idx: jax.Array, cfg, dtype, dispatch: str = "sorted",
-                    capacity_factor: float = 1.25, mesh=None):
+                    capacity_factor: float = 1.25, mesh=None, ep_capacity: float = 0.0):
     """Routed experts. x [T, Din], w/idx [T, k] -> (y [T, Din], dropped slots).
 
     With a `mesh` whose `expert` axis is > 1 and a sorted/capacity dispatch, experts run expert-parallel
-    inside `shard_map` (see `_expert_parallel`).
+    inside `shard_map` (see `_expert_parallel`; `ep_capacity` bounds each device's sorted buffer).
     """
     T, k = idx.shape
     E = cfg.n_routed_experts
     if dispatch not in DISPATCHES:
         raise ValueError(f"unknown MoE dispatch {dispatch!r}; expected one of {DISPATCHES}")
     if mesh is not None and mesh.shape.get("expert", 1) > 1 and dispatch in ("sorted", "capacity"):
-        out = _expert_parallel(pe, x, w, idx, cfg, dtype, dispatch, capacity_factor, mesh)
+        out = _expert_parallel(pe, x, w, idx, cfg, dtype, dispatch, capacity_factor, mesh, ep_capacity)
         if out is not None:
             return out
     pe = _cast_experts(pe, dtype)
@@ -166,7 +169,7 @@ def _ragged_lora(x, w, lora, counts, dtype):
     return y + lora["lora_scale"] * jax.lax.ragged_dot(xa, lora["lora_b"], counts, preferred_element_type=jnp.float32)
 
 
-def _expert_parallel(pe, x, w, idx, cfg, dtype, dispatch, capacity_factor, mesh):
+def _expert_parallel(pe, x, w, idx, cfg, dtype, dispatch, capacity_factor, mesh, ep_capacity: float = 0.0):
     """Expert parallelism by all-gather / reduce-scatter inside shard_map.
 
     Tokens are sharded over the batch axes (data, fsdp, expert); routed experts over `expert`. Each device
@@ -174,6 +177,10 @@ def _expert_parallel(pe, x, w, idx, cfg, dtype, dispatch, capacity_factor, mesh)
     dropless buffers, or per-expert capacity), and a reduce-scatter returns every token's summed output to
     the device that owns it. Returns None when the token count does not split over the mesh (then the plain
     path runs under GSPMD).
+
+    The sorted buffer is dropless only when sized for the worst case, every slot of the group on one device
+    (ep x the even share). `ep_capacity` > 0 sizes it for `ep_capacity` x the even share instead (memory and
+    FLOPs / (ep / ep_capacity)); slots past it are dropped and counted in `dropped`.
     """
     from jax.sharding import PartitionSpec as P
 
@@ -198,8 +205,10 @@ def _expert_parallel(pe, x, w, idx, cfg, dtype, dispatch, capacity_factor, mesh)
         valid = (li >= 0) & (li < El)
         # capacity semantics match the single-device path: cf * (all slots of the group) / E per expert
         cf = capacity_factor * El / E if dispatch == "capacity" else capacity_factor
+        n = ig.shape[0] * ig.shape[1]
+        cap = math.ceil(ep_capacity * n / ep) if ep_capacity > 0 and dispatch == "sorted" else None
         y, dropped = _buffered_experts(_cast_experts(pe, dtype), xg.astype(dtype), wg,
-                                       jnp.clip(li, 0, El - 1), El, dtype, dispatch, cf, valid)
+                                       jnp.clip(li, 0, El - 1), El, dtype, dispatch, cf, valid, cap)
         y = jax.lax.psum_scatter(y.astype(jnp.float32), "expert", scatter_dimension=0, tiled=True)
         return y.astype(dtype), jax.lax.psum(dropped, tuple(mesh.axis_names))
 
@@ -209,7 +218,7 @@ def _expert_parallel(pe, x, w, idx, cfg, dtype, dispatch, capacity_factor, mesh)
 
 
 def moe(p: dict, u: jax.Array, cfg, dtype, *, dispatch: str = "sorted", capacity_factor: float = 1.25,
-        token_mask=None, mesh=None):
+        token_mask=None, mesh=None, ep_capacity: float = 0.0):
     """u [b, l, D] -> (out [b, l, D], aux) with aux = {aux_loss, load [E] (slot counts), dropped}.
 
     `token_mask` [b, l] (optional) excludes padding from the balance statistics.
@@ -218,7 +227,7 @@ def moe(p: dict, u: jax.Array, cfg, dtype, *, dispatch: str = "sorted", capacity
     x = u.reshape(b * l, D)
     w, idx, scores = route(p["gate"], x, cfg)
     xin = linear(x, p["fc1_latent_proj"], dtype) if cfg.moe_latent_size else x
-    y, dropped = experts_forward(p["experts"], xin, w, idx, cfg, dtype, dispatch, capacity_factor, mesh)
+    y, dropped = experts_forward(p["experts"], xin, w, idx, cfg, dtype, dispatch, capacity_factor, mesh, ep_capacity)
     if cfg.moe_latent_size:
         y = linear(y, p["fc2_latent_proj"], dtype)
     if cfg.n_shared_experts:
