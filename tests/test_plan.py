@@ -96,6 +96,10 @@ def test_replica_groups_forms():
     assert H.replica_groups("replica_groups=[2,4]<=[8]", 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert H.replica_groups("replica_groups=[4,2]<=[2,4]T(1,0)", 8) == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert H.replica_groups("channel_id=1", 4) == [[0, 1, 2, 3]]
+    mesh_form = "replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_0'}, dimensions={0}"
+    assert H.replica_groups(mesh_form, 8) == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    permuted = "replica_groups=mesh['axis_0'=4,'axis_1'=2] device_ids=([2,4]T(1,0)) {'axis_1'}"
+    assert H.replica_groups(permuted, 8) == [[0, 4], [1, 5], [2, 6], [3, 7]]
 
 
 def test_roofline_uses_inter_node_bandwidth_across_nodes():
@@ -133,8 +137,14 @@ def test_plan_bytes_are_the_sharded_leaves(fsdp_plan):
 def test_plan_cli_json_keys(capsys):
     from nemo_jax import cli
 
-    cli.main(["plan", "--devices", "8", "--device-kind", "h200", "--mesh", "fsdp=4,expert=2", "--json", "steps=10"])
+    cli.main(["plan", "--devices", "8", "--device-kind", "h200", "--mesh", "fsdp=4,expert=2", "--json", "--sampler",
+              "--rollout-batch", "8", "--context", "96", "steps=10"])
     out = json.loads(capsys.readouterr().out)
+    assert [p["program"] for p in out["programs"]] == ["sft_step", "sampler_prefill", "sampler_decode"]
+    prefill, decode = out["programs"][1:]
+    assert prefill["per_device_bytes"]["decode_state"] == decode["per_device_bytes"]["decode_state"] > 0
+    assert prefill["model_flops_per_step"] == 96 * decode["model_flops_per_step"]
+    assert out["fits_all"]
     for k in ("fits", "per_device_bytes", "flops_per_step", "model_flops_per_step", "collective_bytes",
               "step_time_s", "mfu"):
         assert k in out, k

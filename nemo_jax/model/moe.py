@@ -110,7 +110,10 @@ def _buffered_experts(pe, x, w, idx, E: int, dtype, dispatch: str, capacity_fact
     fvalid = None if valid is None else valid.reshape(-1)
     tok = jnp.arange(T * k) // k
     dest, keep, block_expert, nb, bs = _slot_layout(flat_e, E, dispatch, capacity_factor, fvalid, max_slots)
-    buf = jnp.zeros((nb * bs, x.shape[-1]), dtype).at[dest].set(x[tok], mode="drop")
+    # each buffer slot reads its token (the inverse of dest): never materialises x for every slot of the
+    # group, most of which (under expert parallelism) belong to other devices' experts
+    src = jnp.full((nb * bs,), T, jnp.int32).at[dest].set(tok.astype(jnp.int32), mode="drop")
+    buf = jnp.take(jnp.pad(x, ((0, 1), (0, 0))), src, axis=0, mode="clip")  # row T: zeros (empty slots)
     xb = buf.reshape(nb, bs, -1)
     take = None if dispatch == "capacity" else block_expert
     yb = _experts_mlp("gbd,gdi->gbi", "gbi,gid->gbd", xb, pe, dtype, take)
@@ -193,11 +196,37 @@ def _expert_parallel(pe, x, w, idx, cfg, dtype, dispatch, capacity_factor, mesh,
     if x.shape[0] % math.prod(mesh.shape[a] for a in tok_axes):
         return None
     t_spec = P(tok_axes)
-    # expert tensors (weights, adapter matrices) split on their expert axis; adapter scales replicated
-    pe_specs = jax.tree_util.tree_map_with_path(
-        lambda p, a: P() if getattr(p[-1], "key", None) == "lora_scale" else P("expert"), pe)
+    # The base expert weights enter in their stored sharding (experts over `expert`, their other dims over
+    # fsdp / tensor) and are gathered inside, per layer, in the compute dtype: with in_specs of P("expert")
+    # GSPMD resharded the whole scanned weight stack before the layer loop (every layer's experts gathered at
+    # once, in fp32). Adapter matrices (small) enter split on their expert axis; adapter scales replicated.
+    from nemo_jax.model.spec import mixer_specs
+    from nemo_jax.parallel.rules import Rules
+
+    base = mixer_specs(cfg, "moe")["experts"]
+    stored = {k: Rules().spec(base[k].axes, pe[k].shape, mesh) for k in ("up_proj", "down_proj")}
+
+    keys = lambda path: tuple(getattr(q, "key", None) for q in path)  # noqa: E731
+
+    def spec_of(path, a):
+        k = keys(path)
+        if k[-1] == "lora_scale":
+            return P()
+        return stored[k[0]] if len(k) == 1 and k[0] in stored else P("expert")
+
+    pe_specs = jax.tree_util.tree_map_with_path(spec_of, pe)
+
+    def gather(path, a):  # a stored base weight -> its local experts whole, in the compute dtype
+        if len(keys(path)) != 1 or keys(path)[0] not in stored:
+            return a
+        a = a.astype(dtype)
+        for dim, axes in list(enumerate(stored[keys(path)[0]]))[1:]:
+            for ax in () if axes is None else (axes,) if isinstance(axes, str) else axes:
+                a = jax.lax.all_gather(a, ax, axis=dim, tiled=True)
+        return a
 
     def local(pe, x, w, idx):
+        pe = jax.tree_util.tree_map_with_path(gather, pe)
         xg = jax.lax.all_gather(x, "expert", axis=0, tiled=True)
         wg = jax.lax.all_gather(w, "expert", axis=0, tiled=True)
         ig = jax.lax.all_gather(idx, "expert", axis=0, tiled=True)

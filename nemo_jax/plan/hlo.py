@@ -133,8 +133,9 @@ def _trip_count(attrs: str) -> int | None:
 
 
 def replica_groups(attrs: str, n_devices: int) -> list[list[int]]:
-    """Parse `replica_groups={{0,1},{2,3}}` or the iota form `replica_groups=[2,4]<=[4,2]T(1,0)`; collective
-    permutes give their source-target pairs as groups. Empty -> one group of all devices."""
+    """Parse `replica_groups={{0,1},{2,3}}`, the iota form `replica_groups=[2,4]<=[4,2]T(1,0)` or the mesh form
+    `replica_groups=mesh['x'=4,'y'=2] device_ids=([8]) {'y'}`; collective permutes give their source-target
+    pairs as groups. Empty -> one group of all devices."""
     m = re.search(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", attrs)
     if m:
         shape = [int(x) for x in m.group(1).split(",")]
@@ -143,6 +144,21 @@ def replica_groups(attrs: str, n_devices: int) -> list[list[int]]:
         if m.group(3):
             ids = ids.transpose([int(x) for x in m.group(3).split(",")])
         return ids.reshape(shape).tolist()
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:\s*device_ids=\(\[([0-9,]+)\](?:T\(([0-9,]+)\))?\))?"
+                  r"\s*\{([^}]*)\}", attrs)
+    if m:  # mesh form: mesh['a'=32,'b'=2] device_ids=([2,32]T(1,0)) {'a'}: groups vary along the listed axes
+        names, sizes = zip(*[(k, int(v)) for k, v in re.findall(r"'([^']+)'=(\d+)", m.group(1))])
+        ids = np.arange(math.prod(sizes))
+        if m.group(2):
+            dims = [int(x) for x in m.group(2).split(",")]
+            ids = ids.reshape(dims)
+            if m.group(3):
+                ids = ids.transpose([int(x) for x in m.group(3).split(",")])
+        ids = ids.reshape(sizes)
+        along = [names.index(a) for a in re.findall(r"'([^']+)'", m.group(4))]
+        rest = [i for i in range(len(sizes)) if i not in along]
+        size = math.prod(sizes[i] for i in along)
+        return ids.transpose(rest + along).reshape(-1, size).tolist()
     m = re.search(r"replica_groups=\{((?:\{[0-9,]*\},?)*)\}", attrs)
     if m and m.group(1):
         return [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([0-9,]*)\}", m.group(1))]
