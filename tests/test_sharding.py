@@ -42,3 +42,15 @@ def test_fsdp_activations_stay_batch_sharded():
     after = [c for c in collectives(compiled_grad_hlo(cfg, mesh, B, T, pin=True)) if act.match(c[0])]
     assert before, "the unpinned step was expected to all-reduce global-batch activations (test is stale)"
     assert not after, after
+
+
+def test_embedding_and_expert_parallel_moe_never_gather_the_global_batch():
+    """FSDP + expert parallel on a latent-MoE model: the embedding lookup (per device, table gathered), the
+    expert dispatch (within the expert group only) and the CE (local rows) move no global-batch activation,
+    forward or backward."""
+    cfg = tiny_cfg("M*E", hidden_size=64, vocab_size=384, moe_latent_size=16)
+    mesh = make_mesh({"fsdp": 4, "expert": 2})
+    B, T = 16, 32
+    act = re.compile(rf"^(f32|bf16)\[({B},{T}|{B * T}),\d+\]")  # [B, T, *] or flattened [B*T, *]
+    found = [c for c in collectives(compiled_grad_hlo(cfg, mesh, B, T, pin=True)) if act.match(c[0])]
+    assert not found, found

@@ -26,7 +26,7 @@ import numpy as np
 from nemo_jax.model import attention as attn_lib
 from nemo_jax.model import mamba2, moe as moe_lib
 from nemo_jax.model.cache import DecodeState
-from nemo_jax.parallel.mesh import BATCH_AXES
+from nemo_jax.parallel.mesh import BATCH_AXES, pin_batch
 from nemo_jax.model.layers import embed, linear, logits_from_hidden, mlp, rms_norm
 
 KIND_ORDER = ("mamba", "attention", "mlp", "moe")
@@ -117,36 +117,32 @@ def apply_layer(kind: str, p: dict, h: jax.Array, ctx: _Ctx, cache=None):
     return pin_batch((h + y.astype(h.dtype)).astype(h.dtype), ctx.opts.mesh), new, aux
 
 
-def row_shards(mesh, rows: int) -> int:
-    """How many ways `pin_batch` splits `rows` rows on `mesh` (1 without a mesh or when they do not divide)."""
-    if mesh is None:
-        return 1
-    n = int(np.prod([mesh.shape[a] for a in BATCH_AXES if mesh.shape.get(a, 1) > 1]))
-    return n if rows % n == 0 else 1
+def embed_tokens(emb: dict, tokens: jax.Array, dtype, mesh) -> jax.Array:
+    """tokens [B, T] -> [B, T, D] in `dtype`. On a mesh the lookup runs per device inside `shard_map`: the table
+    enters in its stored sharding, is gathered in `dtype` and indexed with the device's own rows, so the
+    table's gradient leaves by reduce-scatter (FSDP). Under GSPMD a D-sharded table made it gather the
+    tokens (the global batch's embeddings on every device) and, in the backward, every row's cotangent."""
+    from jax.sharding import PartitionSpec as P
 
+    from nemo_jax.model.spec import EMBEDDING_AXES
+    from nemo_jax.parallel.rules import Rules
 
-def pin_batch(h: jax.Array, mesh) -> jax.Array:
-    """h [B, ...]: rows over the mesh's batch axes, everything else unsharded, so GSPMD never picks a layout
-    sharded on the hidden dimension (from an FSDP-sharded embedding table) with global-batch activations."""
-    if mesh is None:
-        return h
-    axes = tuple(a for a in BATCH_AXES if mesh.shape.get(a, 1) > 1)
-    if not axes or h.shape[0] % int(np.prod([mesh.shape[a] for a in axes])):
-        return h
-    spec = jax.sharding.PartitionSpec(axes, *([None] * (h.ndim - 1)))
-    return jax.lax.with_sharding_constraint(h, jax.sharding.NamedSharding(mesh, spec))
+    rows = tuple(a for a in BATCH_AXES if mesh is not None and mesh.shape.get(a, 1) > 1)
+    if mesh is None or tokens.shape[0] % int(np.prod([mesh.shape[a] for a in rows] or [1])):
+        return embed(emb, tokens, dtype)
+    table = emb["embedding"]
+    stored = Rules().spec(EMBEDDING_AXES, table.shape, mesh)
 
+    def local(t, tok):
+        t = t.astype(dtype)
+        for dim, axes in enumerate(stored):
+            for ax in () if axes is None else (axes,) if isinstance(axes, str) else axes:
+                t = jax.lax.all_gather(t, ax, axis=dim, tiled=True)
+        return jnp.take(t, tok, axis=0)
 
-def _whole_rows(emb: dict, mesh) -> dict:
-    """The embedding table [V, D] with its hidden dim gathered (FSDP gathers the weight, never the batch):
-    indexed by batch-sharded tokens, a D-sharded table would make GSPMD all-gather the tokens and build the
-    global batch's embeddings on every device. The vocab dim keeps its `tensor` split (a masked gather)."""
-    if mesh is None:
-        return emb
-    t = emb["embedding"]
-    vocab = "tensor" if mesh.shape.get("tensor", 1) > 1 and t.shape[0] % mesh.shape["tensor"] == 0 else None
-    spec = jax.sharding.PartitionSpec(vocab, None)
-    return dict(emb, embedding=jax.lax.with_sharding_constraint(t, jax.sharding.NamedSharding(mesh, spec)))
+    tok_spec = P(rows or None)
+    return jax.shard_map(local, mesh=mesh, in_specs=(stored, tok_spec), out_specs=P(rows or None, None, None),
+                         check_vma=False)(table, tokens)
 
 
 def _spread(tree, unit_to_layer: np.ndarray, layer_to_unit: np.ndarray):
@@ -371,7 +367,7 @@ def _run_unrolled(stacks, h, kinds, ctx, caches, layer=None):
 def hidden_states(params: dict, tokens: jax.Array, cfg, segment_ids=None, *, opts: Options = Options()):
     """tokens [B, T] -> (final-normed hidden [B, T, D] in opts.dtype, aux)."""
     ctx = _Ctx(cfg, opts, segment_ids=segment_ids)
-    h = pin_batch(embed(_whole_rows(params["embeddings"], opts.mesh), tokens, opts.dtype), opts.mesh)
+    h = pin_batch(embed_tokens(params["embeddings"], tokens, opts.dtype, opts.mesh), opts.mesh)
     h, _, aux = run_layers(params["layers"], h, cfg.layer_kinds, ctx)
     return rms_norm(h, params["norm_f"]["scale"], cfg.layer_norm_epsilon), _summarise_aux(aux)
 
@@ -398,7 +394,7 @@ def mtp_hidden(params: dict, h: jax.Array, tokens: jax.Array, cfg, segment_ids=N
     outs, prev = [], h
     for d, p in enumerate(params["mtp"]):
         nxt = jnp.pad(tokens[:, 1 + d:], ((0, 0), (0, 1 + d)))
-        e = rms_norm(embed(_whole_rows(params["embeddings"], opts.mesh), nxt, opts.dtype), p["enorm"]["scale"], cfg.layer_norm_epsilon)
+        e = rms_norm(embed_tokens(params["embeddings"], nxt, opts.dtype, opts.mesh), p["enorm"]["scale"], cfg.layer_norm_epsilon)
         hh = rms_norm(prev, p["hnorm"]["scale"], cfg.layer_norm_epsilon)
         x = linear(jnp.concatenate([e, hh], axis=-1), p["eh_proj"], opts.dtype)
         x, _, _ = run_layers(p["layers"], x, cfg.mtp_layer_kinds, ctx)

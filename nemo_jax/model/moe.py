@@ -19,27 +19,41 @@ import jax
 import jax.numpy as jnp
 
 from nemo_jax.model.layers import linear, mlp, relu2
+from nemo_jax.parallel.mesh import BATCH_AXES, row_shards
 
 DISPATCHES = ("sorted", "capacity", "ragged", "dense")
 
 
-def route(p_gate: dict, x: jax.Array, cfg):
-    """x [T, D] -> weights [T, k] fp32, expert ids [T, k] int32, sigmoid scores [T, E] fp32."""
+def route(p_gate: dict, x: jax.Array, cfg, mesh=None):
+    """x [T, D] -> weights [T, k] fp32, expert ids [T, k] int32, sigmoid scores [T, E] fp32. With a mesh the
+    top_k runs on each device's own token rows."""
     E, k, G = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.n_group
     logits = jnp.einsum("td,de->te", x.astype(jnp.float32), p_gate["kernel"].astype(jnp.float32))
     scores = jax.nn.sigmoid(logits)
     choice = scores + p_gate["correction_bias"].astype(jnp.float32)
     if G > 1:
         grouped = choice.reshape(-1, G, E // G)
-        group_score = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [T, G]
-        _, keep = jax.lax.top_k(group_score, cfg.topk_group)
+        group_score = jnp.sum(_top_k(grouped, 2, mesh)[0], axis=-1)  # [T, G]
+        _, keep = _top_k(group_score, cfg.topk_group, mesh)
         gmask = jnp.any(jax.nn.one_hot(keep, G, dtype=bool), axis=1)  # [T, G]
         choice = jnp.where(jnp.repeat(gmask, E // G, axis=1), choice, -jnp.inf)
-    _, idx = jax.lax.top_k(jax.lax.stop_gradient(choice), k)
+    _, idx = _top_k(jax.lax.stop_gradient(choice), k, mesh)
     w = jnp.take_along_axis(scores, idx, axis=1)
     if cfg.norm_topk_prob:
         w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
     return w * cfg.routed_scaling_factor, idx.astype(jnp.int32), scores
+
+
+def _top_k(x: jax.Array, k: int, mesh=None):
+    """lax.top_k over the last axis; with a mesh, per device on its own token rows (GSPMD's partitioning of
+    top_k gathers every token's scores onto every device)."""
+    if mesh is None or row_shards(mesh, x.shape[0]) == 1:
+        return jax.lax.top_k(x, k)
+    from jax.sharding import PartitionSpec as P
+
+    rows = P(tuple(a for a in BATCH_AXES if mesh.shape.get(a, 1) > 1))
+    return jax.shard_map(lambda c: tuple(jax.lax.top_k(c, k)), mesh=mesh, in_specs=rows, out_specs=(rows, rows),
+                         check_vma=False)(x)
 
 
 def block_size(n_slots: int, n_experts: int) -> int:
@@ -111,15 +125,16 @@ def _buffered_experts(pe, x, w, idx, E: int, dtype, dispatch: str, capacity_fact
     tok = jnp.arange(T * k) // k
     dest, keep, block_expert, nb, bs = _slot_layout(flat_e, E, dispatch, capacity_factor, fvalid, max_slots)
     # each buffer slot reads its token (the inverse of dest): never materialises x for every slot of the
-    # group, most of which (under expert parallelism) belong to other devices' experts
+    # group, most of which (under expert parallelism) belong to other devices' experts ...
     src = jnp.full((nb * bs,), T, jnp.int32).at[dest].set(tok.astype(jnp.int32), mode="drop")
     buf = jnp.take(jnp.pad(x, ((0, 1), (0, 0))), src, axis=0, mode="clip")  # row T: zeros (empty slots)
     xb = buf.reshape(nb, bs, -1)
     take = None if dispatch == "capacity" else block_expert
     yb = _experts_mlp("gbd,gdi->gbi", "gbi,gid->gbd", xb, pe, dtype, take)
-    y_slots = jnp.take(yb.reshape(nb * bs, -1), jnp.minimum(dest, nb * bs - 1), axis=0)
-    y_slots = jnp.where(keep[:, None], y_slots, 0.0)
-    y = jnp.sum(y_slots.reshape(T, k, -1) * w[..., None], axis=1)
+    # and adds its weighted output back to that token: buffer-sized, never [T * k, Din]
+    slot = jnp.full((nb * bs,), T * k, jnp.int32).at[dest].set(jnp.arange(T * k, dtype=jnp.int32), mode="drop")
+    wb = jnp.take(jnp.pad(w.reshape(-1), (0, 1)), slot, mode="clip")  # 0 for empty slots
+    y = jnp.zeros((T + 1, yb.shape[-1]), jnp.float32).at[src].add(yb.reshape(nb * bs, -1) * wb[:, None])[:T]
     served = jnp.ones_like(keep) if fvalid is None else fvalid
     return y.astype(dtype), jnp.sum(served & ~keep).astype(jnp.int32)
 
@@ -254,7 +269,7 @@ def moe(p: dict, u: jax.Array, cfg, dtype, *, dispatch: str = "sorted", capacity
     """
     b, l, D = u.shape
     x = u.reshape(b * l, D)
-    w, idx, scores = route(p["gate"], x, cfg)
+    w, idx, scores = route(p["gate"], x, cfg, mesh)
     xin = linear(x, p["fc1_latent_proj"], dtype) if cfg.moe_latent_size else x
     y, dropped = experts_forward(p["experts"], xin, w, idx, cfg, dtype, dispatch, capacity_factor, mesh, ep_capacity)
     if cfg.moe_latent_size:

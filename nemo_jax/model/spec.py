@@ -32,6 +32,8 @@ import numpy as np
 
 from nemo_jax.config.model import NemotronHConfig
 
+EMBEDDING_AXES = ("vocab", "embed")  # the token embedding table [V, D]
+
 Init = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
 
 
@@ -164,7 +166,7 @@ def layer_stack_specs(cfg: NemotronHConfig, kinds: tuple[str, ...]) -> dict:
 def param_specs(cfg: NemotronHConfig) -> dict:
     D, V, std = cfg.hidden_size, cfg.vocab_size, cfg.initializer_range
     specs = {
-        "embeddings": {"embedding": ParamSpec((V, D), ("vocab", "embed"), _normal(std))},
+        "embeddings": {"embedding": ParamSpec((V, D), EMBEDDING_AXES, _normal(std))},
         "layers": layer_stack_specs(cfg, cfg.layer_kinds),
         "norm_f": norm(D),
         "lm_head": dense(D, V, "embed", "vocab", std),

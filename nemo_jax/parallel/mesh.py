@@ -69,3 +69,21 @@ def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
 
 def batch_shards(mesh: Mesh) -> int:
     return math.prod(mesh.shape[a] for a in BATCH_AXES)
+
+
+def row_shards(mesh, rows: int) -> int:
+    """How many ways `pin_batch` splits `rows` rows on `mesh` (1 without a mesh or when they do not divide)."""
+    if mesh is None:
+        return 1
+    n = math.prod(mesh.shape[a] for a in BATCH_AXES if mesh.shape.get(a, 1) > 1)
+    return n if rows % n == 0 else 1
+
+
+def pin_batch(h, mesh):
+    """h [B, ...] (inside jit): rows over the mesh's batch axes, everything else unsharded, so GSPMD never
+    picks a layout sharded on the hidden dimension (from an FSDP-sharded embedding table) with global-batch
+    activations, nor gathers the rows for an op it partitions poorly (the router's top_k)."""
+    if mesh is None or row_shards(mesh, h.shape[0]) == 1:
+        return h
+    axes = tuple(a for a in BATCH_AXES if mesh.shape.get(a, 1) > 1)
+    return jax.lax.with_sharding_constraint(h, NamedSharding(mesh, P(axes, *([None] * (h.ndim - 1)))))

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import optax
 
 from nemo_jax.model.layers import chunked_cross_entropy
-from nemo_jax.model.model import Options, hidden_states, mtp_hidden, row_shards
+from nemo_jax.model.model import Options, hidden_states, mtp_hidden
+from nemo_jax.parallel.mesh import row_shards
 
 
 class TrainState(NamedTuple):
