@@ -125,3 +125,26 @@ def test_chunked_cross_entropy_matches_full_logits(rows, T, chunk, row_shards):
     g2 = jax.grad(lambda h, p: jnp.sum(full(h, p) * wts), argnums=(0, 1))(h, head)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_compute_weights_cast_changes_nothing_but_the_bytes(monkeypatch):
+    """Under bf16 the matmul weights are cast once up front (so FSDP gathers bf16): the loss and gradients of
+    casting each at use (to bf16 rounding), and the router kernel stays fp32."""
+    import nemo_jax.train.step as S
+
+    cfg = tiny_cfg("MEM*E-")
+    params = init(cfg, jax.random.key(0))
+    batch = _batch(cfg)
+    opts = Options(dtype=jnp.bfloat16)
+    cast = S.compute_weights(params, jnp.bfloat16)
+    assert cast["layers"]["moe"]["mixer"]["gate"]["kernel"].dtype == jnp.float32
+    assert cast["layers"]["moe"]["mixer"]["experts"]["up_proj"].dtype == jnp.bfloat16
+    assert cast["layers"]["mamba"]["mixer"]["A_log"].dtype == jnp.float32
+    f = lambda p: S.token_loss(p, batch, cfg, opts)[0]  # noqa: E731
+    l1, g1 = jax.jit(jax.value_and_grad(f))(params)
+    monkeypatch.setattr(S, "compute_weights", lambda p, dtype: p)
+    l2, g2 = jax.jit(jax.value_and_grad(f))(params)
+    np.testing.assert_allclose(l1, l2, rtol=1e-4)  # bf16: XLA places the converts differently
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+        scale = float(jnp.max(jnp.abs(b))) + 1e-12
+        np.testing.assert_allclose(a, b, rtol=0, atol=2e-2 * scale)

@@ -22,8 +22,25 @@ class TrainState(NamedTuple):
     rng: jax.Array  # uint32 key data
 
 
+def compute_weights(params, dtype):
+    """The matmul weights (every `kernel` but the router's, routed experts, adapter matrices) in the compute
+    dtype, cast once on their shards. The model casts each of them to that dtype at use anyway (same values),
+    but cast inside the layer loop the FSDP all-gathers moved fp32: this halves their bytes under bf16."""
+    if dtype == jnp.float32:
+        return params
+
+    def cast(path, a):
+        keys = [getattr(k, "key", None) for k in path]
+        if "gate" not in keys and (keys[-1] in ("kernel", "lora_a", "lora_b") or keys[-2:-1] == ["experts"]):
+            return a.astype(dtype)
+        return a
+
+    return jax.tree_util.tree_map_with_path(cast, params)
+
+
 def token_loss(params, batch, cfg, opts: Options, mtp_coef: float = 0.0):
     """-> (sum of masked NLL, aux). batch: tokens/targets/loss_mask/segment_ids [b, T]."""
+    params = compute_weights(params, opts.dtype)
     h, aux = hidden_states(params, batch["tokens"], cfg, batch["segment_ids"], opts=opts)
     rows = row_shards(opts.mesh, h.shape[0])
     nll = chunked_cross_entropy(h, params["lm_head"], batch["targets"], row_shards=rows)
@@ -68,16 +85,16 @@ def make_train_step(cfg, opts: Options, tx, sched, ocfg, grad_accum: int = 1, co
         zeros = jax.tree.map(jnp.zeros_like, state.params)
 
         def acc(carry, mb):
-            g_sum, l_sum, nll_sum, aux_sum, load = carry
+            g_sum, l_sum, nll_sum, aux_sum, load, dropped = carry
             (l, (total, aux)), g = grad_fn(state.params, frozen, mb, n_tokens)
             g_sum = jax.tree.map(jnp.add, g_sum, g)
             return (g_sum, l_sum + l, nll_sum + total, aux_sum + aux.get("aux_loss", 0.0),
-                    load + aux.get("load", 0.0)), None
+                    load + aux.get("load", 0.0), dropped + aux.get("dropped", 0)), None
 
         n_moe = cfg.kind_counts().get("moe", 0)
         load0 = jnp.zeros((n_moe, cfg.n_routed_experts), jnp.float32) if n_moe else jnp.zeros(())
-        (grads, loss, nll_sum, aux_loss, load), _ = jax.lax.scan(
-            acc, (zeros, 0.0, 0.0, 0.0, load0), micro)
+        (grads, loss, nll_sum, aux_loss, load, dropped), _ = jax.lax.scan(
+            acc, (zeros, 0.0, 0.0, 0.0, load0, jnp.zeros((), jnp.int32)), micro)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, new_opt = tx.update(grads, state.opt_state, state.params)
@@ -98,6 +115,7 @@ def make_train_step(cfg, opts: Options, tx, sched, ocfg, grad_accum: int = 1, co
                    "skipped_updates": state.skipped}
         if n_moe:
             metrics["aux_loss"] = aux_loss / grad_accum
+            metrics["moe_dropped"] = dropped  # token-slots dropped (capacity dispatch, or model.ep_capacity)
             mean = jnp.mean(load, axis=-1)
             metrics["expert_load_max_over_mean"] = jnp.max(jnp.max(load, axis=-1) / jnp.maximum(mean, 1e-9))
             metrics["expert_load_min_over_mean"] = jnp.min(jnp.min(load, axis=-1) / jnp.maximum(mean, 1e-9))
