@@ -91,7 +91,7 @@ def test_compiled_flops_close_to_useful_flops():
     assert dcost["flops"] > 5 * useful  # the test can tell the difference
 
 
-@pytest.mark.parametrize("mesh_shape", [dict(fsdp=2, tensor=2, expert=2), dict(data=2, expert=4)])
+@pytest.mark.parametrize("mesh_shape", [dict(fsdp=2, tensor=2, expert=2), dict(data=2, expert=4), dict(fsdp=4, tensor=2)])
 @pytest.mark.parametrize("dispatch", ["sorted", "capacity"])
 def test_expert_parallel_matches_single_device(mesh_shape, dispatch):
     from nemo_jax.parallel.mesh import make_mesh
@@ -113,7 +113,7 @@ def test_expert_parallel_matches_single_device(mesh_shape, dispatch):
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
     hlo = jax.jit(lambda p, u: loss(p, u, mesh)[0]).lower(p, u).compile().as_text()
-    assert "all-gather" in hlo and "reduce-scatter" in hlo
+    assert "all-gather" in hlo and ("reduce-scatter" in hlo or mesh.shape["expert"] == 1)
 
 
 def test_expert_parallel_capacity_bounds_the_buffer():

@@ -143,14 +143,15 @@ def experts_forward(pe: dict, x: jax.Array, w: jax.Array, idx: jax.Array, cfg, d
                     capacity_factor: float = 1.25, mesh=None, ep_capacity: float = 0.0):
     """Routed experts. x [T, Din], w/idx [T, k] -> (y [T, Din], dropped slots).
 
-    With a `mesh` whose `expert` axis is > 1 and a sorted/capacity dispatch, experts run expert-parallel
-    inside `shard_map` (see `_expert_parallel`; `ep_capacity` bounds each device's sorted buffer).
+    On a mesh a sorted/capacity dispatch runs per device inside `shard_map` (`_expert_parallel`): over the
+    `expert` axis when it is > 1 (`ep_capacity` bounds each device's sorted buffer), else every device runs
+    all experts on its own tokens (GSPMD replicated the dispatch and all-reduced it).
     """
     T, k = idx.shape
     E = cfg.n_routed_experts
     if dispatch not in DISPATCHES:
         raise ValueError(f"unknown MoE dispatch {dispatch!r}; expected one of {DISPATCHES}")
-    if mesh is not None and mesh.shape.get("expert", 1) > 1 and dispatch in ("sorted", "capacity"):
+    if mesh is not None and mesh.size > 1 and dispatch in ("sorted", "capacity"):
         out = _expert_parallel(pe, x, w, idx, cfg, dtype, dispatch, capacity_factor, mesh, ep_capacity)
         if out is not None:
             return out
