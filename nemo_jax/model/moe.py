@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from nemo_jax.model.layers import linear, mlp, relu2
-from nemo_jax.parallel.mesh import BATCH_AXES, row_shards
+from nemo_jax.parallel.mesh import BATCH_AXES, pin_batch, row_shards
 
 DISPATCHES = ("sorted", "capacity", "ragged", "dense")
 
@@ -280,6 +280,8 @@ def moe(p: dict, u: jax.Array, cfg, dtype, *, dispatch: str = "sorted", capacity
     # switch-style balance loss on the unbiased scores: E * sum_e f_e * P_e
     E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
     m = jnp.ones((b * l,), jnp.float32) if token_mask is None else token_mask.reshape(-1).astype(jnp.float32)
+    # per-token statistics stay on their rows (reduced by an all-reduce of [E] sums, never gathered)
+    m, scores = pin_batch(m, mesh), pin_batch(scores, mesh)
     n_tok = jnp.maximum(jnp.sum(m), 1.0)
     onehot = jnp.sum(jax.nn.one_hot(idx, E, dtype=jnp.float32), axis=1) * m[:, None]  # [T, E]
     load = jnp.sum(onehot, axis=0)

@@ -38,12 +38,25 @@ def compute_weights(params, dtype):
     return jax.tree_util.tree_map_with_path(cast, params)
 
 
+def whole_head(head: dict, mesh) -> dict:
+    """The lm_head with its hidden dim gathered once per micro-batch (FSDP), its vocab dim on `tensor`: used
+    inside the CE chunk loop as stored, GSPMD re-gathered it for every chunk (forward, recompute, backward)."""
+    if mesh is None:
+        return head
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    V, t = head["kernel"].shape[1], mesh.shape.get("tensor", 1)
+    spec = P(None, "tensor" if t > 1 and V % t == 0 else None)
+    return dict(head, kernel=jax.lax.with_sharding_constraint(head["kernel"], NamedSharding(mesh, spec)))
+
+
 def token_loss(params, batch, cfg, opts: Options, mtp_coef: float = 0.0):
     """-> (sum of masked NLL, aux). batch: tokens/targets/loss_mask/segment_ids [b, T]."""
     params = compute_weights(params, opts.dtype)
+    head = whole_head(params["lm_head"], opts.mesh)
     h, aux = hidden_states(params, batch["tokens"], cfg, batch["segment_ids"], opts=opts)
     rows = row_shards(opts.mesh, h.shape[0])
-    nll = chunked_cross_entropy(h, params["lm_head"], batch["targets"], row_shards=rows)
+    nll = chunked_cross_entropy(h, head, batch["targets"], row_shards=rows)
     mask = batch["loss_mask"].astype(jnp.float32)
     total = jnp.sum(nll * mask)
     if mtp_coef and cfg.num_nextn_predict_layers and "mtp" in params:
@@ -53,7 +66,7 @@ def token_loss(params, batch, cfg, opts: Options, mtp_coef: float = 0.0):
             tgt = jnp.pad(batch["targets"][:, 1 + d:], ((0, 0), (0, 1 + d)))
             m = jnp.pad(batch["loss_mask"][:, 1 + d:], ((0, 0), (0, 1 + d))) & (
                 jnp.pad(seg[:, 1 + d:], ((0, 0), (0, 1 + d))) == seg)
-            mnll = chunked_cross_entropy(hm, params["lm_head"], tgt, row_shards=rows)
+            mnll = chunked_cross_entropy(hm, head, tgt, row_shards=rows)
             aux[f"mtp{d}_nll_sum"] = jnp.sum(mnll * m)
             total = total + mtp_coef * aux[f"mtp{d}_nll_sum"]
     return total, aux
