@@ -192,16 +192,24 @@ def run_layers(stacks: dict, h: jax.Array, kinds: tuple[str, ...], ctx: _Ctx, ca
 
 def segments(us: list[dict]) -> list[tuple[list[tuple[dict, int]], int]]:
     """Split the units into runs of a repeated period: [(period, repeats)], a period being a list of runs
-    (unit, n) of n identical consecutive units (n > 1 runs as an inner scan). Greedy over the run-length
-    encoded units: at each point take the period whose repeats save the most runs of scan body (covered -
-    period), the shortest on ties. The body cost is the number of runs over all periods (Super's release
-    order: "ME"x3 "M*E" x3, "ME"x4 "M*E" x4, "ME"x3, "M*E", "ME"x4 -> 2 + 2 + 1 + 1 + 1 = 7 runs)."""
+    (unit, n) of n identical consecutive units (n > 1 runs as an inner scan). Greedy: at each point take the
+    period whose repeats save the most runs of scan body (covered - period), the shortest on ties. Units one
+    by one when that keeps the body within MAX_BODY_UNITS (unrolled bodies compile faster than inner scans),
+    else over the run-length encoded units (Super's release order: ("ME"x3, "M*E") x3, ("ME"x4, "M*E") x4,
+    "ME"x3, "M*E", "ME"x4 -> 7 runs, where units one by one need 14)."""
+    flat = _periodic([(u, 1) for u in us])
+    if sum(len(p) for p, _ in flat) <= MAX_BODY_UNITS:
+        return flat
     runs: list[tuple[dict, int]] = []
     for u in us:
         if runs and tuple(runs[-1][0]) == tuple(u):
             runs[-1] = (runs[-1][0], runs[-1][1] + 1)
         else:
             runs.append((u, 1))
+    return _periodic(runs)
+
+
+def _periodic(runs: list[tuple[dict, int]]) -> list[tuple[list[tuple[dict, int]], int]]:
     sig = [(tuple(u), n) for u, n in runs]
     out, i = [], 0
     while i < len(sig):
