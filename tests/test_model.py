@@ -180,4 +180,4 @@ def test_abstract_params_match_init():
     for a, p in zip(jax.tree.leaves(abstract), jax.tree.leaves(params)):
         assert a.shape == p.shape and a.dtype == p.dtype
     axes = M.logical_axes(cfg)
-    assert axes["layers"]["moe"]["mixer"]["experts"]["up_proj"] == ("layers", "experts", "latent", "expert_mlp")
+    assert axes["layers"]["moe"]["mixer"]["experts"]["up_proj"] == ("layers", "experts", "expert_in", "expert_mlp")
