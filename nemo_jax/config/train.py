@@ -55,6 +55,10 @@ class MeshSection:
     tensor: int = 1
     expert: int = 1
 
+    def sizes(self) -> dict[str, int]:
+        """Axis sizes for `parallel.mesh.make_mesh` (-1 = the devices left over)."""
+        return {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor, "expert": self.expert}
+
 
 @dataclass(frozen=True)
 class LoraSection:

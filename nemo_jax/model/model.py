@@ -26,7 +26,7 @@ import numpy as np
 from nemo_jax.model import attention as attn_lib
 from nemo_jax.model import mamba2, moe as moe_lib
 from nemo_jax.model.cache import DecodeState
-from nemo_jax.parallel.mesh import BATCH_AXES, pin_batch
+from nemo_jax.parallel.mesh import BATCH_AXES, gather_shards, pin_batch
 from nemo_jax.model.layers import embed, linear, logits_from_hidden, mlp, rms_norm
 
 KIND_ORDER = ("mamba", "attention", "mlp", "moe")
@@ -134,11 +134,7 @@ def embed_tokens(emb: dict, tokens: jax.Array, dtype, mesh) -> jax.Array:
     stored = Rules().spec(EMBEDDING_AXES, table.shape, mesh)
 
     def local(t, tok):
-        t = t.astype(dtype)
-        for dim, axes in enumerate(stored):
-            for ax in () if axes is None else (axes,) if isinstance(axes, str) else axes:
-                t = jax.lax.all_gather(t, ax, axis=dim, tiled=True)
-        return jnp.take(t, tok, axis=0)
+        return jnp.take(gather_shards(t.astype(dtype), stored), tok, axis=0)
 
     tok_spec = P(rows or None)
     return jax.shard_map(local, mesh=mesh, in_specs=(stored, tok_spec), out_specs=P(rows or None, None, None),

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from nemo_jax.model.layers import linear, mlp, relu2
-from nemo_jax.parallel.mesh import BATCH_AXES, pin_batch, row_shards
+from nemo_jax.parallel.mesh import BATCH_AXES, gather_shards, pin_batch, row_shards
 
 DISPATCHES = ("sorted", "capacity", "ragged", "dense")
 
@@ -235,11 +235,7 @@ def _expert_parallel(pe, x, w, idx, cfg, dtype, dispatch, capacity_factor, mesh,
     def gather(path, a):  # a stored base weight -> its local experts whole, in the compute dtype
         if len(keys(path)) != 1 or keys(path)[0] not in stored:
             return a
-        a = a.astype(dtype)
-        for dim, axes in list(enumerate(stored[keys(path)[0]]))[1:]:
-            for ax in () if axes is None else (axes,) if isinstance(axes, str) else axes:
-                a = jax.lax.all_gather(a, ax, axis=dim, tiled=True)
-        return a
+        return gather_shards(a.astype(dtype), stored[keys(path)[0]], first_dim=1)
 
     def local(pe, x, w, idx):
         pe = jax.tree_util.tree_map_with_path(gather, pe)

@@ -87,3 +87,12 @@ def pin_batch(h, mesh):
         return h
     axes = tuple(a for a in BATCH_AXES if mesh.shape.get(a, 1) > 1)
     return jax.lax.with_sharding_constraint(h, NamedSharding(mesh, P(axes, *([None] * (h.ndim - 1)))))
+
+
+def gather_shards(a, spec, first_dim: int = 0):
+    """Inside shard_map: a's local shard, stored as `spec` (a PartitionSpec), all-gathered whole along every
+    dimension from `first_dim` on (earlier dimensions, e.g. an expert axis, stay split)."""
+    for dim, axes in list(enumerate(spec))[first_dim:]:
+        for ax in () if axes is None else (axes,) if isinstance(axes, str) else axes:
+            a = jax.lax.all_gather(a, ax, axis=dim, tiled=True)
+    return a

@@ -133,8 +133,7 @@ def plan_sft(c, n_devices: int, kind: DeviceKind, headroom: float = 0.1) -> dict
     from nemo_jax.train.sft import step_program
 
     cfg = model_config(c)
-    sizes = {"data": c.mesh.data, "fsdp": c.mesh.fsdp, "tensor": c.mesh.tensor, "expert": c.mesh.expert}
-    mesh = make_mesh(sizes, _devices(n_devices))
+    mesh = make_mesh(c.mesh.sizes(), _devices(n_devices))
     prog = step_program(c, cfg, mesh, Rules())
     state, batch, frozen = prog.abstract_inputs(c.data.batch_size, c.data.seq_len)
     t0 = time.perf_counter()
@@ -165,8 +164,7 @@ def plan_sampler(c, n_devices: int, kind: DeviceKind, batch: int, context: int, 
     from nemo_jax.train.sft import options_from
 
     cfg = model_config(c)
-    mesh = make_mesh({"data": c.mesh.data, "fsdp": c.mesh.fsdp, "tensor": c.mesh.tensor, "expert": c.mesh.expert},
-                     _devices(n_devices))
+    mesh = make_mesh(c.mesh.sizes(), _devices(n_devices))
     opts = dataclasses.replace(options_from(c.model, mesh), remat="none")
     sh = param_shardings(param_specs(cfg), mesh, Rules())
     params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, opts.dtype, sharding=s), abstract_params(cfg), sh)

@@ -149,8 +149,7 @@ class Trainer:
         self.c = c
         self.quiet = quiet
         self.run_dir = os.path.abspath(c.run_dir or os.path.join("runs", c.name))
-        self.mesh = make_mesh({"data": c.mesh.data, "fsdp": c.mesh.fsdp, "tensor": c.mesh.tensor,
-                               "expert": c.mesh.expert}, devices)
+        self.mesh = make_mesh(c.mesh.sizes(), devices)
         self.rules = Rules()
         self.cfg, params = initial_params(c, self.mesh, self.rules)
         if c.data.batch_size % jax.process_count():
