@@ -64,8 +64,9 @@ def logits_from_hidden(h: jax.Array, lm_head: dict) -> jax.Array:
 
 
 def chunked_cross_entropy(h: jax.Array, lm_head: dict, targets: jax.Array, chunk: int = 1024,
-                          row_shards: int = 1) -> jax.Array:
-    """Per-token -log p(target) without materialising all fp32 logits at once.
+                          row_shards: int = 1, temperature: float = 1.0) -> jax.Array:
+    """Per-token -log p(target) without materialising all fp32 logits at once (p = softmax(logits / temperature),
+    the distribution a sampler at that temperature draws from).
 
     h [B, T, D], targets [B, T] -> nll [B, T] fp32. Chunks run along the sequence, all rows at once: c positions
     with c = chunk / (B / row_shards), so with the rows sharded over `row_shards` devices each device projects
@@ -81,6 +82,8 @@ def chunked_cross_entropy(h: jax.Array, lm_head: dict, targets: jax.Array, chunk
 
     def one(hc, tc):  # [B, c, D], [B, c] -> [B, c]
         logits = _linear32(hc, lm_head, hc.dtype)
+        if temperature != 1.0:
+            logits = logits / temperature
         lse = jax.nn.logsumexp(logits, axis=-1)
         tgt = jnp.take_along_axis(logits, tc[..., None], axis=-1)[..., 0]
         return lse - tgt

@@ -50,13 +50,22 @@ def whole_head(head: dict, mesh) -> dict:
     return dict(head, kernel=jax.lax.with_sharding_constraint(head["kernel"], NamedSharding(mesh, spec)))
 
 
-def token_loss(params, batch, cfg, opts: Options, mtp_coef: float = 0.0):
-    """-> (sum of masked NLL, aux). batch: tokens/targets/loss_mask/segment_ids [b, T]."""
+def token_nll(params, batch, cfg, opts: Options, temperature: float = 1.0):
+    """-> (nll [b, T] = -log softmax(logits / temperature)[target], h, lm_head, aux): the model's per-token
+    loss on batch tokens/targets/segment_ids [b, T], the vocabulary projected in chunks (never all logits)."""
     params = compute_weights(params, opts.dtype)
     head = whole_head(params["lm_head"], opts.mesh)
     h, aux = hidden_states(params, batch["tokens"], cfg, batch["segment_ids"], opts=opts)
+    nll = chunked_cross_entropy(h, head, batch["targets"], row_shards=row_shards(opts.mesh, h.shape[0]),
+                                temperature=temperature)
+    return nll, h, head, aux
+
+
+def token_loss(params, batch, cfg, opts: Options, mtp_coef: float = 0.0):
+    """-> (sum of masked NLL, aux). batch: tokens/targets/loss_mask/segment_ids [b, T]."""
+    params = compute_weights(params, opts.dtype)  # once (token_nll's cast is then a no-op)
+    nll, h, head, aux = token_nll(params, batch, cfg, opts)
     rows = row_shards(opts.mesh, h.shape[0])
-    nll = chunked_cross_entropy(h, head, batch["targets"], row_shards=rows)
     mask = batch["loss_mask"].astype(jnp.float32)
     total = jnp.sum(nll * mask)
     if mtp_coef and cfg.num_nextn_predict_layers and "mtp" in params:
@@ -77,58 +86,89 @@ def _model_params(combine):
     return combine or (lambda trainable, frozen: trainable)
 
 
+def split_micro(batch, n: int):
+    """[n * b, ...] leaves -> [n, b, ...] (the leading axis scanned over)."""
+    return jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
+
+
+def _combine_stat(key: str):
+    return jnp.maximum if key.endswith("_max") else jnp.minimum if key.endswith("_min") else jnp.add
+
+
+def accumulate(grad_fn, params, frozen, batch, n: int):
+    """Run grad_fn(params, frozen, micro_batch) -> ((loss, stats), grads) over n micro-batches of `batch` in one
+    scan -> ((summed loss, stats), summed grads). Stats are summed, except keys ending in `_max` / `_min`."""
+    micro = split_micro(batch, n)
+    (_, stats0), _ = jax.eval_shape(grad_fn, params, frozen, jax.tree.map(lambda x: x[0], micro))
+    init = jax.tree_util.tree_map_with_path(
+        lambda path, s: jnp.full(s.shape, {jnp.maximum: -jnp.inf, jnp.minimum: jnp.inf}.get(
+            _combine_stat(path[-1].key), 0), s.dtype), stats0)
+
+    def acc(carry, mb):
+        (l_sum, st_sum), g_sum = carry
+        (l, st), g = grad_fn(params, frozen, mb)
+        st_sum = {k: _combine_stat(k)(st_sum[k], v) for k, v in st.items()}
+        return ((l_sum + l, st_sum), jax.tree.map(jnp.add, g_sum, g)), None
+
+    out, _ = jax.lax.scan(acc, ((jnp.zeros((), jnp.float32), init), jax.tree.map(jnp.zeros_like, params)), micro)
+    return out
+
+
+def apply_update(state: TrainState, grads, objective, tx, post=None):
+    """One optimiser update of state.params from summed grads, skipped (params and optimiser state kept) when
+    the objective or the gradient norm is not finite. post(new_params) -> params runs after the update
+    (e.g. the router's correction-bias step). -> (state, grad_norm, finite)."""
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(objective) & jnp.isfinite(grad_norm)
+    updates, new_opt = tx.update(grads, state.opt_state, state.params)
+    new_params = optax.apply_updates(state.params, updates)
+    if post is not None:
+        new_params = post(new_params)
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
+    state = TrainState(
+        params=keep(new_params, state.params),
+        opt_state=keep(new_opt, state.opt_state),
+        step=state.step + 1,
+        nonfinite_run=jnp.where(finite, 0, state.nonfinite_run + 1),
+        skipped=state.skipped + (~finite).astype(jnp.int32),
+        rng=state.rng,
+    )
+    return state, grad_norm, finite
+
+
 def make_train_step(cfg, opts: Options, tx, sched, ocfg, grad_accum: int = 1, combine=None):
     """Returns step(state, batch, frozen=None) -> (state, metrics). batch arrays are [A * b, T] for A
     micro-batches. With `combine` (e.g. LoRA: `lambda adapters, base: attach(base, adapters)`) only
     `state.params` (the adapters) get gradients and optimiser state; `frozen` (the base) is read, never updated."""
     model_params = _model_params(combine)
+    n_moe = cfg.kind_counts().get("moe", 0)
 
     def micro_loss(params, frozen, mb, n_tokens):
         total, aux = token_loss(model_params(params, frozen), mb, cfg, opts, ocfg.mtp_loss_coef)
         loss = total / n_tokens
-        if "aux_loss" in aux:
+        stats = {"nll_sum": total}
+        if n_moe:
+            stats.update(aux_loss=aux["aux_loss"], load=aux["load"], dropped=aux["dropped"])
             loss = loss + ocfg.aux_loss_coef * aux["aux_loss"] / grad_accum
-        return loss, (total, aux)
+        return loss, stats
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
     def step(state: TrainState, batch, frozen=None):
         n_tokens = jnp.maximum(jnp.sum(batch["loss_mask"]).astype(jnp.float32), 1.0)
-        micro = jax.tree.map(lambda x: x.reshape(grad_accum, x.shape[0] // grad_accum, *x.shape[1:]), batch)
-        zeros = jax.tree.map(jnp.zeros_like, state.params)
-
-        def acc(carry, mb):
-            g_sum, l_sum, nll_sum, aux_sum, load, dropped = carry
-            (l, (total, aux)), g = grad_fn(state.params, frozen, mb, n_tokens)
-            g_sum = jax.tree.map(jnp.add, g_sum, g)
-            return (g_sum, l_sum + l, nll_sum + total, aux_sum + aux.get("aux_loss", 0.0),
-                    load + aux.get("load", 0.0), dropped + aux.get("dropped", 0)), None
-
-        n_moe = cfg.kind_counts().get("moe", 0)
-        load0 = jnp.zeros((n_moe, cfg.n_routed_experts), jnp.float32) if n_moe else jnp.zeros(())
-        (grads, loss, nll_sum, aux_loss, load, dropped), _ = jax.lax.scan(
-            acc, (zeros, 0.0, 0.0, 0.0, load0, jnp.zeros((), jnp.int32)), micro)
-        grad_norm = optax.tree.norm(grads)
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        updates, new_opt = tx.update(grads, state.opt_state, state.params)
-        new_params = optax.apply_updates(state.params, updates)
+        (loss, st), grads = accumulate(lambda p, f, mb: grad_fn(p, f, mb, n_tokens), state.params, frozen, batch,
+                                       grad_accum)
+        post = None
         if n_moe and ocfg.bias_update_rate and combine is None:  # a frozen base keeps its router bias
-            new_params = _update_correction_bias(new_params, load, ocfg.bias_update_rate)
-        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
-        state = TrainState(
-            params=keep(new_params, state.params),
-            opt_state=keep(new_opt, state.opt_state),
-            step=state.step + 1,
-            nonfinite_run=jnp.where(finite, 0, state.nonfinite_run + 1),
-            skipped=state.skipped + (~finite).astype(jnp.int32),
-            rng=state.rng,
-        )
-        metrics = {"loss": nll_sum / n_tokens, "train_objective": loss, "grad_norm": grad_norm,
+            post = lambda p: _update_correction_bias(p, st["load"], ocfg.bias_update_rate)  # noqa: E731
+        state, grad_norm, finite = apply_update(state, grads, loss, tx, post)
+        metrics = {"loss": st["nll_sum"] / n_tokens, "train_objective": loss, "grad_norm": grad_norm,
                    "lr": sched(state.step - 1), "loss_tokens": n_tokens, "finite": finite,
                    "skipped_updates": state.skipped}
         if n_moe:
-            metrics["aux_loss"] = aux_loss / grad_accum
-            metrics["moe_dropped"] = dropped  # token-slots dropped (capacity dispatch, or model.ep_capacity)
+            load = st["load"]
+            metrics["aux_loss"] = st["aux_loss"] / grad_accum
+            metrics["moe_dropped"] = st["dropped"]  # token-slots dropped (capacity dispatch, or model.ep_capacity)
             mean = jnp.mean(load, axis=-1)
             metrics["expert_load_max_over_mean"] = jnp.max(jnp.max(load, axis=-1) / jnp.maximum(mean, 1e-9))
             metrics["expert_load_min_over_mean"] = jnp.min(jnp.min(load, axis=-1) / jnp.maximum(mean, 1e-9))
@@ -154,7 +194,7 @@ def make_eval_step(cfg, opts: Options, combine=None, micro_batches: int = 1):
 
     def ev(params, batch, frozen=None):
         p = model_params(params, frozen)
-        micro = jax.tree.map(lambda x: x.reshape(micro_batches, x.shape[0] // micro_batches, *x.shape[1:]), batch)
+        micro = split_micro(batch, micro_batches)
 
         def one(total, mb):
             t, _ = token_loss(p, mb, cfg, opts)
