@@ -81,7 +81,7 @@ def token_loss(params, batch, cfg, opts: Options, mtp_coef: float = 0.0):
     return total, aux
 
 
-def _model_params(combine):
+def model_params_of(combine):
     """combine(trainable, frozen) -> the model's params; default: the trainable tree is the whole model."""
     return combine or (lambda trainable, frozen: trainable)
 
@@ -140,7 +140,7 @@ def make_train_step(cfg, opts: Options, tx, sched, ocfg, grad_accum: int = 1, co
     """Returns step(state, batch, frozen=None) -> (state, metrics). batch arrays are [A * b, T] for A
     micro-batches. With `combine` (e.g. LoRA: `lambda adapters, base: attach(base, adapters)`) only
     `state.params` (the adapters) get gradients and optimiser state; `frozen` (the base) is read, never updated."""
-    model_params = _model_params(combine)
+    model_params = model_params_of(combine)
     n_moe = cfg.kind_counts().get("moe", 0)
 
     def micro_loss(params, frozen, mb, n_tokens):
@@ -190,7 +190,7 @@ def _update_correction_bias(params, load, rate):
 def make_eval_step(cfg, opts: Options, combine=None, micro_batches: int = 1):
     """ev(params, batch, frozen=None) -> (summed NLL, loss tokens). The batch runs in `micro_batches`
     sequential micro-batches (the training micro-batch size), so eval never needs more memory than a step."""
-    model_params = _model_params(combine)
+    model_params = model_params_of(combine)
 
     def ev(params, batch, frozen=None):
         p = model_params(params, frozen)

@@ -1,0 +1,197 @@
+"""GRPO learner units: the policy loss (ratio, DPPO mask, reductions, extreme gaps), advantages, and the learner
+step's exactness under micro-batching and on 8 devices."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from nemo_jax.lora import LoraConfig, adapter_shardings, attach, init_adapters
+from nemo_jax.model import Options, init
+from nemo_jax.model.spec import param_specs
+from nemo_jax.parallel.mesh import batch_sharding, make_mesh
+from nemo_jax.parallel.rules import Rules, param_shardings
+from nemo_jax.rl.learner import PolicyLossConfig, make_learner_step, token_logprobs
+from nemo_jax.rl.loss import group_advantages, loss_weights, policy_loss
+from nemo_jax.train.step import TrainState
+
+from helpers import tiny_cfg
+
+
+# ----------------------------------------------------------------------------- the loss on its own
+def _arrays(seed=0, N=6, T=9):
+    rng = np.random.default_rng(seed)
+    lp = np.log(rng.uniform(0.05, 0.95, (N, T))).astype(np.float32)
+    mu = np.log(rng.uniform(0.05, 0.95, (N, T))).astype(np.float32)
+    mask = rng.random((N, T)) < 0.6
+    mask[0] = False  # a rollout without loss tokens
+    adv = rng.normal(size=N).astype(np.float32)
+    return lp, mu, adv, mask
+
+
+def test_on_policy_ratio_is_one_and_gradient_is_reinforce():
+    lp0, _, adv, mask = _arrays()
+    w = loss_weights(mask)
+
+    def loss(lp):
+        out, m = policy_loss(lp, jax.lax.stop_gradient(lp), adv, mask, weights=w)
+        return out, m
+
+    (val, m), g = jax.value_and_grad(loss, has_aux=True)(jnp.asarray(lp0))
+    assert float(m["ratio_min"]) == 1.0 and float(m["ratio_max"]) == 1.0
+    assert float(m["masked_frac_high"]) == 0.0 and float(m["masked_frac_low"]) == 0.0
+    reinforce = -w * adv[:, None]  # d/dlp of -sum w A lp, unscaled advantages
+    np.testing.assert_allclose(g, reinforce, rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(val, np.sum(reinforce), rtol=1e-6)
+
+
+@pytest.mark.parametrize("a_sign", [1.0, -1.0])
+def test_dppo_mask_truth_table(a_sign):
+    """A token is dropped iff (A > 0 and p - p_mu > delta_high) or (A < 0 and p - p_mu < -delta_low)."""
+    dh, dl = 0.1, 0.25
+    gaps = np.array([-0.4, -0.26, -0.24, -0.11, -0.09, 0.0, 0.09, 0.11, 0.24, 0.26, 0.4])
+    p_mu = np.full_like(gaps, 0.5)
+    p = p_mu + gaps
+    lp, mu = np.log(p)[None].astype(np.float32), np.log(p_mu)[None].astype(np.float32)
+    adv = np.array([a_sign], np.float32)
+    mask = np.ones_like(lp, bool)
+    w = loss_weights(mask, "token")
+    g = jax.grad(lambda x: policy_loss(x, mu, adv, mask, weights=w, delta_low=dl, delta_high=dh)[0])(jnp.asarray(lp))
+    kept = np.asarray(g)[0] != 0
+    expect = ~(((a_sign > 0) & (gaps > dh)) | ((a_sign < 0) & (gaps < -dl)))
+    np.testing.assert_array_equal(kept, expect)
+    _, m = policy_loss(lp, mu, adv, mask, weights=w, delta_low=dl, delta_high=dh)
+    n = gaps.size
+    assert float(m["masked_frac_high"]) == pytest.approx(np.sum((a_sign > 0) & (gaps > dh)) / n)
+    assert float(m["masked_frac_low"]) == pytest.approx(np.sum((a_sign < 0) & (gaps < -dl)) / n)
+
+
+def test_extreme_logprob_gaps_stay_finite():
+    lp = np.array([[-0.01, -60.0, -0.5, -55.0]], np.float32)
+    mu = np.array([[-60.0, -0.01, -55.5, -0.4]], np.float32)  # gaps ~ +-50 and beyond
+    mask = np.ones_like(lp, bool)
+    for a in (1.0, -1.0):
+        for kind in ("dppo", "importance_sampling", "ppo"):
+            f = lambda x: policy_loss(x, mu, np.array([a], np.float32), mask, kind=kind, kl_coef=0.1,  # noqa: E731
+                                      ref_logprobs=mu, ref_kl_coef=0.1)
+            (val, m), g = jax.value_and_grad(f, has_aux=True)(jnp.asarray(lp))
+            assert np.isfinite(float(val)) and np.all(np.isfinite(np.asarray(g))), (a, kind)
+            assert all(np.isfinite(float(v)) for v in m.values())
+
+
+@pytest.mark.parametrize("reduction", ["rollout", "token", "constant"])
+def test_reductions_against_numpy(reduction):
+    lp, mu, adv, mask = _arrays(1)
+    dh = dl = 0.2
+    N, T = lp.shape
+    rho = np.exp(np.clip(lp.astype(np.float64) - mu, -20, 20))
+    gap = np.exp(lp.astype(np.float64)) - np.exp(mu)
+    drop = ((adv[:, None] > 0) & (gap > dh)) | ((adv[:, None] < 0) & (gap < -dl))
+    per = -np.where(drop, 0.0, rho * adv[:, None]) + 0.05 * (lp - mu.astype(np.float64)) ** 2
+    m = mask.astype(np.float64)
+    if reduction == "rollout":
+        rows = [np.sum(per[i] * m[i]) / m[i].sum() for i in range(N) if m[i].sum() > 0]
+        expect = np.sum(rows) / N
+    elif reduction == "token":
+        expect = np.sum(per * m) / m.sum()
+    else:
+        expect = np.sum(per * m) / (N * 32)
+    got, _ = policy_loss(lp, mu, adv, mask, reduction=reduction, kl_coef=0.05, max_len=32)
+    np.testing.assert_allclose(float(got), expect, rtol=1e-5)
+
+
+def test_group_advantages():
+    r = [1.0, 0.0, 1.0, 0.5, 0.5, 0.5, 2.0, 4.0]
+    g = [7, 7, 7, 3, 3, 3, 9, 9]
+    adv, zero = group_advantages(r, g)
+    np.testing.assert_allclose(adv, [1 / 3, -2 / 3, 1 / 3, 0, 0, 0, -1, 1], rtol=1e-6)
+    np.testing.assert_array_equal(zero, [0, 0, 0, 1, 1, 1, 0, 0])
+    adv_std, _ = group_advantages(r, g, scale="std")
+    np.testing.assert_allclose(adv_std[6:], [-1, 1], rtol=1e-5)
+    with pytest.raises(ValueError, match="finite"):
+        group_advantages([1.0, float("nan")], [0, 0])
+
+
+# ----------------------------------------------------------------------------- the learner step
+CFG = tiny_cfg("M*E")
+LCFG = LoraConfig(targets=("all",), rank=4, alpha=8.0)
+
+
+def _rl_batch(cfg, rows=8, T=16, seed=0):
+    rng = np.random.default_rng(seed)
+    toks = rng.integers(0, cfg.vocab_size, (rows, T + 1)).astype(np.int32)
+    mask = np.zeros((rows, T), bool)
+    for i in range(rows):  # a prompt, then a response of its own length
+        start = rng.integers(2, T // 2)
+        mask[i, start:start + rng.integers(1, T - start + 1)] = True
+    rewards = rng.random(rows)
+    adv, _ = group_advantages(rewards, np.arange(rows) // 4)
+    mu = np.where(mask, np.log(rng.uniform(0.001, 0.05, (rows, T))), 0.0).astype(np.float32)
+    return {"tokens": toks[:, :-1], "targets": toks[:, 1:], "segment_ids": np.ones((rows, T), np.int32),
+            "loss_mask": mask, "behaviour_logprobs": mu, "loss_weights": loss_weights(mask), "advantages": adv}
+
+
+def _run(mesh, accum, loss_cfg=PolicyLossConfig(), steps=2):
+    """Two SGD steps (a plain optimiser keeps the gradient's exactness visible in the params)."""
+    base = init(CFG, jax.random.key(0))
+    ad_sh = None
+    if mesh is not None:
+        base = jax.device_put(base, param_shardings(param_specs(CFG), mesh, Rules()))
+        ad_sh = adapter_shardings(CFG, LCFG, mesh)
+    adapters = init_adapters(CFG, LCFG, jax.random.key(3), shardings=ad_sh)
+    # B = 0 at init: give it values so the adapters change the logprobs from the first step
+    adapters = jax.tree_util.tree_map_with_path(
+        lambda p, x: x + 0.05 if getattr(p[-1], "key", "") == "lora_b" else x, adapters)
+    tx = optax.sgd(0.5)
+    z = lambda: jnp.zeros((), jnp.int32)  # noqa: E731
+    state = TrainState(adapters, tx.init(adapters), z(), z(), z(), jax.random.key_data(jax.random.key(1)))
+    opts = Options(mesh=mesh)
+    step = jax.jit(make_learner_step(CFG, opts, tx, lambda s: 0.5, loss_cfg, accum,
+                                     combine=lambda ad, b: attach(b, ad)))
+    batch = _rl_batch(CFG)
+    if mesh is not None:
+        batch = {k: jax.device_put(v, batch_sharding(mesh, np.ndim(v))) for k, v in batch.items()}
+    out = []
+    for _ in range(steps):
+        state, m = step(state, batch, base)
+        out.append({k: float(v) for k, v in m.items()})
+    return out, jax.tree.map(np.asarray, state.params)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _run(None, 1)
+
+
+def test_learner_micro_batches_and_devices_match_one_batch(reference):
+    ref_m, ref_p = reference
+    assert ref_m[0]["ratio_max"] > 1.0 or ref_m[0]["ratio_min"] < 1.0  # off-policy: the ratio is exercised
+    assert ref_m[1]["loss"] != ref_m[0]["loss"]  # the step changed the policy
+    for mesh, accum in ((None, 2), (make_mesh({"data": 2, "fsdp": 4}), 1)):
+        m, p = _run(mesh, accum)
+        for a, b in zip(m, ref_m):
+            for k in ("loss", "mismatch_kl", "ratio_max", "masked_frac_high", "grad_norm"):
+                np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-7, err_msg=k)
+        for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(ref_p)):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_learner_logprobs_use_the_sampling_temperature():
+    """token_logprobs at T equals log_softmax(logits / T) of the full forward."""
+    from nemo_jax.model import forward
+
+    params = init(CFG, jax.random.key(0))
+    b = _rl_batch(CFG, rows=2)
+    logits = forward(params, jnp.asarray(b["tokens"]), CFG, jnp.asarray(b["segment_ids"]))[0]
+    for t in (1.0, 0.7):
+        want = jnp.take_along_axis(jax.nn.log_softmax(logits / t, -1), jnp.asarray(b["targets"])[..., None], -1)[..., 0]
+        got = token_logprobs(params, b, CFG, Options(), t)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_reference_kl_runs_the_base_without_adapters():
+    m, _ = _run(None, 1, PolicyLossConfig(ref_kl_coef=0.1), steps=1)
+    assert m[0]["ref_kl"] > 0  # the adapters (B != 0) move the policy away from the base
+    with pytest.raises(ValueError, match="frozen base"):
+        make_learner_step(CFG, Options(), optax.sgd(0.1), lambda s: 0.1, PolicyLossConfig(ref_kl_coef=0.1))
