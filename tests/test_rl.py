@@ -1,6 +1,10 @@
 """GRPO learner units: the policy loss (ratio, DPPO mask, reductions, extreme gaps), advantages, and the learner
 step's exactness under micro-batching and on 8 devices."""
 
+import json
+import os
+from collections import Counter
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -195,3 +199,116 @@ def test_reference_kl_runs_the_base_without_adapters():
     assert m[0]["ref_kl"] > 0  # the adapters (B != 0) move the policy away from the base
     with pytest.raises(ValueError, match="frozen base"):
         make_learner_step(CFG, Options(), optax.sgd(0.1), lambda s: 0.1, PolicyLossConfig(ref_kl_coef=0.1))
+
+
+# ----------------------------------------------------------------------------- host side: curriculum, pool, spool
+def test_curriculum_samples_in_proportion_to_reward_variance():
+    from nemo_jax.rl.curriculum import Curriculum
+
+    c = Curriculum(["solved", "half", "rare", "new"], window=8, floor=0.02, prior=0.1, seed=0)
+    c.update("solved", [1.0] * 8)  # var 0 -> floor
+    c.update("half", [0.0, 1.0] * 4)  # var 0.25
+    c.update("rare", [1.0] + [0.0] * 7)  # var 7/64
+    p = c.probabilities()
+    w = np.array([0.02, 0.25, 7 / 64, 0.1])
+    np.testing.assert_allclose(p, w / w.sum())
+    n = 20000
+    counts = Counter(c.sample(n))
+    obs = np.array([counts[t] for t in c.tasks])
+    chi2 = np.sum((obs - n * p) ** 2 / (n * p))
+    assert chi2 < 16.27  # 3 degrees of freedom, p = 0.001
+    # the window forgets: after 8 more successes "rare" is at the floor
+    c.update("rare", [1.0] * 8)
+    assert c.weight("rare") == 0.02
+    # state round trip: same draws after restore
+    state = json.loads(json.dumps(c.state_dict()))
+    a = c.sample(50)
+    c2 = Curriculum(c.tasks, window=8, floor=0.02, prior=0.1, seed=123)
+    c2.load_state_dict(state)
+    assert c2.sample(50) == a and c2.weight("half") == c.weight("half")
+
+
+def _rollout(group, task="t0", reward=1.0, version=0, n=6, **kw):
+    from nemo_jax.rl.rollout import Rollout
+
+    d = dict(tokens=list(range(1, n + 1)), loss_mask=[0, 0] + [1] * (n - 2), logprobs=[0.0, 0.0] + [-0.5] * (n - 2),
+             reward=reward, task_id=task, group_id=group, policy_versions=[version])
+    d.update(kw)
+    return Rollout(**d)
+
+
+def test_rollout_validation_rejects_each_malformed_kind():
+    from nemo_jax.rl.rollout import validate
+
+    good = _rollout("g0").to_json()
+    assert validate(good, vocab_size=97).tokens == good["tokens"]
+    bad = {
+        "length_mismatch": dict(logprobs=[0.0, -1.0]),
+        "bad_reward": dict(reward=float("nan")),
+        "bad_logprob": dict(logprobs=[0.0, 0.0, 0.3, -0.1, -0.2, -0.1]),
+        "bad_token": dict(tokens=[1, 2, 3, 97, 4, 5]),
+        "no_loss_tokens": dict(loss_mask=[0] * 6),
+        "too_long": dict(tokens=list(range(1, 41)), loss_mask=[0] + [1] * 39, logprobs=[-0.1] * 40),
+    }
+    for reason, change in bad.items():
+        assert validate({**good, **change}, vocab_size=97, max_len=32) == reason, reason
+    missing = dict(good)
+    del missing["reward"]
+    assert validate(missing, 97) == "bad_reward"
+    assert validate({**good, "reward": None}, 97) == "bad_reward"
+    assert validate({**good, "reward": "1"}, 97) == "bad_reward"
+    del missing["group_id"]
+    assert validate(missing, 97) == "malformed"
+
+
+def test_pool_groups_become_ready_and_stale_groups_are_dropped():
+    from nemo_jax.rl.pool import RolloutPool
+
+    pool = RolloutPool(group_size=2, max_off_policy_steps=2)
+    g_old, g_new, g_open = pool.open_group("t0"), pool.open_group("t1"), pool.open_group("t2")
+    assert pool.add(_rollout(g_old, version=1)) is None
+    assert pool.add(_rollout(g_old, version=3)) == g_old  # complete; its oldest token is from version 1
+    pool.add(_rollout(g_new, "t1", version=3))
+    assert pool.add(_rollout(g_new, "t1", version=4)) == g_new
+    pool.add(_rollout(g_open, "t2", version=0))  # half a group sampled long ago
+    assert pool.add(_rollout("nobody", version=5)) == "unknown_group"
+    assert pool.add(_rollout(g_new, "t9")) == "unknown_group"  # finished group / wrong task
+    got = pool.take(4, version=4)  # g_old is 3 versions behind (> 2): dropped, as is the in-flight g_open
+    assert [rs[0].group_id for rs in got] == [g_new]
+    assert pool.counts["groups_stale_dropped"] == 2 and not pool.in_flight
+    assert pool.staleness == Counter({1: 1, 0: 1})
+    state = json.loads(json.dumps(pool.state_dict()))
+    p2 = RolloutPool(2, 2)
+    p2.load_state_dict(state)
+    assert p2.counts == pool.counts
+
+
+def test_spool_round_trip_and_rejections(tmp_path):
+    from nemo_jax.rl.pool import RolloutPool
+    from nemo_jax.rl.rollout import learner_batch
+    from nemo_jax.rl.spool import SpoolReader, write_rollouts
+
+    pool = RolloutPool(group_size=2, max_off_policy_steps=4)
+    g = pool.open_group("t0")
+    g2 = pool.open_group("t1")
+    spool = tmp_path / "spool"
+    write_rollouts(str(spool), [_rollout(g, reward=1.0), _rollout(g, reward=0.0, n=8)], "producer-a-0")
+    write_rollouts(str(spool), [_rollout(g2, "t1", reward=0.5), _rollout(g2, "t1", reward=0.5)], "producer-b-0")
+    bad = _rollout(g, reward=1.0).to_json()
+    with open(spool / "producer-c-0.jsonl", "w") as f:
+        f.write(json.dumps({**bad, "logprobs": [0.0] * 5}) + "\n")  # length mismatch
+        f.write("{not json\n")
+        f.write(json.dumps({**bad, "group_id": "g999"}) + "\n")
+    (spool / ".producer-d-0.jsonl.tmp-x").write_text("half a line")  # a writer still at work: ignored
+    reader = SpoolReader(str(spool), vocab_size=97, max_len=16)
+    finished = reader.poll(pool)
+    assert sorted(finished) == sorted([g, g2]) and reader.accepted == 4
+    assert reader.rejected == Counter({"length_mismatch": 1, "malformed": 1, "unknown_group": 1})
+    assert sorted(os.listdir(spool / "consumed")) == ["producer-a-0.jsonl", "producer-b-0.jsonl", "producer-c-0.jsonl"]
+    assert reader.poll(pool) == []  # consumed files are not read again
+    batch, counts = learner_batch(pool.take(8, version=0), seq_len=10, rows=4)
+    assert counts["zero_variance_groups"] == 1 and counts["rollouts"] == 2  # g2's rewards are equal
+    np.testing.assert_allclose(batch["advantages"], [0.5, -0.5, 0, 0])
+    np.testing.assert_array_equal(batch["loss_mask"].sum(1), [4, 6, 0, 0])  # targets of sampled tokens
+    np.testing.assert_allclose(batch["loss_weights"].sum(1), [0.5, 0.5, 0, 0])
+    np.testing.assert_array_equal(batch["targets"][0, :5], [2, 3, 4, 5, 6])

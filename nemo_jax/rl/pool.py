@@ -1,0 +1,90 @@
+"""The persistent rollout pool: groups in flight, finished groups in a ready queue, stale groups dropped.
+
+Producers (in-process samplers, or other engines through nemo_jax.rl.spool) are handed group ids with
+`open_group`; each rollout they finish is `add`ed; a group whose G rollouts are all in moves to the ready queue.
+The learner `take`s ready groups as they come, so it never waits for the slowest rollout of a batch; a group
+whose oldest token was sampled more than `max_off_policy_steps` policy versions ago is dropped and counted.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+
+from nemo_jax.rl.rollout import Rollout
+
+
+class RolloutPool:
+    def __init__(self, group_size: int, max_off_policy_steps: int):
+        if group_size < 2:
+            raise ValueError(f"rollout pool: group_size >= 2 (advantages compare a group's rollouts), got {group_size}")
+        self.group_size, self.max_off_policy_steps = group_size, max_off_policy_steps
+        self.in_flight: OrderedDict[str, dict] = OrderedDict()  # group id -> {task_id, rollouts}
+        self.ready: OrderedDict[str, list[Rollout]] = OrderedDict()
+        self.counts = Counter()  # groups opened / finished / trained / stale_dropped, rollouts added / rejected
+        self.staleness = Counter()  # versions behind at training time -> rollouts
+        self._next = 0
+
+    def open_group(self, task_id: str, group_id: str | None = None) -> str:
+        gid = group_id or f"g{self._next}"
+        self._next += 1
+        if gid in self.in_flight or gid in self.ready:
+            raise ValueError(f"rollout pool: group {gid!r} already open")
+        self.in_flight[gid] = {"task_id": str(task_id), "rollouts": []}
+        self.counts["groups_opened"] += 1
+        return gid
+
+    def knows(self, group_id: str) -> bool:
+        return group_id in self.in_flight
+
+    def add(self, r: Rollout) -> str | None:
+        """A finished rollout of an open group -> its group id when that group is now complete, else None;
+        "unknown_group" for a rollout nobody asked for (counted, not kept)."""
+        g = self.in_flight.get(r.group_id)
+        if g is None or g["task_id"] != r.task_id:
+            self.counts["rejected_unknown_group"] += 1
+            return "unknown_group"
+        g["rollouts"].append(r)
+        self.counts["rollouts_added"] += 1
+        if len(g["rollouts"]) < self.group_size:
+            return None
+        del self.in_flight[r.group_id]
+        self.ready[r.group_id] = g["rollouts"]
+        self.counts["groups_finished"] += 1
+        return r.group_id
+
+    def drop_stale(self, version: int) -> int:
+        """Drop ready and in-flight groups older than max_off_policy_steps at policy `version`; -> dropped."""
+        stale = lambda rs: rs and version - min(r.version for r in rs) > self.max_off_policy_steps  # noqa: E731
+        gone = [g for g, rs in self.ready.items() if stale(rs)]
+        gone_in_flight = [g for g, v in self.in_flight.items() if stale(v["rollouts"])]
+        for g in gone:
+            del self.ready[g]
+        for g in gone_in_flight:
+            del self.in_flight[g]
+        self.counts["groups_stale_dropped"] += len(gone) + len(gone_in_flight)
+        return len(gone) + len(gone_in_flight)
+
+    def take(self, n_groups: int, version: int) -> list[list[Rollout]]:
+        """Up to n_groups ready groups (oldest first, stale ones dropped first), staleness recorded."""
+        self.drop_stale(version)
+        out = []
+        while self.ready and len(out) < n_groups:
+            _, rs = self.ready.popitem(last=False)
+            for r in rs:
+                self.staleness[version - r.version] += 1
+            out.append(rs)
+        self.counts["groups_trained"] += len(out)
+        return out
+
+    def state_dict(self) -> dict:
+        """What a resumed run needs: the bookkeeping, and groups already finished (in-flight rollouts are lost
+        with their producers and re-requested)."""
+        return {"counts": dict(self.counts), "staleness": {str(k): v for k, v in self.staleness.items()},
+                "ready": {g: [r.to_json() for r in rs] for g, rs in self.ready.items()}, "next": self._next}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.counts = Counter(state["counts"])
+        self.staleness = Counter({int(k): v for k, v in state["staleness"].items()})
+        self.ready = OrderedDict((g, [Rollout(**r) for r in rs]) for g, rs in state["ready"].items())
+        self.in_flight.clear()
+        self._next = state["next"]
