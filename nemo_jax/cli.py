@@ -1,4 +1,4 @@
-"""`nemo-jax` command line: sft, plan, generate, plot, import-hf, export-hf, merge, lora, forward."""
+"""`nemo-jax` command line: sft, grpo, eval, plan, generate, plot, import-hf, export-hf, merge, lora, forward."""
 
 from __future__ import annotations
 
@@ -124,6 +124,18 @@ def cmd_sft(a):
     sft_main(a.config, _mesh_overrides(a.mesh) + list(a.overrides))
 
 
+def cmd_grpo(a):
+    from nemo_jax.rl.grpo import main as grpo_main
+
+    grpo_main(a.config, _mesh_overrides(a.mesh) + list(a.overrides))
+
+
+def cmd_eval(a):
+    from nemo_jax.rl.grpo import cli_eval
+
+    cli_eval(a)
+
+
 def cmd_plan(a):
     import jax
 
@@ -160,6 +172,27 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--mesh", default=None, help="mesh preset YAML (configs/mesh/*.yaml) or sizes like fsdp=4,expert=2")
     s.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. steps=20 optim.lr=1e-4")
     s.set_defaults(fn=cmd_sft)
+
+    s = sub.add_parser("grpo", help="asynchronous GRPO on LoRA adapters from a YAML config (see configs/grpo)")
+    s.add_argument("--config", required=True, help="GRPO YAML config, e.g. configs/grpo/tiny-cpu.yaml")
+    s.add_argument("--mesh", default=None, help="mesh preset YAML (configs/mesh/*.yaml) or sizes like fsdp=4")
+    s.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. steps=20 rollout.group_size=4")
+    s.set_defaults(fn=cmd_grpo)
+
+    s = sub.add_parser("eval", help="attempt an environment's held-out tasks K times: mean reward, success rate, "
+                       "pass@1, pass@K, consistency")
+    s.add_argument("--ckpt", required=True, help="native model dir, HF dir, or SFT run dir")
+    s.add_argument("--adapters", default=None, help="PEFT dir, adapter checkpoint, or LoRA / GRPO run dir")
+    s.add_argument("--env", required=True, help="arithmetic | constraints | jsonl:PATH | package.module:Class")
+    s.add_argument("--env-args", default=None, help="JSON object of the environment's arguments")
+    s.add_argument("--attempts", type=int, default=1)
+    s.add_argument("--split", default="eval", help="task split (default eval)")
+    s.add_argument("--max-new-tokens", type=int, default=32)
+    s.add_argument("--temperature", type=float, default=1.0)
+    s.add_argument("--tokenizer", default=None, help="dir with tokenizer.json/tokenizer_config.json")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--json", default=None, help="also write the figures as JSON to this file")
+    s.set_defaults(fn=cmd_eval)
 
     s = sub.add_parser("plan", help="per-device memory, FLOPs, collectives and step time of a config on N "
                        "simulated devices (ahead-of-time compile on this CPU machine)")

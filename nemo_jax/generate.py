@@ -139,9 +139,9 @@ def _padded_positions(rows: list[list[int]], width: int, positions) -> jax.Array
     return jnp.asarray(pos + (width - np.asarray([len(r) for r in rows], np.int32))[:, None])
 
 
-def _run_chunk(params, rows, state, cfg, opts, positions, pad_id):
+def _run_chunk(params, rows, state, cfg, opts, positions, pad_id, width=None):
     mesh = _mesh_of(params)
-    toks, valid = left_pad(rows, pad_id)
+    toks, valid = left_pad(rows, pad_id, width)
     toks, valid = _rows_on(toks, mesh), _rows_on(valid, mesh)
     if positions is None:
         return _append(params, toks, valid, state, cfg, opts, mesh)
@@ -150,8 +150,9 @@ def _run_chunk(params, rows, state, cfg, opts, positions, pad_id):
 
 
 def prefill(params, prompts: list[list[int]], cfg, max_len: int, *, opts: M.Options = M.Options(),
-            adapters=None, pad_id: int = 0, positions=None):
-    """Left-pad prompts, run them through an empty state of capacity `max_len`.
+            adapters=None, pad_id: int = 0, positions=None, width: int | None = None):
+    """Left-pad prompts (to `width` tokens, default the longest prompt), run them through an empty state of
+    capacity `max_len`.
 
     -> (last logits [b, V], state); with `positions` ([b, n], indices into each prompt's own tokens, e.g. to
     score a given continuation) -> (logits [b, n, V] there, state). The lm_head runs only at those positions.
@@ -159,12 +160,12 @@ def prefill(params, prompts: list[list[int]], cfg, max_len: int, *, opts: M.Opti
     """
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
-    n = max(len(p) for p in prompts)
+    n = max(len(p) for p in prompts) if width is None else width
     if n > max_len:
         raise ValueError(f"prompt length {n} exceeds max_len {max_len}")
     p = attach(params, adapters)
     state = init_decode_state(cfg, len(prompts), max_len, opts.dtype, mesh=_mesh_of(p))
-    return _run_chunk(p, prompts, state, cfg, opts, positions, pad_id)
+    return _run_chunk(p, prompts, state, cfg, opts, positions, pad_id, n)
 
 
 def append(params, state: DecodeState, rows: list[list[int]], cfg, *, opts: M.Options = M.Options(), adapters=None,
@@ -197,9 +198,11 @@ def decode_step(params, token, state, cfg, *, opts: M.Options = M.Options(), act
 
 def generate(params, prompts: list[list[int]], cfg, sp: SamplingParams = SamplingParams(), *, key=None,
              opts: M.Options = M.Options(), adapters=None, state: DecodeState | None = None, last_logits=None,
-             max_len: int | None = None, on_token=None) -> Generation:
+             max_len: int | None = None, on_token=None, bucket: int = 1) -> Generation:
     """Sample continuations. With `state` (+ `last_logits`) continue it instead of prefilling `prompts`
-    (the state is donated: use `Generation.state` afterwards). On sharded params (a mesh) the decode state is
+    (the state is donated: use `Generation.state` afterwards). `bucket`: prompts are left-padded to a multiple
+    of it, so batches of prompts of varied lengths reuse a few compiled shapes (a sampler serving many requests
+    passes e.g. 32). On sharded params (a mesh) the decode state is
     sharded too (rows over the batch axes, KV heads over `tensor`) and every step updates it in place.
 
     on_token(step, tokens [b], done [b]) is called as tokens come (for streaming).
@@ -208,8 +211,9 @@ def generate(params, prompts: list[list[int]], cfg, sp: SamplingParams = Samplin
     p = attach(params, adapters)
     mesh = _mesh_of(p)
     if state is None:
-        max_len = max_len or (max(len(x) for x in prompts) + sp.max_new_tokens)
-        last_logits, state = prefill(p, prompts, cfg, max_len, opts=opts)
+        width = -(-max(len(x) for x in prompts) // bucket) * bucket
+        max_len = max_len or (width + sp.max_new_tokens)
+        last_logits, state = prefill(p, prompts, cfg, max_len, opts=opts, width=width)
     elif last_logits is None:
         raise ValueError("continuing a state needs its last_logits")
     b = last_logits.shape[0]

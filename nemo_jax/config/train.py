@@ -123,3 +123,77 @@ class SFTConfig:
     lora: LoraSection = field(default_factory=LoraSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
     distributed: DistributedSection = field(default_factory=DistributedSection)
+
+
+# ----------------------------------------------------------------------------- GRPO (nemo_jax.rl)
+POLICY_LOSS_KINDS = ("dppo", "importance_sampling", "ppo", "cross_entropy")
+REDUCTIONS = ("rollout", "token", "constant")
+
+
+@dataclass(frozen=True)
+class PolicyLossConfig:
+    """The learner's loss (nemo_jax.rl.loss)."""
+    kind: str = "dppo"  # dppo | importance_sampling | ppo | cross_entropy
+    reduction: str = "rollout"  # rollout | token | constant (Dr. GRPO)
+    delta_low: float = 0.2  # DPPO: drop a token with A < 0 when p - p_mu < -delta_low (ppo: ratio clip 1 - delta_low)
+    delta_high: float = 0.2  # DPPO: drop a token with A > 0 when p - p_mu > delta_high
+    kl_coef: float = 0.0  # (lp - mu)^2 penalty towards the behaviour policy
+    ref_kl_coef: float = 0.0  # k3 KL to the base policy (the model with its adapters off)
+    temperature: float = 1.0  # the sampler's temperature: both logprobs come from the same distribution
+    advantage_scale: str = "none"  # none (Dr. GRPO: r - mean) | std (divide by the group's std)
+
+    def __post_init__(self):
+        if self.kind not in POLICY_LOSS_KINDS:
+            raise ValueError(f"loss.kind: {self.kind!r} (expected one of {', '.join(POLICY_LOSS_KINDS)})")
+        if self.reduction not in REDUCTIONS:
+            raise ValueError(f"loss.reduction: {self.reduction!r} (expected one of {', '.join(REDUCTIONS)})")
+        if self.temperature <= 0:
+            raise ValueError(f"loss.temperature must be > 0 (got {self.temperature})")
+        if self.advantage_scale not in ("none", "std"):
+            raise ValueError(f"loss.advantage_scale: {self.advantage_scale!r} (expected none or std)")
+
+
+@dataclass(frozen=True)
+class CurriculumSection:
+    """Task sampling weight max(var(last `window` rewards), floor); `prior` for tasks never tried."""
+    window: int = 16
+    floor: float = 0.01
+    prior: float = 0.25
+
+
+@dataclass(frozen=True)
+class RolloutSection:
+    env: str = "arithmetic"  # arithmetic | constraints | jsonl:PATH | package.module:Class
+    env_args: dict = field(default_factory=dict)
+    group_size: int = 8  # rollouts per task draw (advantages compare them)
+    groups_per_step: int = 4  # groups per learner step
+    in_flight_groups: int = 8  # the in-process producer keeps this many groups requested ahead
+    max_off_policy_steps: int = 2  # groups sampled more policy versions ago are dropped
+    max_new_tokens: int = 32  # per assistant turn
+    seq_len: int = 128  # learner rows (prompt + every turn)
+    producer: str = "thread"  # thread (in-process sampler beside the learner) | inline (sample, then learn) | none (spool only)
+    spool: bool = False  # also read rollouts external producers write to RUN/spool
+    publish_every: int = 1  # publish the adapters to RUN/policy/<version> every this many steps (0: never)
+
+
+@dataclass(frozen=True)
+class GRPOConfig:
+    name: str = "grpo"
+    run_dir: str | None = None  # default runs/<name>
+    steps: int = 100
+    log_every: int = 1
+    eval_every: int = 0  # 0: no periodic eval
+    eval_attempts: int = 1
+    seed: int = 0
+    model: ModelSection = field(default_factory=ModelSection)
+    tokenizer: str = "builtin:tiny"
+    lora: LoraSection = field(default_factory=lambda: LoraSection(targets=["all"]))
+    optim: OptimSection = field(default_factory=lambda: OptimSection(lr=1e-3, warmup_steps=0, decay="constant",
+                                                                     weight_decay=0.0, aux_loss_coef=0.0,
+                                                                     bias_update_rate=0.0))
+    loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    curriculum: CurriculumSection = field(default_factory=CurriculumSection)
+    mesh: MeshSection = field(default_factory=MeshSection)
+    checkpoint: CheckpointSection = field(default_factory=lambda: CheckpointSection(every=10, keep=2))
+    logging: LoggingSection = field(default_factory=LoggingSection)

@@ -12,34 +12,14 @@ A learner batch (all [N, T] but `advantages` [N]; N divisible by the micro-batch
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import jax
 
 from nemo_jax.model.model import Options
-from nemo_jax.rl.loss import KINDS, REDUCTIONS, policy_terms, summarise
+from nemo_jax.config.train import PolicyLossConfig  # noqa: F401 (re-exported)
+from nemo_jax.rl.loss import policy_terms, summarise
 from nemo_jax.train.step import TrainState, model_params_of, accumulate, apply_update, token_nll
 
 BATCH_KEYS = ("tokens", "targets", "segment_ids", "loss_mask", "behaviour_logprobs", "loss_weights", "advantages")
-
-
-@dataclass(frozen=True)
-class PolicyLossConfig:
-    kind: str = "dppo"  # dppo | importance_sampling | ppo | cross_entropy
-    reduction: str = "rollout"  # rollout | token | constant (weights are made on the host: rl.loss.loss_weights)
-    delta_low: float = 0.2  # DPPO: drop a token with A < 0 when p - p_mu < -delta_low (ppo: ratio clip 1 - delta_low)
-    delta_high: float = 0.2  # DPPO: drop a token with A > 0 when p - p_mu > delta_high
-    kl_coef: float = 0.0  # (lp - mu)^2 penalty towards the behaviour policy
-    ref_kl_coef: float = 0.0  # k3 KL to the base policy (the model with adapters off; LoRA only)
-    temperature: float = 1.0  # the sampler's temperature: both logprobs must come from the same distribution
-
-    def __post_init__(self):
-        if self.kind not in KINDS:
-            raise ValueError(f"loss.kind: {self.kind!r} (expected one of {', '.join(KINDS)})")
-        if self.reduction not in REDUCTIONS:
-            raise ValueError(f"loss.reduction: {self.reduction!r} (expected one of {', '.join(REDUCTIONS)})")
-        if self.temperature <= 0:
-            raise ValueError(f"loss.temperature must be > 0 (got {self.temperature}); sample greedily elsewhere")
 
 
 def token_logprobs(params, batch, cfg, opts: Options, temperature: float = 1.0) -> jax.Array:
@@ -47,10 +27,10 @@ def token_logprobs(params, batch, cfg, opts: Options, temperature: float = 1.0) 
     return -token_nll(params, batch, cfg, opts, temperature)[0]
 
 
-def make_learner_step(cfg, opts: Options, tx, sched, loss_cfg: PolicyLossConfig, grad_accum: int = 1,
-                      combine=None):
-    """-> step(state, batch, frozen=None) -> (state, metrics); with `combine` (LoRA: attach adapters to the
-    frozen base) only state.params (the adapters) are trained."""
+def make_learner_grads(cfg, opts: Options, loss_cfg: PolicyLossConfig, grad_accum: int = 1, combine=None):
+    """-> grads(params, frozen, batch) -> ((loss, token statistics), gradients of state.params), summed over
+    `grad_accum` micro-batches. With `combine` (LoRA: attach adapters to the frozen base) only the adapters get
+    gradients; the reference policy for `ref_kl_coef` is the frozen base alone."""
     if loss_cfg.ref_kl_coef and combine is None:
         raise ValueError("loss.ref_kl_coef needs a frozen base (LoRA): the reference policy is the model with "
                          "its adapters off")
@@ -67,9 +47,16 @@ def make_learner_step(cfg, opts: Options, tx, sched, loss_cfg: PolicyLossConfig,
                             ref_logprobs=ref, ref_kl_coef=c.ref_kl_coef)
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+    return lambda params, frozen, batch: accumulate(grad_fn, params, frozen, batch, grad_accum)
+
+
+def make_learner_step(cfg, opts: Options, tx, sched, loss_cfg: PolicyLossConfig, grad_accum: int = 1,
+                      combine=None):
+    """-> step(state, batch, frozen=None) -> (state, metrics): `make_learner_grads` and one optimiser update."""
+    grads_of = make_learner_grads(cfg, opts, loss_cfg, grad_accum, combine)
 
     def step(state: TrainState, batch, frozen=None):
-        (loss, stats), grads = accumulate(grad_fn, state.params, frozen, batch, grad_accum)
+        (loss, stats), grads = grads_of(state.params, frozen, batch)
         state, grad_norm, finite = apply_update(state, grads, loss, tx)
         metrics = dict(summarise(stats), loss=loss, grad_norm=grad_norm, lr=sched(state.step - 1), finite=finite,
                        skipped_updates=state.skipped)

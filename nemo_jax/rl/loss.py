@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-REDUCTIONS = ("rollout", "token", "constant")
-KINDS = ("dppo", "importance_sampling", "ppo", "cross_entropy")
+from nemo_jax.config.train import POLICY_LOSS_KINDS as KINDS, REDUCTIONS
+
 LOG_RATIO_CLIP = 20.0
 
 

@@ -26,6 +26,7 @@ class Rollout:
     task_id: str
     group_id: str
     policy_versions: list[int] = field(default_factory=lambda: [0])
+    success: bool = False  # the environment's verdict (full success), for logging and eval
 
     @property
     def version(self) -> int:
@@ -36,7 +37,7 @@ class Rollout:
         return {"tokens": list(map(int, self.tokens)), "loss_mask": list(map(int, self.loss_mask)),
                 "logprobs": list(map(float, self.logprobs)), "reward": float(self.reward),
                 "task_id": str(self.task_id), "group_id": str(self.group_id),
-                "policy_versions": list(map(int, self.policy_versions))}
+                "policy_versions": list(map(int, self.policy_versions)), "success": bool(self.success)}
 
 
 REJECT_REASONS = ("malformed", "length_mismatch", "bad_reward", "bad_logprob", "bad_token", "no_loss_tokens",
@@ -49,7 +50,8 @@ def validate(d: dict, vocab_size: int, max_len: int | None = None) -> Rollout | 
         versions = d.get("policy_versions", [d["policy_version"]] if "policy_version" in d else None)
         r = Rollout(tokens=[int(t) for t in d["tokens"]], loss_mask=[int(m) for m in d["loss_mask"]],
                     logprobs=[float(x) for x in d["logprobs"]], reward=d.get("reward"), task_id=str(d["task_id"]),
-                    group_id=str(d["group_id"]), policy_versions=[int(v) for v in versions])
+                    group_id=str(d["group_id"]), policy_versions=[int(v) for v in versions],
+                    success=bool(d.get("success", False)))
     except (KeyError, TypeError, ValueError):
         return "malformed"
     if not r.policy_versions:

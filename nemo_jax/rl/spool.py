@@ -2,12 +2,16 @@
 
     RUN/policy/<version>/   each published adapter version, PEFT format (written to a temp dir, renamed)
     RUN/policy/LATEST       the newest version number (a small file replaced atomically)
+    RUN/requests/<gid>.json the groups the learner wants sampled: {group_id, task_id, messages, group_size,
+                            policy_version}; a producer claims one by renaming it into requests/claimed/ (the
+                            rename succeeds for exactly one producer), samples group_size rollouts of the task
+                            with the newest policy, and spools them under that group id
     RUN/spool/*.jsonl       rollouts, one JSON object per line (`Rollout.to_json` keys; see nemo_jax.rl.rollout),
                             written to a dot-prefixed temp name and renamed, so a reader never sees half a file
     RUN/spool/consumed/     files the learner has read (kept for inspection; delete freely)
 
-Every record passes `rollout.validate` and then the pool (its group must be one the learner opened): a rejected
-record is counted by reason and never trained on.
+Every record passes `rollout.validate` and then the pool (its group must be one the learner opened and requested):
+a rejected record is counted by reason and never trained on.
 """
 
 from __future__ import annotations
@@ -62,6 +66,32 @@ def latest_policy(run_dir: str) -> tuple[int, str] | None:
     except FileNotFoundError:
         return None
     return v, os.path.join(run_dir, "policy", str(v))
+
+
+def post_request(run_dir: str, group_id: str, task, group_size: int, version: int) -> None:
+    """Ask external producers for one group of `task` (an rl.envs.Task)."""
+    _atomic_write(os.path.join(run_dir, "requests", f"{group_id}.json"), json.dumps(
+        {"group_id": group_id, "task_id": task.id, "messages": list(task.messages), "group_size": group_size,
+         "policy_version": version}))
+
+
+def claim_request(run_dir: str, producer: str) -> dict | None:
+    """Take the oldest open request (atomically: one producer wins each) -> the request, or None when none."""
+    d = os.path.join(run_dir, "requests")
+    try:
+        names = sorted(n for n in os.listdir(d) if n.endswith(".json") and not n.startswith("."))
+    except FileNotFoundError:
+        return None
+    os.makedirs(os.path.join(d, "claimed"), exist_ok=True)
+    for n in names:
+        dst = os.path.join(d, "claimed", f"{producer}--{n}")
+        try:
+            os.rename(os.path.join(d, n), dst)
+        except FileNotFoundError:  # another producer claimed it first
+            continue
+        with open(dst) as f:
+            return json.load(f)
+    return None
 
 
 class SpoolReader:

@@ -91,7 +91,8 @@ def split_micro(batch, n: int):
     return jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
 
 
-def _combine_stat(key: str):
+def combine_stat(key: str):
+    """How a statistic adds up over micro-batches: `_max` / `_min` keys by max / min, the rest by sum."""
     return jnp.maximum if key.endswith("_max") else jnp.minimum if key.endswith("_min") else jnp.add
 
 
@@ -102,12 +103,12 @@ def accumulate(grad_fn, params, frozen, batch, n: int):
     (_, stats0), _ = jax.eval_shape(grad_fn, params, frozen, jax.tree.map(lambda x: x[0], micro))
     init = jax.tree_util.tree_map_with_path(
         lambda path, s: jnp.full(s.shape, {jnp.maximum: -jnp.inf, jnp.minimum: jnp.inf}.get(
-            _combine_stat(path[-1].key), 0), s.dtype), stats0)
+            combine_stat(path[-1].key), 0), s.dtype), stats0)
 
     def acc(carry, mb):
         (l_sum, st_sum), g_sum = carry
         (l, st), g = grad_fn(params, frozen, mb)
-        st_sum = {k: _combine_stat(k)(st_sum[k], v) for k, v in st.items()}
+        st_sum = {k: combine_stat(k)(st_sum[k], v) for k, v in st.items()}
         return ((l_sum + l, st_sum), jax.tree.map(jnp.add, g_sum, g)), None
 
     out, _ = jax.lax.scan(acc, ((jnp.zeros((), jnp.float32), init), jax.tree.map(jnp.zeros_like, params)), micro)

@@ -1,0 +1,167 @@
+"""`TrainingClient`: the primitives a user's own RL loop is written on (the ones Tinker offers), in-process and
+JAX-native, over LoRA adapters on a frozen base, on a mesh.
+
+    client = TrainingClient(cfg, base_params, LoraConfig(("all",), 16, 32), mesh)
+    gen = client.sample(prompts, SamplingParams(max_new_tokens=64, stop_token_ids=(eos,)))   # tokens + logprobs
+    m = client.forward_backward(batch, loss="dppo")   # gradients accumulate until optim_step
+    client.optim_step()                               # AdamW on the accumulated gradients
+    lp = client.compute_logprobs(batch)               # [N, T] logprobs of the targets
+    client.publish(run_dir)                           # PEFT dir RUN/policy/<version> for external samplers
+                                                      # (the version counts optim_steps)
+    client.save_state(path); client.load_state(path)  # adapters, optimiser, version, and your own JSON state
+
+`batch` is a learner batch (nemo_jax.rl.learner; `nemo_jax.rl.rollout.learner_batch` makes one from rollouts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nemo_jax.config.train import OptimSection, PolicyLossConfig
+from nemo_jax.lora import LoraConfig, adapter_shardings, attach, init_adapters
+from nemo_jax.model.model import Options
+from nemo_jax.parallel.mesh import batch_sharding
+from nemo_jax.rl.learner import make_learner_grads, token_logprobs
+from nemo_jax.rl.loss import summarise
+from nemo_jax.train.optimizer import make_optimizer, state_shardings
+from nemo_jax.train.step import TrainState, apply_update, combine_stat
+
+
+class TrainingClient:
+    def __init__(self, cfg, base, lora_cfg: LoraConfig, mesh=None, *, optim: OptimSection = OptimSection(),
+                 loss: PolicyLossConfig = PolicyLossConfig(), grad_accum: int = 1, total_steps: int = 1000,
+                 seed: int = 0, opts: Options | None = None, rules=None):
+        """base: the frozen model params (kept as given: place them on `mesh` and in the dtype you want)."""
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        self.cfg, self.base, self.lora_cfg, self.mesh, self.loss_cfg = cfg, base, lora_cfg, mesh, loss
+        self.grad_accum = grad_accum
+        multi = mesh is not None and mesh.size > 1
+        self.opts = opts or Options(mesh=mesh if multi else None)
+        ad_sh = adapter_shardings(cfg, lora_cfg, mesh, rules) if multi else None
+        adapters = init_adapters(cfg, lora_cfg, jax.random.key(seed), shardings=ad_sh)
+        self.tx, self.sched = make_optimizer(optim, adapters, total_steps)
+        z = lambda: jnp.zeros((), jnp.int32)  # noqa: E731
+        rng = jax.random.key_data(jax.random.key(seed + 1))
+        if multi:
+            rep = NamedSharding(mesh, P())
+            sh = TrainState(ad_sh, state_shardings(self.tx, adapters, ad_sh, rep), rep, rep, rep, rep)
+            opt = jax.jit(self.tx.init, out_shardings=sh.opt_state)(adapters)
+            self.state = jax.device_put(TrainState(adapters, opt, z(), z(), z(), rng), sh)
+        else:
+            self.state = TrainState(adapters, self.tx.init(adapters), z(), z(), z(), rng)
+        self.version = 0  # policy version: optimiser steps taken
+        self._grads = None  # accumulated gradients (None: nothing pending)
+        self._stats = None
+        self._grad_fns = {}
+        self._published = False
+        combine = lambda ad, b: attach(b, ad)  # noqa: E731
+        self._combine = combine
+        self._update = jax.jit(lambda s, g, loss: apply_update(s, g, loss, self.tx), donate_argnums=0)
+        self._logprobs = jax.jit(lambda ad, b, batch: token_logprobs(
+            attach(b, ad), batch, cfg, self.opts, self.loss_cfg.temperature))
+
+    # ------------------------------------------------------------------ learning
+    @property
+    def adapters(self):
+        return self.state.params
+
+    def _put(self, batch: dict) -> dict:
+        if self.mesh is None or self.mesh.size == 1:
+            return {k: jnp.asarray(v) for k, v in batch.items()}
+        return {k: jax.device_put(v, batch_sharding(self.mesh, np.ndim(v))) for k, v in batch.items()}
+
+    def _grad_fn(self, kind: str):
+        if kind not in self._grad_fns:
+            lc = dataclasses.replace(self.loss_cfg, kind=kind)
+            self._grad_fns[kind] = jax.jit(make_learner_grads(self.cfg, self.opts, lc, self.grad_accum,
+                                                              self._combine))
+        return self._grad_fns[kind]
+
+    def forward_backward(self, batch: dict, loss: str | None = None) -> dict:
+        """Gradients of the batch's loss (kind `loss`, default the configured one) added to the pending ones.
+        The batch's `loss_weights` define the reduction: weights made over several batches' global counts make
+        several forward_backward calls add up to one big batch. -> this batch's metrics (floats)."""
+        (val, stats), grads = self._grad_fn(loss or self.loss_cfg.kind)(self.state.params, self.base, self._put(batch))
+        if self._grads is None:
+            self._grads, self._stats, self._loss = grads, stats, val
+        else:
+            self._grads = jax.tree.map(jnp.add, self._grads, grads)
+            self._stats = {k: combine_stat(k)(self._stats[k], v) for k, v in stats.items()}
+            self._loss = self._loss + val
+        return {"loss": float(val), **{k: float(v) for k, v in summarise(stats).items()}}
+
+    def optim_step(self) -> dict:
+        """One AdamW update (the configured schedule) from the pending gradients, which are then cleared. A
+        non-finite loss or gradient skips the update (counted). -> metrics of everything accumulated."""
+        if self._grads is None:
+            raise RuntimeError("optim_step: no gradients pending (call forward_backward first)")
+        lr = float(self.sched(self.state.step))
+        self.state, grad_norm, finite = self._update(self.state, self._grads, self._loss)
+        out = {"loss": float(self._loss), "grad_norm": float(grad_norm), "finite": bool(finite), "lr": lr,
+               "skipped_updates": int(self.state.skipped), **{k: float(v) for k, v in summarise(self._stats).items()}}
+        self._grads = self._stats = None
+        self.version += 1
+        return out
+
+    def compute_logprobs(self, batch: dict) -> np.ndarray:
+        """[N, T] logprobs of the batch's targets under the current policy (at the loss temperature)."""
+        return np.asarray(self._logprobs(self.state.params, self.base, self._put(batch)))
+
+    # ------------------------------------------------------------------ sampling and publishing
+    def sample(self, prompts: list[list[int]], sp, key=None, adapters=None, bucket: int = 32):
+        """Sample continuations of token-id prompts with the current adapters (or `adapters`, e.g. a snapshot
+        a producer thread holds) -> nemo_jax.generate.Generation (tokens, behaviour logprobs, finish reasons).
+        Prompts are left-padded to a multiple of `bucket` tokens (few compiled shapes)."""
+        from nemo_jax.generate import generate
+
+        return generate(self.base, prompts, self.cfg, sp, key=key, opts=self.opts, bucket=bucket,
+                        adapters=self.state.params if adapters is None else adapters)
+
+    def publish(self, run_dir: str) -> int:
+        """Write the adapters as RUN/policy/<version> (PEFT; the version counts optimiser steps) -> the version."""
+        from nemo_jax.rl.spool import publish_policy
+
+        with warnings.catch_warnings():
+            if self._published:  # a warning about the adapters' servability is said once, not per version
+                warnings.simplefilter("ignore", UserWarning)
+            publish_policy(run_dir, self.version, self.cfg, self.state.params, lora_config=self.lora_cfg)
+        self._published = True
+        return self.version
+
+    # ------------------------------------------------------------------ state
+    def save_state(self, path: str, step: int, extra: dict | None = None, force: bool = True):
+        """Checkpoint adapters, optimiser state, counters and RNG (orbax, under `path`, as step `step`) with the
+        policy version and `extra` (the caller's JSON state: pool, curriculum, ...)."""
+        from nemo_jax.train.checkpoint import RunCheckpointer
+
+        if not hasattr(self, "_ckpt") or self._ckpt.directory != os.path.abspath(path):
+            self._ckpt = RunCheckpointer(path, keep=2, async_save=False)
+        self._ckpt.save(step, self.state, {"version": self.version, "extra": extra or {}},
+                        {"lora": dataclasses.asdict(self.lora_cfg)}, force=force)
+        self._ckpt.wait()
+
+    def load_state(self, path: str):
+        """Restore the newest checkpoint under `path` -> (step, extra) or None when there is none."""
+        from nemo_jax.train.checkpoint import RunCheckpointer, abstract_like
+
+        ck = RunCheckpointer(path, keep=2, async_save=False)
+        target = abstract_like(self.state, jax.tree.map(lambda x: x.sharding, self.state))
+        out = ck.restore_latest(target)
+        ck.close()
+        if out is None:
+            return None
+        step, self.state, data, _ = out
+        self.version = int(data["version"])
+        self._grads = None
+        return step, data["extra"]
+
+    def close(self):
+        if hasattr(self, "_ckpt"):
+            self._ckpt.close()

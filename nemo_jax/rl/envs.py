@@ -1,0 +1,237 @@
+"""RL environments: a small protocol for single- and multi-turn tasks, built-in task sets, and user task sets.
+
+An environment hands out `Task`s (`tasks(split)`), answers each assistant turn (`respond`: the messages to append,
+e.g. tool results or the next user turn, or None when the episode is over) and scores a finished conversation
+(`score` -> Score(reward, success)). Rewards are binary or partial credit in [0, 1].
+
+Built in (`make_env(name, **args)`):
+  arithmetic    single turn, "What is A plus B?" (plus / minus / times), exact integer answer
+  constraints   single turn, a request with several checkable constraints on the answer's form;
+                reward = share satisfied, success = all
+  jsonl:PATH    a user task set: one JSON object per line, {"id", "prompt" | "messages", "answer",
+                "verifier": "exact" | "regex" | "numeric", "tolerance" (numeric), "split" (train | eval)}
+  pkg.mod:Class a user class implementing the protocol, built with the config's `env_args`
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Task:
+    id: str
+    messages: tuple  # the opening conversation (dicts with role / content)
+    data: dict = field(default_factory=dict, hash=False, compare=False)  # what the verifier needs
+    family: str = "default"  # rewards are also logged per family (reward_mean/<family>)
+
+
+@dataclass(frozen=True)
+class Score:
+    reward: float
+    success: bool
+
+
+class Environment(Protocol):
+    name: str
+    max_turns: int
+
+    def tasks(self, split: str) -> list[Task]: ...
+
+    def respond(self, task: Task, history: list[dict]) -> list[dict] | None: ...
+
+    def score(self, task: Task, history: list[dict]) -> Score: ...
+
+
+def last_assistant(history: list[dict]) -> str:
+    return next((m["content"] for m in reversed(history) if m["role"] == "assistant"), "")
+
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def last_number(text: str) -> float | None:
+    found = _NUMBER.findall(text.replace(",", ""))
+    return float(found[-1]) if found else None
+
+
+class SingleTurn:
+    """Base for single-turn environments: no follow-up turns."""
+    max_turns = 1
+
+    def respond(self, task: Task, history: list[dict]) -> list[dict] | None:
+        return None
+
+
+# ----------------------------------------------------------------------------- arithmetic
+class Arithmetic(SingleTurn):
+    """'What is A op B?' with A, B drawn from [lo, hi]; reward 1 when the answer's last number is A op B.
+    `n_train` / `n_eval` tasks, disjoint, fixed by `seed`."""
+    name = "arithmetic"
+    OPS = {"plus": lambda a, b: a + b, "minus": lambda a, b: a - b, "times": lambda a, b: a * b}
+
+    def __init__(self, ops=("plus", "minus"), lo: int = 0, hi: int = 30, n_train: int = 256, n_eval: int = 64,
+                 seed: int = 0, template: str = "What is {a} {op} {b}?"):
+        unknown = set(ops) - set(self.OPS)
+        if unknown:
+            raise ValueError(f"arithmetic: unknown ops {sorted(unknown)} (known: {sorted(self.OPS)})")
+        rng = np.random.default_rng(seed)
+        triples = {(op, int(a), int(b)) for op in ops for a in range(lo, hi + 1) for b in range(lo, hi + 1)
+                   if op != "minus" or a >= b}  # non-negative differences
+        triples = sorted(triples)
+        if len(triples) < n_train + n_eval:
+            raise ValueError(f"arithmetic: only {len(triples)} distinct problems for {n_train} + {n_eval} tasks")
+        order = rng.permutation(len(triples))
+        self._split = {"train": [triples[i] for i in order[:n_train]],
+                       "eval": [triples[i] for i in order[n_train:n_train + n_eval]]}
+        self.template = template
+
+    def tasks(self, split: str) -> list[Task]:
+        return [Task(f"{op}-{a}-{b}", ({"role": "user", "content": self.template.format(a=a, op=op, b=b)},),
+                     {"answer": self.OPS[op](a, b)}, op) for op, a, b in self._split[split]]
+
+    def score(self, task: Task, history: list[dict]) -> Score:
+        x = last_number(last_assistant(history))
+        ok = x is not None and x == task.data["answer"]
+        return Score(float(ok), ok)
+
+
+# ----------------------------------------------------------------------------- constraints
+TOPICS = ("the sea", "a city", "winter", "a cat", "music", "the moon", "a garden", "trains", "coffee", "a river")
+WORDS = ("blue", "quiet", "bright", "small", "green", "cold", "warm", "old")
+
+
+def _check(kind: str, arg, text: str) -> bool:
+    words = re.findall(r"[A-Za-z']+", text)
+    if kind == "max_words":
+        return 0 < len(words) <= arg
+    if kind == "min_words":
+        return len(words) >= arg
+    if kind == "include":
+        return arg.lower() in (w.lower() for w in words)
+    if kind == "exclude":
+        return arg.lower() not in (w.lower() for w in words)
+    if kind == "lowercase":
+        return text.strip() != "" and text == text.lower()
+    if kind == "end_with":
+        return text.rstrip().endswith(arg)
+    if kind == "no_digits":
+        return not any(ch.isdigit() for ch in text)
+    raise ValueError(f"constraints: unknown check {kind!r}")
+
+
+_PHRASES = {"max_words": "use at most {} words", "min_words": "use at least {} words", "include": "use the word '{}'",
+            "exclude": "do not use the word '{}'", "lowercase": "write only lowercase letters",
+            "end_with": "end with '{}'", "no_digits": "use no digits"}
+
+
+class Constraints(SingleTurn):
+    """'Write a sentence about TOPIC. Rules: ...' with `k` checkable rules; reward = share of rules met."""
+    name = "constraints"
+
+    def __init__(self, k: int = 3, n_train: int = 256, n_eval: int = 64, seed: int = 0):
+        rng = np.random.default_rng(seed)
+        self._split = {}
+        for split, n in (("train", n_train), ("eval", n_eval)):
+            out = []
+            for i in range(n):
+                pool = [("max_words", int(rng.integers(5, 15))), ("min_words", int(rng.integers(2, 5))),
+                        ("include", str(rng.choice(WORDS))), ("exclude", "the"), ("lowercase", None),
+                        ("end_with", str(rng.choice([".", "!"]))), ("no_digits", None)]
+                chosen = [pool[j] for j in sorted(rng.choice(len(pool), size=min(k, len(pool)), replace=False))]
+                topic = str(rng.choice(TOPICS))
+                rules = "; ".join(_PHRASES[c].format(a) for c, a in chosen)
+                out.append(Task(f"{split}-{i}", ({"role": "user", "content": f"Write a sentence about {topic}. "
+                                                                            f"Rules: {rules}."},),
+                                {"checks": chosen}, "constraints"))
+            self._split[split] = out
+
+    def tasks(self, split: str) -> list[Task]:
+        return self._split[split]
+
+    def score(self, task: Task, history: list[dict]) -> Score:
+        text = last_assistant(history)
+        met = [_check(c, a, text) for c, a in task.data["checks"]]
+        return Score(sum(met) / len(met), all(met))
+
+
+# ----------------------------------------------------------------------------- user task sets
+class JsonlTasks(SingleTurn):
+    """Tasks from a JSONL file with built-in verifiers (exact, regex, numeric with tolerance)."""
+    VERIFIERS = ("exact", "regex", "numeric")
+
+    def __init__(self, path: str):
+        self.name = f"jsonl:{path}"
+        self._split = {"train": [], "eval": []}
+        with open(path) as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                where = f"{path}:{n}"
+                try:
+                    d = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{where}: invalid JSON ({e.msg})") from None
+                if "answer" not in d or not ("prompt" in d or "messages" in d):
+                    raise ValueError(f"{where}: a task needs 'answer' and 'prompt' or 'messages'")
+                v = d.get("verifier", "exact")
+                if v not in self.VERIFIERS:
+                    raise ValueError(f"{where}: verifier {v!r} (expected one of {', '.join(self.VERIFIERS)})")
+                if v == "regex":
+                    try:
+                        re.compile(d["answer"])
+                    except re.error as e:
+                        raise ValueError(f"{where}: answer is not a valid regex ({e})") from None
+                split = d.get("split", "train")
+                if split not in self._split:
+                    raise ValueError(f"{where}: split {split!r} (expected train or eval)")
+                msgs = tuple(d["messages"]) if "messages" in d else ({"role": "user", "content": str(d["prompt"])},)
+                self._split[split].append(Task(str(d.get("id", f"line{n}")), msgs,
+                                               {"answer": d["answer"], "verifier": v,
+                                                "tolerance": float(d.get("tolerance", 1e-6))},
+                                               str(d.get("family", "default"))))
+        if not self._split["train"] and not self._split["eval"]:
+            raise ValueError(f"{path}: no tasks")
+
+    def tasks(self, split: str) -> list[Task]:
+        return self._split[split] or self._split["train"]  # no eval split: evaluate on the train tasks
+
+    def score(self, task: Task, history: list[dict]) -> Score:
+        text = last_assistant(history).strip()
+        d = task.data
+        if d["verifier"] == "exact":
+            ok = text == str(d["answer"]).strip()
+        elif d["verifier"] == "regex":
+            ok = re.search(d["answer"], text) is not None
+        else:
+            x = last_number(text)
+            ok = x is not None and math.isclose(x, float(d["answer"]), rel_tol=0, abs_tol=d["tolerance"])
+        return Score(float(ok), ok)
+
+
+def make_env(spec: str, **args) -> Environment:
+    """'arithmetic' | 'constraints' | 'jsonl:PATH' | 'package.module:Class' (built with **args)."""
+    if spec == "arithmetic":
+        return Arithmetic(**args)
+    if spec == "constraints":
+        return Constraints(**args)
+    if spec.startswith("jsonl:"):
+        return JsonlTasks(spec[len("jsonl:"):], **args)
+    if ":" in spec:
+        mod, _, cls = spec.partition(":")
+        try:
+            env = getattr(importlib.import_module(mod), cls)(**args)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"rl.env {spec!r}: cannot import ({e})") from None
+        for attr in ("tasks", "respond", "score"):
+            if not callable(getattr(env, attr, None)):
+                raise ValueError(f"rl.env {spec!r}: the environment has no {attr}() method")
+        return env
+    raise ValueError(f"rl.env: {spec!r} (expected arithmetic, constraints, jsonl:PATH or package.module:Class)")

@@ -1,0 +1,227 @@
+"""GRPO around the learner: environments, the in-process producer (multi-turn rollouts), TrainingClient, and the
+`nemo-jax grpo` run end to end (reward rises on a bandit-style task; a SIGKILLed run resumes)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from nemo_jax.config.train import OptimSection, PolicyLossConfig
+from nemo_jax.data.chat import ChatTokenizer
+from nemo_jax.lora import LoraConfig, attach
+from nemo_jax.model import Options, init
+from nemo_jax.rl.client import TrainingClient
+from nemo_jax.rl.envs import Arithmetic, Constraints, JsonlTasks, Score, Task, make_env
+from nemo_jax.rl.learner import make_learner_step
+from nemo_jax.rl.producer import sample_rollouts
+from nemo_jax.rl.rollout import learner_batch
+
+from helpers import tiny_cfg
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ----------------------------------------------------------------------------- environments
+def test_arithmetic_and_constraints_score():
+    env = Arithmetic(ops=("plus", "times"), lo=0, hi=9, n_train=20, n_eval=10, seed=1)
+    train, ev = env.tasks("train"), env.tasks("eval")
+    assert len(train) == 20 and len(ev) == 10 and not {t.id for t in train} & {t.id for t in ev}
+    t = train[0]
+    ans = t.data["answer"]
+    say = lambda s: list(t.messages) + [{"role": "assistant", "content": s}]  # noqa: E731
+    assert env.score(t, say(f"It is {ans}.")) == Score(1.0, True)
+    assert env.score(t, say(f"{ans + 1}")).reward == 0.0 and env.score(t, say("no idea")).reward == 0.0
+    assert t.family in ("plus", "times")
+    c = Constraints(k=3, n_train=5, n_eval=2, seed=0)
+    task = c.tasks("train")[0]
+    s = c.score(task, [{"role": "assistant", "content": "x"}])
+    assert 0.0 <= s.reward <= 1.0 and len(task.data["checks"]) == 3
+    # a text that meets every rule of a hand-made task
+    hand = Task("h", (), {"checks": [("max_words", 6), ("include", "blue"), ("end_with", "."), ("no_digits", None),
+                                     ("lowercase", None)]})
+    assert c.score(hand, [{"role": "assistant", "content": "the sea is blue."}]) == Score(1.0, True)
+    assert c.score(hand, [{"role": "assistant", "content": "The Sea is blue 2day"}]).reward == pytest.approx(2 / 5)
+
+
+def test_jsonl_tasks_and_user_classes(tmp_path):
+    p = tmp_path / "tasks.jsonl"
+    rows = [{"id": "a", "prompt": "2+2?", "answer": "4", "verifier": "numeric"},
+            {"id": "b", "prompt": "name?", "answer": "^bob$", "verifier": "regex", "split": "eval"},
+            {"id": "c", "messages": [{"role": "user", "content": "pi?"}], "answer": 3.14, "verifier": "numeric",
+             "tolerance": 0.01, "family": "math"}]
+    p.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    env = make_env(f"jsonl:{p}")
+    tr = {t.id: t for t in env.tasks("train")}
+    say = lambda s: [{"role": "assistant", "content": s}]  # noqa: E731
+    assert env.score(tr["a"], say("the answer is 4")).success
+    assert env.score(tr["c"], say("3.141")).success and not env.score(tr["c"], say("3.2")).success
+    assert env.score(env.tasks("eval")[0], say("bob")).success and tr["c"].family == "math"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "x", "answer": "(", "verifier": "regex"}) + "\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: answer is not a valid regex"):
+        JsonlTasks(str(bad))
+    bad.write_text("\n" + json.dumps({"prompt": "x"}) + "\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: a task needs 'answer'"):
+        JsonlTasks(str(bad))
+    env = make_env("nemo_jax.rl.envs:Arithmetic", lo=0, hi=5, n_train=4, n_eval=2)
+    assert len(env.tasks("train")) == 4
+    with pytest.raises(ValueError, match="cannot import"):
+        make_env("no_such_module:Env")
+
+
+# ----------------------------------------------------------------------------- producer and client
+CFG = tiny_cfg("M*E", vocab_size=512)
+LCFG = LoraConfig(targets=("all",), rank=4, alpha=8.0)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return ChatTokenizer.load("builtin:tiny")
+
+
+@pytest.fixture(scope="module")
+def base():
+    return init(CFG, jax.random.key(0))
+
+
+class TwoTurns:
+    """A multi-turn environment: after the first answer the user asks again; reward on the second answer."""
+    name, max_turns = "two-turns", 3
+
+    def tasks(self, split):
+        return [Task("t0", ({"role": "user", "content": "What is 1 plus 1?"},))]
+
+    def respond(self, task, history):
+        n = sum(m["role"] == "assistant" for m in history)
+        return [{"role": "user", "content": "Again?"}] if n == 1 else None
+
+    def score(self, task, history):
+        return Score(float(len(history)), False)
+
+
+def test_multi_turn_rollouts_are_the_rendered_conversation(tok, base):
+    client = TrainingClient(CFG, base, LCFG)
+    env = TwoTurns()
+    rs = sample_rollouts(client.sample, tok, CFG, env, [(env.tasks("train")[0], "g")], 2, 6, 1.0,
+                         jax.random.key(0), (3,))
+    assert len(rs) == 2 and all(r.policy_versions == [3] and r.group_id == "g" for r in rs)
+    for r in rs:
+        m = np.asarray(r.loss_mask, bool)
+        assert len(r.tokens) == len(m) == len(r.logprobs) and m.sum() > 0
+        assert all(lp <= 0 for lp, k in zip(r.logprobs, m) if k) and all(lp == 0 for lp, k in zip(r.logprobs, m) if not k)
+        text = tok.tokenizer.decode(r.tokens, skip_special_tokens=False)
+        assert text.startswith(tok.render(list(env.tasks("train")[0].messages), add_generation_prompt=True))
+        if r.reward == 4.0:  # both turns: the user's follow-up sits between them, unmasked, as the template renders it
+            assert "<|im_start|>user\nAgain?<|im_end|>\n<|im_start|>assistant\n" in text
+            assert (np.diff(m.astype(int)) == 1).sum() == 2
+    # the behaviour logprobs are the learner's logprobs of the same tokens under the same adapters
+    rs[0].reward, rs[1].reward = 0.0, 1.0  # (a group with signal: learner_batch keeps it)
+    batch, _ = learner_batch([rs], seq_len=max(len(r.tokens) for r in rs))
+    lp = client.compute_logprobs(batch)
+    np.testing.assert_allclose(lp[batch["loss_mask"]], batch["behaviour_logprobs"][batch["loss_mask"]], atol=2e-4)
+
+
+def test_client_primitives_match_the_fused_learner_step(base, tmp_path):
+    from test_rl import _rl_batch
+
+    batch = _rl_batch(CFG, rows=8, T=12)
+    o = OptimSection(lr=1e-2, warmup_steps=0, decay="constant", weight_decay=0.0)
+    client = TrainingClient(CFG, base, LCFG, optim=o, seed=3)
+    # two forward_backward calls on halves (weights over the whole batch) == one fused step on the whole
+    halves = [{k: v[s] for k, v in batch.items()} for s in (slice(0, 4), slice(4, 8))]
+    for h in halves:
+        client.forward_backward(h)
+    m = client.optim_step()
+    assert client.version == 1 and m["finite"]
+    with pytest.raises(RuntimeError, match="no gradients pending"):
+        client.optim_step()
+    ref = TrainingClient(CFG, base, LCFG, optim=o, seed=3)
+    step = jax.jit(make_learner_step(CFG, Options(), ref.tx, ref.sched, PolicyLossConfig(),
+                                     combine=lambda ad, b: attach(b, ad)))
+    st, mref = step(ref.state, {k: jnp.asarray(v) for k, v in batch.items()}, base)
+    np.testing.assert_allclose(m["loss"], float(mref["loss"]), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(client.adapters), jax.tree.leaves(st.params)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    # cross_entropy kind through the same entry point: the negative mean logprob of the weighted tokens
+    ce = client.forward_backward(batch, loss="cross_entropy")
+    lp = client.compute_logprobs(batch)
+    np.testing.assert_allclose(ce["loss"], -np.sum(lp * batch["loss_weights"]), rtol=1e-5)
+    # save / load: adapters, optimiser state, version and the caller's state come back
+    client.save_state(str(tmp_path / "ck"), 7, {"mine": [1, 2]})
+    other = TrainingClient(CFG, base, LCFG, optim=o, seed=99)
+    step_no, extra = other.load_state(str(tmp_path / "ck"))
+    assert step_no == 7 and extra == {"mine": [1, 2]} and other.version == 1
+    for a, b in zip(jax.tree.leaves(other.state), jax.tree.leaves(client.state)):
+        np.testing.assert_array_equal(a, b)
+    client.close()
+
+
+# ----------------------------------------------------------------------------- the run, end to end
+BANDIT = textwrap.dedent('''
+    """A bandit: any prompt; reward = share of the answer's characters that are digits."""
+    from nemo_jax.rl.envs import Score, SingleTurn, Task
+
+    class Digits(SingleTurn):
+        name = "digits"
+
+        def tasks(self, split):
+            return [Task(f"t{i}", ({"role": "user", "content": f"Say something {i}."},)) for i in range(8)]
+
+        def score(self, task, history):
+            text = history[-1]["content"].replace(" ", "")
+            share = sum(ch.isdigit() for ch in text) / max(len(text), 1)
+            return Score(share, share == 1.0)
+''')
+
+
+def _grpo_cmd(run_dir, steps):
+    return [sys.executable, "-m", "nemo_jax.cli", "grpo", "--config", os.path.join(ROOT, "configs/grpo/tiny-cpu.yaml"),
+            f"run_dir={run_dir}", f"steps={steps}", "model.init=random", "model.init_sft_config=null",
+            "rollout.env=bandit_env:Digits", "rollout.env_args={}", "rollout.group_size=6",
+            "rollout.groups_per_step=4", "rollout.max_new_tokens=6", "rollout.seq_len=32", "optim.lr=0.03",
+            "lora.targets=[lm_head]", "checkpoint.every=3", "logging.tensorboard=false"]
+
+
+@pytest.mark.slow
+def test_grpo_reward_rises_and_a_killed_run_resumes(tmp_path):
+    (tmp_path / "bandit_env.py").write_text(BANDIT)
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}", XLA_FLAGS="", JAX_PLATFORMS="cpu")
+    run = tmp_path / "run"
+    steps = 16
+    p = subprocess.Popen(_grpo_cmd(run, steps), env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, start_new_session=True)
+    try:  # kill -9 once a checkpoint past step 6 exists
+        deadline = time.time() + 600
+        ck = run / "checkpoints"
+        while time.time() < deadline and p.poll() is None:
+            if ck.is_dir() and any(d.isdigit() and int(d) >= 6 for d in os.listdir(ck)):
+                break
+            time.sleep(0.2)
+        assert p.poll() is None, p.stdout.read().decode()[-3000:]
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    saved = max(int(d) for d in os.listdir(run / "checkpoints") if d.isdigit())
+    n_first = len(open(run / "metrics.jsonl").readlines())
+    out = subprocess.run(_grpo_cmd(run, steps), env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert f"resumed at step {saved}" in out.stdout
+    recs = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    after = [r["step"] for r in recs[n_first:] if "reward_mean" in r]
+    assert after == list(range(saved + 1, steps + 1))  # continues where the checkpoint left off
+    last = {r["step"]: r for r in recs}
+    assert last[steps]["policy_version"] > last[saved]["policy_version"] >= saved - 1  # continued, not reset
+    rewards = [last[s]["reward_mean"] for s in range(1, steps + 1)]
+    q = steps // 4
+    assert np.mean(rewards[-q:]) >= np.mean(rewards[:q]) + 0.1, rewards
+    assert os.path.isdir(run / "adapters") and os.path.isdir(run / "policy" / str(steps))
