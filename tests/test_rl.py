@@ -187,10 +187,11 @@ def test_learner_logprobs_use_the_sampling_temperature():
 
     params = init(CFG, jax.random.key(0))
     b = _rl_batch(CFG, rows=2)
-    logits = forward(params, jnp.asarray(b["tokens"]), CFG, jnp.asarray(b["segment_ids"]))[0]
+    logits = jax.jit(lambda p, t, s: forward(p, t, CFG, s)[0])(params, jnp.asarray(b["tokens"]),
+                                                              jnp.asarray(b["segment_ids"]))
     for t in (1.0, 0.7):
         want = jnp.take_along_axis(jax.nn.log_softmax(logits / t, -1), jnp.asarray(b["targets"])[..., None], -1)[..., 0]
-        got = token_logprobs(params, b, CFG, Options(), t)
+        got = jax.jit(lambda p, bb: token_logprobs(p, bb, CFG, Options(), t))(params, b)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 

@@ -59,9 +59,8 @@ def main():
         batch, counts = learner_batch(groups, seq_len=64)
         if counts["rollouts"]:
             rl = client.forward_backward(batch)  # the policy-gradient term (weights: mean per rollout)
-        sup, _ = learner_batch([[supervised(t, tok, t.id)] for t in picked], seq_len=64)
+        sup, _ = learner_batch([[supervised(t, tok, t.id)] for t in picked], seq_len=64, drop_zero_variance=False)
         sup["loss_weights"] *= a.ce_weight  # the weights scale a loss term: here 0.1 x mean answer NLL
-        sup["advantages"][:] = 0.0
         ce = client.forward_backward(sup, loss="cross_entropy")  # gradients add up until optim_step
         m = client.optim_step()
         print(f"step {step + 1}: reward {np.mean([r.reward for r in rollouts]):.3f}  "

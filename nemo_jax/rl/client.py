@@ -88,6 +88,8 @@ class TrainingClient:
         """Gradients of the batch's loss (kind `loss`, default the configured one) added to the pending ones.
         The batch's `loss_weights` define the reduction: weights made over several batches' global counts make
         several forward_backward calls add up to one big batch. -> this batch's metrics (floats)."""
+        if not len(batch["tokens"]):
+            raise ValueError("forward_backward: the batch has no rows (every group had equal rewards?)")
         (val, stats), grads = self._grad_fn(loss or self.loss_cfg.kind)(self.state.params, self.base, self._put(batch))
         if self._grads is None:
             self._grads, self._stats, self._loss = grads, stats, val

@@ -75,9 +75,11 @@ def validate(d: dict, vocab_size: int, max_len: int | None = None) -> Rollout | 
 
 
 def learner_batch(groups: list[list[Rollout]], seq_len: int, *, rows: int | None = None, scale: str = "none",
-                  reduction: str = "rollout", max_len: int | None = None) -> tuple[dict, dict]:
+                  reduction: str = "rollout", max_len: int | None = None,
+                  drop_zero_variance: bool = True) -> tuple[dict, dict]:
     """Finished groups -> (learner batch of numpy arrays, counts). Groups whose rewards are all equal carry no
-    signal: they are counted (`zero_variance_groups`) and left out. Rows are padded to `rows` (a multiple the
+    signal: they are counted (`zero_variance_groups`) and left out (kept, with advantage 0, when
+    drop_zero_variance=False: e.g. demonstrations for a cross-entropy term). Rows are padded to `rows` (a multiple the
     mesh and micro-batches need) with empty rows (no loss tokens, weight 0). Each rollout is one row: tokens
     [:-1] in, tokens[1:] as targets, mask and logprobs of the targets."""
     kept = []
@@ -86,7 +88,8 @@ def learner_batch(groups: list[list[Rollout]], seq_len: int, *, rows: int | None
         adv, z = group_advantages([r.reward for r in g], [0] * len(g), scale)
         if z.all():
             zero += 1
-            continue
+            if drop_zero_variance:
+                continue
         kept += list(zip(g, adv))
     n = len(kept)
     rows = n if rows is None else rows
