@@ -225,3 +225,13 @@ def test_grpo_reward_rises_and_a_killed_run_resumes(tmp_path):
     q = steps // 4
     assert np.mean(rewards[-q:]) >= np.mean(rewards[:q]) + 0.1, rewards
     assert os.path.isdir(run / "adapters") and os.path.isdir(run / "policy" / str(steps))
+
+
+def test_shipped_grpo_configs_load():
+    from nemo_jax.rl.grpo import load_grpo_config
+
+    for name in sorted(os.listdir(os.path.join(ROOT, "configs/grpo"))):
+        c = load_grpo_config(os.path.join(ROOT, "configs/grpo", name))
+        assert c.name and c.lora.targets and c.rollout.group_size >= 2, name
+    with pytest.raises(ValueError, match="rollout.producer=none needs rollout.spool"):
+        load_grpo_config(os.path.join(ROOT, "configs/grpo/tiny-cpu.yaml"), ["rollout.producer=none"])

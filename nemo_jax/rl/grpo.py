@@ -80,15 +80,15 @@ class GRPORunner:
         self.tasks = {t.id: t for t in self.env.tasks("train")}
         lcfg = LoraConfig(tuple(c.lora.targets), c.lora.rank, c.lora.alpha, c.lora.rslora, c.lora.init_seed)
         self.client = TrainingClient(cfg, base, lcfg, self.mesh, optim=c.optim, loss=c.loss, total_steps=c.steps,
-                                     seed=c.seed, opts=options_from(c.model, self.mesh))
+                                     grad_accum=c.optim.grad_accum, seed=c.seed, opts=options_from(c.model, self.mesh))
         self.pool = RolloutPool(c.rollout.group_size, c.rollout.max_off_policy_steps)
         cu = c.curriculum
         self.curriculum = Curriculum(list(self.tasks), cu.window, cu.floor, cu.prior, seed=c.seed)
         self.lock = threading.Lock()
         self.spool = (SpoolReader(os.path.join(self.run_dir, "spool"), cfg.vocab_size, c.rollout.seq_len)
                       if c.rollout.spool else None)
-        shards = batch_shards(self.mesh)
-        self.rows = math.ceil(c.rollout.groups_per_step * c.rollout.group_size / shards) * shards
+        unit = batch_shards(self.mesh) * c.optim.grad_accum  # rows split into micro-batches, each over the shards
+        self.rows = math.ceil(c.rollout.groups_per_step * c.rollout.group_size / unit) * unit
         self.requested = set()  # groups asked of external producers, not finished yet
         self.stop_requested = False
         self.step = 0
