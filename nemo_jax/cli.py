@@ -1,4 +1,4 @@
-"""`nemo-jax` command line: sft, grpo, eval, plan, generate, plot, import-hf, export-hf, merge, lora, forward."""
+"""`nemo-jax` command line: sft, grpo, eval, recipe, plan, generate, plot, import-hf, export-hf, merge, lora, forward."""
 
 from __future__ import annotations
 
@@ -130,6 +130,12 @@ def cmd_grpo(a):
     grpo_main(a.config, _mesh_overrides(a.mesh) + list(a.overrides))
 
 
+def cmd_recipe(a):
+    from nemo_jax.recipe import main as recipe_main
+
+    recipe_main(a.recipe, a.overrides)
+
+
 def cmd_eval(a):
     from nemo_jax.rl.grpo import cli_eval
 
@@ -178,6 +184,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--mesh", default=None, help="mesh preset YAML (configs/mesh/*.yaml) or sizes like fsdp=4")
     s.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. steps=20 rollout.group_size=4")
     s.set_defaults(fn=cmd_grpo)
+
+    s = sub.add_parser("recipe", help="the whole recipe: base -> SFT -> base merge (QK-restore) -> GRPO experts -> "
+                       "expert merge -> HF export -> report (stage x environment)")
+    s.add_argument("recipe", help="recipe YAML, e.g. configs/recipes/tiny-cpu.yaml")
+    s.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. run_dir=runs/r1")
+    s.set_defaults(fn=cmd_recipe)
 
     s = sub.add_parser("eval", help="attempt an environment's held-out tasks K times: mean reward, success rate, "
                        "pass@1, pass@K, consistency")

@@ -151,6 +151,19 @@ def test_client_primitives_match_the_fused_learner_step(base, tmp_path):
     np.testing.assert_allclose(m["loss"], float(mref["loss"]), rtol=1e-5)
     for a, b in zip(jax.tree.leaves(client.adapters), jax.tree.leaves(st.params)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    # on 8 devices (adapters, optimiser state and batch sharded): the same update
+    from nemo_jax.parallel.mesh import make_mesh
+    from nemo_jax.parallel.rules import Rules, param_shardings
+    from nemo_jax.model.spec import param_specs
+
+    mesh = make_mesh({"data": 2, "fsdp": 4})
+    sharded = TrainingClient(CFG, jax.device_put(base, param_shardings(param_specs(CFG), mesh, Rules())), LCFG, mesh,
+                             optim=o, seed=3)
+    sharded.forward_backward(batch)
+    ms = sharded.optim_step()
+    np.testing.assert_allclose(ms["loss"], m["loss"], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(sharded.adapters), jax.tree.leaves(client.adapters)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
     # cross_entropy kind through the same entry point: the negative mean logprob of the weighted tokens
     ce = client.forward_backward(batch, loss="cross_entropy")
     lp = client.compute_logprobs(batch)

@@ -89,6 +89,13 @@ class GRPORunner:
                       if c.rollout.spool else None)
         unit = batch_shards(self.mesh) * c.optim.grad_accum  # rows split into micro-batches, each over the shards
         self.rows = math.ceil(c.rollout.groups_per_step * c.rollout.group_size / unit) * unit
+        longest = max(len(self.tok.tokenizer.encode(self.tok.render(list(t.messages), add_generation_prompt=True),
+                                                    add_special_tokens=False).ids) for t in self.tasks.values())
+        if longest + c.rollout.max_new_tokens > c.rollout.seq_len + 1:
+            raise ValueError(f"rollout.seq_len={c.rollout.seq_len} is too short: the longest {c.rollout.env} prompt "
+                             f"has {longest} tokens and rollout.max_new_tokens={c.rollout.max_new_tokens} "
+                             f"(set rollout.seq_len >= {longest + c.rollout.max_new_tokens - 1})")
+        self.too_long = 0  # groups dropped because a rollout outgrew rollout.seq_len
         self.requested = set()  # groups asked of external producers, not finished yet
         self.stop_requested = False
         self.step = 0
@@ -216,14 +223,16 @@ class GRPORunner:
             with self.lock:
                 got = self.pool.take(r.groups_per_step - len(groups), version)
             seen += got
-            groups += [g for g in got if len({x.reward for x in g}) > 1]
+            fits = [g for g in got if max(len(x.tokens) for x in g) <= r.seq_len + 1]
+            self.too_long += len(got) - len(fits)  # (multi-turn conversations can outgrow rollout.seq_len)
+            groups += [g for g in fits if len({x.reward for x in g}) > 1]
         if not seen:
             return {}
         stale = self.pool.counts["groups_stale_dropped"]
         rollouts = [x for g in seen for x in g]
         batch, counts = learner_batch(groups, r.seq_len, rows=self.rows, scale=c.loss.advantage_scale,
                                       reduction=c.loss.reduction, max_len=r.max_new_tokens)
-        counts["zero_variance_frac"] = 1 - len(groups) / len(seen)
+        counts["zero_variance_frac"] = sum(len({x.reward for x in g}) == 1 for g in seen) / len(seen)
         t1 = time.perf_counter()
         rec = {"step": self.step + 1}
         if groups:
@@ -251,6 +260,7 @@ class GRPORunner:
                     "success_rate": float(np.mean([x.success for x in rollouts])) if rollouts else float("nan"),
                     **{f"reward_mean/{f}": fam_sum[f] / n for f, n in fam.items()},
                     "zero_variance_frac": counts["zero_variance_frac"], "groups_stale_dropped": stale,
+                    "groups_too_long": self.too_long,
                     "response_len_mean": float(lengths.mean()) if lengths.size else 0.0,
                     "response_len_max": int(lengths.max()) if lengths.size else 0,
                     "staleness_mean": float(staleness.mean()) if staleness.size else 0.0,
