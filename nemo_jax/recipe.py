@@ -104,8 +104,8 @@ def load_recipe_config(path: str, overrides=()) -> RecipeConfig:
 
 
 def _rel(path: str, base: str) -> str:
-    """Config paths are relative to the recipe file's directory's parent repo: as given, when they exist from
-    the working directory; else relative to the recipe file."""
+    """A config path named in the recipe: as given when it exists from the working directory, else relative to
+    the recipe file's directory."""
     return path if os.path.exists(path) else os.path.join(os.path.dirname(os.path.abspath(base)), path)
 
 
