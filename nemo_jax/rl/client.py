@@ -49,7 +49,8 @@ class TrainingClient:
         self.tx, self.sched = make_optimizer(optim, adapters, total_steps)
         z = lambda: jnp.zeros((), jnp.int32)  # noqa: E731
         rng = jax.random.key_data(jax.random.key(seed + 1))
-        if multi:
+        sh = None
+        if multi:  # the optimiser state sharded like the adapters, and kept so by every update
             rep = NamedSharding(mesh, P())
             sh = TrainState(ad_sh, state_shardings(self.tx, adapters, ad_sh, rep), rep, rep, rep, rep)
             opt = jax.jit(self.tx.init, out_shardings=sh.opt_state)(adapters)
@@ -63,7 +64,8 @@ class TrainingClient:
         self._published = False
         combine = lambda ad, b: attach(b, ad)  # noqa: E731
         self._combine = combine
-        self._update = jax.jit(lambda s, g, loss: apply_update(s, g, loss, self.tx), donate_argnums=0)
+        self._update = jax.jit(lambda s, g, loss: apply_update(s, g, loss, self.tx), donate_argnums=0,
+                               out_shardings=None if sh is None else (sh, None, None))
         self._logprobs = jax.jit(lambda ad, b, batch: token_logprobs(
             attach(b, ad), batch, cfg, self.opts, self.loss_cfg.temperature))
 
