@@ -209,7 +209,7 @@ def test_grpo_reward_rises_and_a_killed_run_resumes(tmp_path):
     (tmp_path / "bandit_env.py").write_text(BANDIT)
     env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}", XLA_FLAGS="", JAX_PLATFORMS="cpu")
     run = tmp_path / "run"
-    steps = 16
+    steps = 15  # a multiple of checkpoint.every: the last periodic checkpoint is also the final one
     p = subprocess.Popen(_grpo_cmd(run, steps), env=env, cwd=tmp_path, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, start_new_session=True)
     try:  # kill -9 once a checkpoint past step 6 exists

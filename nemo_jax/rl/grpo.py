@@ -99,6 +99,7 @@ class GRPORunner:
         self.requested = set()  # groups asked of external producers, not finished yet
         self.stop_requested = False
         self.step = 0
+        self.saved_step = None
 
     # ------------------------------------------------------------------ state
     def _extra(self, producer) -> dict:
@@ -107,13 +108,16 @@ class GRPORunner:
                     "producer_key": np.asarray(jax.random.key_data(producer.key)).tolist() if producer else None}
 
     def save(self, producer):
-        self.client.save_state(os.path.join(self.run_dir, "checkpoints"), self.step, self._extra(producer))
+        if self.step != self.saved_step:  # (the last periodic checkpoint may already be this step's)
+            self.client.save_state(os.path.join(self.run_dir, "checkpoints"), self.step, self._extra(producer))
+            self.saved_step = self.step
 
     def restore(self, producer) -> bool:
         out = self.client.load_state(os.path.join(self.run_dir, "checkpoints"))
         if out is None:
             return False
         self.step, extra = out
+        self.saved_step = self.step
         self.pool.load_state_dict(extra["pool"])
         self.curriculum.load_state_dict(extra["curriculum"])
         if producer is not None and extra.get("producer_key") is not None:
