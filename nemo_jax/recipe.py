@@ -123,12 +123,14 @@ class Recipe:
         self.c, self.path = c, path
         self.run_dir = os.path.abspath(c.run_dir or os.path.join("runs", c.name))
         self.out = lambda *p: os.path.join(self.run_dir, *p)  # noqa: E731
+        self.ran_any = False  # a stage ran in this invocation: earlier scores are stale
 
     def _stage(self, name: str, output: str, fn) -> None:
         if os.path.exists(output):
             print(f"[recipe] {name}: done ({output})", flush=True)
             return
         print(f"[recipe] {name} -> {output}", flush=True)
+        self.ran_any = True
         fn()
         if not os.path.exists(output):
             raise RuntimeError(f"recipe stage {name} finished without writing {output}")
@@ -199,7 +201,8 @@ class Recipe:
         names = [n if names.count(n) == 1 else f"{n}-{i}" for i, n in enumerate(names)]  # the same env twice
         envs = [(n, make_env(e.env, **e.args)) for n, e in zip(names, ev.envs)]
         path = self.out("report.json")
-        table = json.load(open(path)) if os.path.exists(path) else {}  # a rerun scores only what is missing
+        # a rerun that only finishes the report (e.g. after a crash while scoring) keeps the scores it has
+        table = json.load(open(path)) if os.path.exists(path) and not self.ran_any else {}
         for stage, model, adapters in self.stages():
             if stage in table and all(name in table[stage] for name, _ in envs):
                 continue
