@@ -29,8 +29,8 @@ from nemo_jax.model.model import Options
 from nemo_jax.parallel.mesh import batch_sharding
 from nemo_jax.rl.learner import make_learner_grads, token_logprobs
 from nemo_jax.rl.loss import summarise
-from nemo_jax.train.optimizer import make_optimizer, state_shardings
-from nemo_jax.train.step import TrainState, apply_update, combine_stat
+from nemo_jax.train.optimizer import make_optimizer
+from nemo_jax.train.step import TrainState, apply_update, combine_stat, train_state_shardings
 
 
 class TrainingClient:
@@ -38,8 +38,6 @@ class TrainingClient:
                  loss: PolicyLossConfig = PolicyLossConfig(), grad_accum: int = 1, total_steps: int = 1000,
                  seed: int = 0, opts: Options | None = None, rules=None):
         """base: the frozen model params (kept as given: place them on `mesh` and in the dtype you want)."""
-        from jax.sharding import NamedSharding, PartitionSpec as P
-
         self.cfg, self.base, self.lora_cfg, self.mesh, self.loss_cfg = cfg, base, lora_cfg, mesh, loss
         self.grad_accum = grad_accum
         multi = mesh is not None and mesh.size > 1
@@ -51,8 +49,7 @@ class TrainingClient:
         rng = jax.random.key_data(jax.random.key(seed + 1))
         sh = None
         if multi:  # the optimiser state sharded like the adapters, and kept so by every update
-            rep = NamedSharding(mesh, P())
-            sh = TrainState(ad_sh, state_shardings(self.tx, adapters, ad_sh, rep), rep, rep, rep, rep)
+            sh = train_state_shardings(self.tx, adapters, ad_sh, mesh)
             opt = jax.jit(self.tx.init, out_shardings=sh.opt_state)(adapters)
             self.state = jax.device_put(TrainState(adapters, opt, z(), z(), z(), rng), sh)
         else:
@@ -62,8 +59,7 @@ class TrainingClient:
         self._stats = None
         self._grad_fns = {}
         self._published = False
-        combine = lambda ad, b: attach(b, ad)  # noqa: E731
-        self._combine = combine
+        self._combine = lambda ad, b: attach(b, ad)  # noqa: E731
         self._update = jax.jit(lambda s, g, loss: apply_update(s, g, loss, self.tx), donate_argnums=0,
                                out_shardings=None if sh is None else (sh, None, None))
         self._logprobs = jax.jit(lambda ad, b, batch: token_logprobs(

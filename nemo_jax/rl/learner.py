@@ -19,9 +19,6 @@ from nemo_jax.config.train import PolicyLossConfig  # noqa: F401 (re-exported)
 from nemo_jax.rl.loss import policy_terms, summarise
 from nemo_jax.train.step import TrainState, model_params_of, accumulate, apply_update, token_nll
 
-BATCH_KEYS = ("tokens", "targets", "segment_ids", "loss_mask", "behaviour_logprobs", "loss_weights", "advantages")
-
-
 def token_logprobs(params, batch, cfg, opts: Options, temperature: float = 1.0) -> jax.Array:
     """[N, T] log p(targets) under softmax(logits / temperature)."""
     return -token_nll(params, batch, cfg, opts, temperature)[0]

@@ -12,7 +12,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from nemo_jax.checkpoint import load_any
 from nemo_jax.config.load import dump_yaml, load_config
@@ -27,8 +26,8 @@ from nemo_jax.parallel.rules import Rules, param_shardings
 from nemo_jax.train.checkpoint import RunCheckpointer, abstract_like
 from nemo_jax.train.metrics import MetricsLogger, check_logging, device_peak_flops, model_flops_per_token
 from nemo_jax.lora import LoraConfig, adapter_shardings, attach, init_adapters, save_adapter_checkpoint, summary_table
-from nemo_jax.train.optimizer import make_optimizer, state_shardings
-from nemo_jax.train.step import TrainState, all_finite, make_eval_step, make_train_step
+from nemo_jax.train.optimizer import make_optimizer
+from nemo_jax.train.step import TrainState, all_finite, make_eval_step, make_train_step, train_state_shardings
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -134,9 +133,7 @@ def step_program(c: SFTConfig, cfg, mesh, rules) -> StepProgram:
     trainable = (abstract_params(cfg) if lora_cfg is None
                  else jax.eval_shape(lambda: init_adapters(cfg, lora_cfg)))
     tx, sched = make_optimizer(o, trainable, c.steps)
-    replicated = NamedSharding(mesh, P())
-    opt_sh = state_shardings(tx, trainable, trainable_sh, replicated)  # Adam moments sharded like params
-    state_sh = TrainState(trainable_sh, opt_sh, replicated, replicated, replicated, replicated)
+    state_sh = train_state_shardings(tx, trainable, trainable_sh, mesh)  # Adam moments sharded like params
     step = make_train_step(cfg, opts, tx, sched, o, o.grad_accum, combine)
     return StepProgram(cfg, mesh, opts, lora_cfg, base_dtype, model_sh, trainable_sh, tx, sched, state_sh,
                        batch_sharding(mesh), jax.jit(step, donate_argnums=0, out_shardings=(state_sh, None)),

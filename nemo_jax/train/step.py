@@ -22,6 +22,18 @@ class TrainState(NamedTuple):
     rng: jax.Array  # uint32 key data
 
 
+def train_state_shardings(tx, trainable, trainable_shardings, mesh) -> TrainState:
+    """Shardings of a TrainState on `mesh`: the trainable tree as given, optimiser moments sharded like it
+    (`train.optimizer.state_shardings`), counters and RNG replicated."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from nemo_jax.train.optimizer import state_shardings
+
+    rep = NamedSharding(mesh, P())
+    return TrainState(trainable_shardings, state_shardings(tx, trainable, trainable_shardings, rep), rep, rep, rep,
+                      rep)
+
+
 def compute_weights(params, dtype):
     """The matmul weights (every `kernel` but the router's, routed experts, adapter matrices) in the compute
     dtype, cast once on their shards. The model casts each of them to that dtype at use anyway (same values),
