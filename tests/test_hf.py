@@ -306,3 +306,30 @@ def test_streaming_import_export_by_chunks(tmp_path, monkeypatch, chunk_bytes):
         assert back.keys() == original.keys(), src_dir
         for k, (a, dt) in original.items():
             assert back[k][1] == dt and back[k][0].tobytes() == a.tobytes(), (src, k)
+
+
+def test_pipelined_keeps_order_and_hints_ahead(tmp_path):
+    """`_pipelined` yields fn(job) in job order; each hint comes `depth` jobs before its job is submitted
+    (the streaming merge uses it to ask for reads ahead); HFReader.prefetch accepts any row block."""
+    import threading
+
+    from nemo_jax.hf.io import HFReader, _pipelined
+
+    events, lock = [], threading.Lock()
+
+    def fn(j):
+        with lock:
+            events.append(("run", j))
+        return j * j
+
+    jobs = list(range(7))
+    assert list(_pipelined(fn, jobs, depth=2, hint=lambda j: events.append(("hint", j)))) == [j * j for j in jobs]
+    hints = [j for k, j in events if k == "hint"]
+    assert hints == jobs[2:]
+    for j in hints:
+        assert events.index(("hint", j)) < events.index(("run", j))
+    save_file({"w": np.arange(12, dtype=np.float32).reshape(4, 3)}, str(tmp_path / "model.safetensors"))
+    r = HFReader(str(tmp_path))
+    r.prefetch("w", (slice(1, 3),))
+    r.prefetch("w", (slice(2, 2),))
+    np.testing.assert_array_equal(r.read("w", (slice(1, 3),)), np.arange(3, 9, dtype=np.float32).reshape(2, 3))

@@ -51,6 +51,29 @@ def leaves_by_hf(cfg, params):
 
 
 # --------------------------------------------------------------------------- ops vs numpy formulas
+def test_fast_bf16_conversions_equal_ml_dtypes_casts():
+    """ops.f32 / ops.round_to (bit-pattern widening and round-to-nearest-even) give ml_dtypes' casts bit for
+    bit: normal values over the whole exponent range, ties, subnormals, overflow, infinities, NaNs."""
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal(50_000) * 10.0 ** rng.integers(-44, 39, 50_000)).astype(np.float32)
+    ties_ = np.float32(1) + np.float32(2.0 ** -8) * np.arange(8, dtype=np.float32)  # exact halfway cases
+    special = np.array([0x7F800000, 0xFF800000, 0x7FC00000, 0x7F800001, 0xFFFFFFFF, 0x00000001, 0x807FFFFF,
+                        0x7F7FFFFF, 0x7F7F8000, 0x80000000], np.uint32).view(np.float32)
+    x = np.concatenate([x, ties_, special, -ties_])
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = x.astype(BF16)
+    got = ops.round_to(x, BF16)
+    assert got.dtype == BF16 and np.array_equal(got.view(np.uint16), want.view(np.uint16))
+    assert np.array_equal(ops.f32(want).view(np.uint32), want.astype(np.float32).view(np.uint32))
+    strided = want.reshape(2, -1)[:, ::3]  # any layout
+    assert np.array_equal(ops.f32(strided).view(np.uint32), strided.astype(np.float32).view(np.uint32))
+    with np.errstate(over="ignore"):
+        assert ops.round_to(x, np.float16).dtype == np.float16 and ops.f32(x) is x  # other dtypes: plain casts
+    y = ops.f32(want, copy=True)
+    y += 1  # a fresh array: the input is untouched
+    assert np.array_equal(ops.f32(want), want.astype(np.float32), equal_nan=True)
+
+
 def test_ops_against_numpy_formulas():
     rng = np.random.default_rng(0)
     shapes = {"a": (5, 7), "b": {"c": (11,), "d": (3, 4, 6)}}

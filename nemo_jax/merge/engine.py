@@ -55,6 +55,10 @@ class Model:
             return ST_DTYPES[self.hf.tensors[e.hf_name][2]]
         return np.dtype(self.leaves[e.path].dtype)
 
+    def prefetch_hf(self, e: Entry, block: tuple):
+        if self.hf is not None:
+            self.hf.prefetch(e.hf_name, tuple(block))
+
     def read_hf(self, e: Entry, block: tuple) -> np.ndarray:
         if self.hf is not None:
             return self.hf.read(e.hf_name, tuple(block))
@@ -208,6 +212,11 @@ class MergeSource:
         e = self._by_index[(path, tuple(int(i) for i in region[:lead]))]
         rows = region[lead + row_axis(e.transform, ndim - lead)] if ndim > lead else None
         return from_hf_layout(self.read_hf(e, (rows,) if rows is not None else ()), e.transform)
+
+    def prefetch_hf(self, e: Entry, block: tuple):
+        """Read-ahead hints for the input rows `read_hf(e, block)` will read."""
+        for name in self.assignment[e.hf_name].inputs(self.base):
+            self.models[name].prefetch_hf(e, block)
 
     def read_hf(self, e: Entry, block: tuple) -> np.ndarray:
         rule = self.assignment[e.hf_name]

@@ -11,21 +11,44 @@ from __future__ import annotations
 import zlib
 
 import jax
+import ml_dtypes
 import numpy as np
 
 F32 = np.float32
+BF16 = np.dtype(ml_dtypes.bfloat16)
 _STAT_BLOCK = 1 << 20
 
 
-def f32(x) -> np.ndarray:
-    return np.asarray(x).astype(F32, copy=False)
+def f32(x, copy: bool = False) -> np.ndarray:
+    """x in fp32. bfloat16 is widened by shifting its bits into the high half of a float32: exact (NaN
+    payloads and subnormals included) and ~3x faster than ml_dtypes' cast, which dominated merges."""
+    x = np.asarray(x)
+    if x.dtype == BF16:
+        u = x.view(np.uint16).astype(np.uint32)
+        u <<= 16
+        return u.view(F32)
+    return x.astype(F32, copy=copy)
+
+
+def round_to(x: np.ndarray, dtype) -> np.ndarray:
+    """fp32 `x` rounded (to nearest, ties to even) to `dtype`. To bfloat16 by rounding the bit pattern in
+    integers (what ml_dtypes' cast computes, ~1.5x faster); NaN becomes the canonical quiet NaN, overflow gives inf."""
+    dtype = np.dtype(dtype)
+    if dtype != BF16 or x.dtype != F32:
+        return x.astype(dtype, copy=False)
+    u = x.view(np.uint32)
+    r = ((u + (((u >> 16) & 1) + 0x7FFF)) >> 16).astype(np.uint16)
+    nan = np.isnan(x)
+    if nan.any():
+        r[nan] = ((u[nan] >> 16) & 0x8000).astype(np.uint16) | 0x7FC0  # the canonical quiet NaN, signed
+    return r.view(BF16)
 
 
 def linear(xs, weights) -> np.ndarray:
     """sum_i w_i x_i."""
     out = np.zeros(np.shape(xs[0]), F32)
     for x, w in zip(xs, weights):  # in place: memory for the output and one fp32 temporary
-        t = np.array(x, dtype=F32)
+        t = f32(x, copy=True)
         t *= F32(w)
         out += t
     return out
@@ -36,7 +59,7 @@ def task_arithmetic(base, xs, weights) -> np.ndarray:
     b = f32(base)
     out = b.copy()
     for x, w in zip(xs, weights):  # in place: memory for base, output and one fp32 temporary
-        t = np.array(x, dtype=F32)
+        t = f32(x, copy=True)
         t -= b
         t *= F32(w)
         out += t
@@ -124,7 +147,7 @@ def slerp(a, b, t: float, eps: float = 1e-6) -> np.ndarray:
 def finish(merged: np.ndarray, ref, dtype) -> tuple[np.ndarray, float, float]:
     """Round `merged` (fp32) once to `dtype` -> (rounded, sum of squares of the change against `ref`,
     sum of squares of the change that survived the rounding)."""
-    out = merged.astype(dtype, copy=False)
+    out = round_to(merged, dtype)
     m, o, r = merged.reshape(-1), out.reshape(-1), np.asarray(ref).reshape(-1)
     change = kept = 0.0
     for i in range(0, m.size, _STAT_BLOCK):  # in slices: the statistics need little extra memory
@@ -142,7 +165,7 @@ def _tree(fn, *trees):
 
     def one(*leaves):
         host = [np.asarray(jax.device_get(x)) for x in leaves]
-        out = fn(*host).astype(host[0].dtype)
+        out = round_to(fn(*host), host[0].dtype)
         if isinstance(leaves[0], jax.Array):
             return jax.device_put(out, leaves[0].sharding)
         return out
