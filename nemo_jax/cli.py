@@ -23,14 +23,37 @@ def _dtype(name: str | None):
     return table[name]
 
 
+def _converting(command: str):
+    """Conversions run as one process or as several (started like a training command: SLURM, Kubernetes,
+    NEMO_JAX_* env, launch/local/run.sh), each converting its share of the tensors into one output."""
+    from nemo_jax.parallel import distributed
+
+    distributed.initialize()
+    return distributed.failure_guard(command)
+
+
+def _share_note() -> str:
+    from nemo_jax.parallel import distributed
+
+    me, n = distributed.process()
+    return f" (process {me} of {n}: its share of the tensors)" if n > 1 else ""
+
+
 def cmd_import_hf(a):
     from nemo_jax.hf.io import import_pretrained
 
-    import_pretrained(a.src, a.dst, dtype=_dtype(a.dtype), ignore_unexpected=a.ignore_unexpected, progress=True)
-    print(f"imported {a.src} -> {a.dst}")
+    with _converting("import-hf"):
+        import_pretrained(a.src, a.dst, dtype=_dtype(a.dtype), ignore_unexpected=a.ignore_unexpected, progress=True)
+    print(f"imported {a.src} -> {a.dst}{_share_note()}")
 
 
 def cmd_export_hf(a):
+    with _converting("export-hf"):
+        _export_hf(a)
+    print(f"exported {a.src} -> {a.dst}{_share_note()}")
+
+
+def _export_hf(a):
     from nemo_jax.checkpoint import lazy_model
     from nemo_jax.hf.io import read_dtypes, save_pretrained
 
@@ -43,7 +66,6 @@ def cmd_export_hf(a):
     dtypes = read_dtypes(a.like) if a.like else _dtype(a.dtype)
     save_pretrained(cfg, params, a.dst, max_shard_size=a.max_shard_size, dtypes=dtypes, tokenizer_dir=a.src,
                     progress=True)
-    print(f"exported {a.src} -> {a.dst}")
 
 
 def cmd_merge(a):

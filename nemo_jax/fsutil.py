@@ -26,6 +26,13 @@ def atomic_dir(path: str):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    publish(tmp, path)
+
+
+def publish(tmp: str, path: str):
+    """Rename the complete directory `tmp` to `path` (beside it); an existing `path` is swapped out first
+    and removed after."""
+    parent = os.path.dirname(path)
     if os.path.exists(path):
         old = tempfile.mkdtemp(prefix=os.path.basename(path) + ".old-", dir=parent)
         os.rmdir(old)

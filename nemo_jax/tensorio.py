@@ -24,7 +24,8 @@ _TS_DTYPES = {"bfloat16", "float16", "float32", "float64", "int32", "int64", "in
 
 
 class NativeWriter:
-    """Write a params tree into `params_dir` leaf by leaf, region by region (single process)."""
+    """Write a params tree into `params_dir` leaf by leaf, region by region. Several processes may share one
+    directory, each creating its own leaves and `declare`-ing the others'; one of them writes the metadata."""
 
     def __init__(self, params_dir: str, max_in_flight: int = 4):
         self.dir = os.path.abspath(params_dir)
@@ -40,7 +41,7 @@ class NativeWriter:
         if dtype.name not in _TS_DTYPES:
             raise ValueError(f"{path}: dtype {dtype} cannot be stored")
         name = path.replace("/", ".")
-        self.chunks[path] = [max(1, c) for c in chunks]
+        self.declare(path, chunks)
         spec = {"driver": "zarr", "dtype": dtype.name, "kvstore": {"driver": "file", "path": os.path.join(self.dir, name)},
                 "context": {"file_io_sync": False},  # `atomic_dir` syncs every file once before the rename
                 "metadata": {"shape": list(shape), "chunks": self.chunks[path], "compressor": None,
@@ -48,16 +49,23 @@ class NativeWriter:
                 "create": True, "delete_existing": True}
         return ts.open(spec).result()
 
+    def declare(self, path: str, chunks):
+        """List leaf `path` (with its storage chunk shape) in the metadata `finish` writes."""
+        self.chunks[path] = [max(1, c) for c in chunks]
+
     def write(self, arr, region: tuple, x: np.ndarray):
         """Asynchronous; at most `max_in_flight` writes are outstanding (bounding the memory they hold)."""
         self.pending.append(arr[region].write(x))
         while len(self.pending) > self.max_in_flight:
             self.pending.pop(0).result()
 
-    def finish(self):
+    def finish(self, metadata: bool = True):
+        """Wait for every write; then (metadata=True) write orbax's metadata for every created or declared leaf."""
         for f in self.pending:
             f.result()
         self.pending = []
+        if not metadata:
+            return
         tree, arrays = {}, []
         for path, chunks in self.chunks.items():
             keys = tuple(path.split("/"))

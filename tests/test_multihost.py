@@ -320,3 +320,75 @@ def test_missing_peer_and_killed_peer_fail_fast(tmp_path, xla_cache):
     assert procs[0].returncode not in (0, None) and detect < 60, (procs[0].returncode, detect, out[-2000:])
     assert "lost process(es) 1" in out, out[-3000:]
     print(f"dead peer detected after {detect:.1f}s (heartbeat_timeout 10s)")
+
+
+@pytest.mark.slow
+def test_two_processes_convert_each_tensor_once(tmp_path, xla_cache):
+    """import-hf and export-hf as 2 processes (launch/local/run.sh): each process writes a disjoint share of
+    the output (leaves / safetensors files) and together they write exactly what one process writes."""
+    import ml_dtypes
+    import numpy as np
+    from helpers import tiny_cfg
+    from safetensors import safe_open
+
+    from nemo_jax.checkpoint import lazy_model
+    from nemo_jax.cli import main
+    from nemo_jax.hf.io import save_pretrained
+    from nemo_jax.hf.mapping import leaf_specs
+    from nemo_jax.model.spec import unflatten_paths
+    from nemo_jax.parallel.distributed import share
+
+    cfg = tiny_cfg()
+    rng = np.random.default_rng(0)
+    params = unflatten_paths({p: rng.standard_normal(s.shape).astype(np.float32 if "bias" in p else ml_dtypes.bfloat16)
+                              for p, s in leaf_specs(cfg).items()})
+    save_pretrained(cfg, params, tmp_path / "hf", max_shard_size="20KB")
+
+    def two(*args):
+        r = subprocess.run([RUN_SH, "--processes", "2", "--grace", "5", "--", sys.executable, "-m", "nemo_jax.cli",
+                            *map(str, args)], env=_env(xla_cache), capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        shares = {}
+        for m in re.finditer(r"\[(\d)\] \w+: process (\d) of 2 wrote (\d+) of (\d+) \w+: (.*)", r.stderr):
+            assert m[1] == m[2]
+            shares[int(m[2])] = [x for x in m[5].split(", ") if x]
+        assert sorted(shares) == [0, 1] and all(shares.values()), r.stderr[-3000:]
+        assert not set(shares[0]) & set(shares[1])  # each tensor written by one process
+        return shares, int(m[4])
+
+    main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "one")])
+    shares, total = two("import-hf", tmp_path / "hf", tmp_path / "two")
+    assert len(shares[0]) + len(shares[1]) == total == len(leaf_specs(cfg))
+    (_, a), (_, b) = lazy_model(str(tmp_path / "one")), lazy_model(str(tmp_path / "two"))
+    assert set(a.paths()) == set(b.paths())
+    for p in a.paths():
+        assert np.array_equal(a.read(p), b.read(p)) and a[p].dtype == b[p].dtype, p
+
+    main(["export-hf", str(tmp_path / "two"), str(tmp_path / "hf1"), "--max-shard-size", "20KB"])
+    shares, total = two("export-hf", tmp_path / "two", tmp_path / "hf2", "--max-shard-size", "20KB")
+    files = sorted(f for f in os.listdir(tmp_path / "hf1") if f.endswith(".safetensors"))
+    assert total == len(files) > 2 and sorted(shares[0] + shares[1]) == files
+    assert sorted(os.listdir(tmp_path / "hf1")) == sorted(os.listdir(tmp_path / "hf2"))
+    for f in files:
+        with safe_open(str(tmp_path / "hf1" / f), "np") as x, safe_open(str(tmp_path / "hf2" / f), "np") as y:
+            assert list(x.keys()) == list(y.keys())
+            for k in x.keys():
+                assert np.array_equal(x.get_tensor(k), y.get_tensor(k)), (f, k)
+    for meta in ("model.safetensors.index.json", "config.json"):
+        assert open(tmp_path / "hf1" / meta).read() == open(tmp_path / "hf2" / meta).read()
+    assert not [d for d in os.listdir(tmp_path) if ".tmp-" in d]  # nothing half-written left behind
+
+
+def test_share_splits_work_once_and_evenly(monkeypatch):
+    from nemo_jax.parallel import distributed
+
+    sizes = [5, 1, 9, 3, 3, 7, 2, 8]
+    got = []
+    for me in range(3):
+        monkeypatch.setattr(distributed, "process", lambda me=me: (me, 3))
+        got.append(distributed.share(sizes))
+    assert sorted(i for g in got for i in g) == list(range(len(sizes)))  # every item exactly once
+    loads = [sum(sizes[i] for i in g) for g in got]
+    assert max(loads) - min(loads) <= max(sizes)
+    monkeypatch.setattr(distributed, "process", lambda: (0, 1))
+    assert distributed.share(sizes) == list(range(len(sizes)))

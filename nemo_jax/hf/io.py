@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import sys
 from collections import defaultdict, deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
@@ -22,9 +23,10 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from nemo_jax.config.model import NemotronHConfig
-from nemo_jax.fsutil import RecentCache, atomic_dir, copy_tokenizer_files
+from nemo_jax.fsutil import RecentCache, copy_tokenizer_files
 from nemo_jax.hf.mapping import Entry, build_table, from_hf_layout, leaf_specs, row_axis, to_hf_layout
 from nemo_jax.model.spec import unflatten_paths
+from nemo_jax.parallel import distributed
 
 ST_DTYPES = {
     "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
@@ -226,11 +228,13 @@ def import_pretrained(path: str, dst: str, dtype=None, *, ignore_unexpected: boo
 
     cfg, reader, by_leaf = _open_checked(path, ignore_unexpected, config_overrides)
     specs = leaf_specs(cfg)
-    total = sum(int(np.prod(e.hf_shape)) * ST_DTYPES[reader.tensors[e.hf_name][2]].itemsize
-                for es in by_leaf.values() for e in es)
-    with atomic_dir(dst) as tmp:
+    hf_bytes = {leaf: sum(int(np.prod(e.hf_shape)) * ST_DTYPES[reader.tensors[e.hf_name][2]].itemsize for e in es)
+                for leaf, es in by_leaf.items()}
+    # several processes: each converts and writes its share of the leaves (every tensor read and written once)
+    mine = {list(specs)[i] for i in distributed.share([hf_bytes[leaf] for leaf in specs])}
+    with distributed.shared_atomic_dir(dst, "import-hf") as (tmp, leader):
         writer = tensorio.NativeWriter(os.path.join(tmp, "params"))
-        bar = _bar(progress, total, "B", "import", unit_scale=True)
+        bar = _bar(progress and leader, sum(hf_bytes[leaf] for leaf in mine), "B", "import", unit_scale=True)
         jobs = []  # (target array, region, entry, HF row block, dtype) in file-friendly order
         for leaf, spec in specs.items():
             entries = by_leaf[leaf]
@@ -240,6 +244,9 @@ def import_pretrained(path: str, dst: str, dtype=None, *, ignore_unexpected: boo
             axis = row_axis(entries[0].transform, len(inner))
             rows = _block_rows(inner, axis, dt.itemsize, tensorio.CHUNK_BYTES)
             chunks = (1,) * lead + tuple(rows if k == axis else n for k, n in enumerate(inner))
+            if leaf not in mine:
+                writer.declare(leaf, chunks)  # another process writes it; the metadata lists it
+                continue
             arr = writer.create(leaf, spec.shape, dt, chunks)
             jobs += [(arr, region, e, block, dt) for e in entries for block, region in _row_blocks(e, inner, axis, rows)]
 
@@ -251,12 +258,23 @@ def import_pretrained(path: str, dst: str, dtype=None, *, ignore_unexpected: boo
         for arr, region, y, nbytes in _pipelined(convert, jobs):
             writer.write(arr, region, y)
             bar.update(nbytes)
-        writer.finish()
+        writer.finish(metadata=leader)
         bar.close()
+        _say_share("import", sorted(mine), len(specs), "leaves")
+        if not leader:
+            return cfg
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(cfg.to_hf_dict(), f, indent=2)
         copy_tokenizer_files(path, tmp)
     return cfg
+
+
+def _say_share(what: str, done: list[str], total: int, unit: str):
+    """Several processes: each says which part of the output it wrote (stderr)."""
+    me, n = distributed.process()
+    if n > 1:
+        print(f"{what}: process {me} of {n} wrote {len(done)} of {total} {unit}: {', '.join(done)}",
+              file=sys.stderr, flush=True)
 
 
 def _pipelined(fn, jobs, depth: int = 2, hint=None):
@@ -409,14 +427,18 @@ def save_pretrained(cfg: NemotronHConfig, params: dict, path: str, max_shard_siz
         size += nbytes
     n = len(shards)
     names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    with atomic_dir(path) as tmp:
-        total = sum(int(np.prod(e.hf_shape)) * dt.itemsize for e, dt in plan)
-        bar = _bar(progress, total, "B", "export", unit_scale=True)
-        weight_map = {}
-        for fname, shard in zip(names, shards):
-            _write_shard(os.path.join(tmp, fname), shard, flat, bar)
-            weight_map.update({e.hf_name: fname for e, _ in shard})
+    nbytes = [sum(int(np.prod(e.hf_shape)) * dt.itemsize for e, dt in shard) for shard in shards]
+    mine = distributed.share(nbytes)  # several processes: each writes its share of the files, every tensor once
+    with distributed.shared_atomic_dir(path, "export-hf") as (tmp, leader):
+        bar = _bar(progress and leader, sum(nbytes[i] for i in mine), "B", "export", unit_scale=True)
+        for i in mine:
+            _write_shard(os.path.join(tmp, names[i]), shards[i], flat, bar)
         bar.close()
+        _say_share("export", [names[i] for i in mine], len(names), "files")
+        if not leader:
+            return os.path.abspath(path)
+        weight_map = {e.hf_name: fname for fname, shard in zip(names, shards) for e, _ in shard}
+        total = sum(nbytes)
         if n > 1:
             with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
                 json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)

@@ -249,6 +249,10 @@ def initialize(settings=None, env: dict | None = None) -> Layout:
 
         # CPU processes exchange collectives over gloo (the default CPU client has no cross-process collectives)
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        # a peer's death must not abort the survivors from JAX's C++ error poller (it raced `failure_guard`,
+        # which names the lost peer): the survivors' collectives fail instead and `failure_guard` stops them.
+        # The price: the exit is no longer a shutdown barrier, so `failure_guard` ends commands in order.
+        jax.config.update("jax_enable_recoverability", True)
         kw = dict(initialization_timeout=timeout, heartbeat_timeout_seconds=heartbeat)
         if not layout.auto:
             kw.update(coordinator_address=layout.coordinator, num_processes=layout.num_processes,
@@ -320,12 +324,112 @@ def lost_peers(wait_s: float = 0.0) -> list[int] | None:
         time.sleep(0.02)
 
 
+def _multi() -> bool:
+    layout = _STATE.get("layout")
+    return layout is not None and layout.multi
+
+
+def process() -> tuple[int, int]:
+    """(this process's id, number of processes); (0, 1) when not started multi-process."""
+    if not _multi():
+        return 0, 1
+    import jax
+
+    return jax.process_index(), jax.process_count()
+
+
+def barrier(name: str, timeout_s: float):
+    """Wait until every process reaches barrier `name` (the coordination service's barrier: no devices
+    involved); an error naming it after `timeout_s`. A no-op in a single process."""
+    if not _multi():
+        return
+    from jax._src import distributed as _dist
+
+    _dist.global_state.client.wait_at_barrier(name, int(timeout_s * 1000))
+
+
+def share(sizes: list[int]) -> list[int]:
+    """Indices of the work items (of these sizes) this process does: every item goes to exactly one process,
+    largest first to the least loaded one, the same on every process (all of them in a single process)."""
+    me, n = process()
+    load = [0] * n
+    mine = []
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        p = min(range(n), key=lambda q: (load[q], q))
+        load[p] += sizes[i]
+        if p == me:
+            mine.append(i)
+    return sorted(mine)
+
+
+@contextlib.contextmanager
+def shared_atomic_dir(path: str, tag: str, timeout_s: float = 3600.0):
+    """`fsutil.atomic_dir` for an output that every process writes part of (on a filesystem they all see):
+    yields (temporary directory, whether this is process 0, which writes the shared files: index, config).
+    Process 0 creates it; every process writes and syncs its files; after a barrier process 0 renames it
+    into place, and a last barrier returns on every process only once the output is published. In a single
+    process: the plain `atomic_dir`."""
+    import shutil
+
+    from nemo_jax.fsutil import atomic_dir, fsync_tree, publish
+
+    if not _multi():
+        with atomic_dir(path) as tmp:
+            yield tmp, True
+        return
+    me, _ = process()
+    path = os.path.abspath(os.fspath(path))
+    tmp = f"{path}.tmp-{tag}"
+    if me == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    barrier(f"{tag}:created", timeout_s)
+    try:
+        yield tmp, me == 0
+        fsync_tree(tmp)
+        barrier(f"{tag}:written", timeout_s)
+    except BaseException:
+        if me == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if me == 0:
+        publish(tmp, path)
+    barrier(f"{tag}:published", timeout_s)
+
+
+def _leave(command: str, timeout_s: float = 300.0):
+    """Every process done: meet at a barrier, then processes 1..n-1 disconnect and process 0, which hosts the
+    coordination service, shuts down only after they have (a service gone first fails their disconnect)."""
+    if not _multi():
+        return
+    import time
+
+    import jax
+
+    _STATE["leaving"] = True  # the watchdog must not take the others' disconnects for deaths
+    barrier(f"nemo-jax {command}: done", timeout_s)
+    if jax.process_index() != 0:
+        jax.distributed.shutdown()
+        return
+    deadline = time.monotonic() + 30.0
+    while time.monotonic() < deadline and (lost_peers(0) or [0]) != list(range(1, jax.process_count())):
+        time.sleep(0.02)
+    jax.distributed.shutdown()
+
+
 @contextlib.contextmanager
 def failure_guard(command: str):
     """Wrap a multi-process command: when it fails on a communication error, name the lost peer(s) and exit
-    non-zero at once (without the exit-time shutdown barrier, which would wait for the dead peer)."""
+    non-zero at once (without the exit-time shutdown barrier, which would wait for the dead peer). A watchdog
+    thread does the same when the coordination service declares a peer lost while this process is blocked (a
+    collective waiting on a dead peer need not fail). On success, leave the distributed runtime in order."""
+    _STATE["command"] = command
+    if _multi() and "watchdog" not in _STATE:
+        _STATE["watchdog"] = threading.Thread(target=_watch, name="nemo-jax-peer-watchdog", daemon=True)
+        _STATE["watchdog"].start()
     try:
         yield
+        _leave(command)
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:
@@ -337,10 +441,31 @@ def failure_guard(command: str):
         lost = lost_peers(_STATE.get("heartbeat_timeout", 30) + 5 if comm else 0)
         if lost == []:
             raise  # every peer is alive: an ordinary error of this process
-        me = jax.process_index()
+        _stop(lost, f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+
+
+def _stop(lost: list[int] | None, cause: str):
+    """Name the lost peer(s) and exit non-zero at once (no exit-time barrier: it would wait for the dead)."""
+    import jax
+
+    with _STOP_LOCK:  # the watchdog and the main thread may both get here
         who = "the coordinator (process 0)" if lost is None else "process(es) " + ", ".join(map(str, lost))
-        print(f"nemo-jax {command}: process {me} of {jax.process_count()}: lost {who}; stopping. "
-              f"Restart the same command to resume from the last complete checkpoint. "
-              f"({type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''})", file=sys.stderr, flush=True)
+        print(f"nemo-jax {_STATE.get('command', '')}: process {jax.process_index()} of {jax.process_count()}: lost "
+              f"{who}; stopping. Restart the same command to resume from the last complete checkpoint. ({cause})",
+              file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(3)
+
+
+_STOP_LOCK = threading.Lock()
+
+
+def _watch(poll_s: float = 0.5):
+    """Poll the coordination service for lost peers until this process leaves."""
+    import time
+
+    while not _STATE.get("leaving"):
+        lost = lost_peers(0)
+        if lost != [] and not _STATE.get("leaving"):
+            _stop(lost, "the coordination service declared it lost")
+        time.sleep(poll_s)
