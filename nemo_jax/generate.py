@@ -8,13 +8,17 @@
   temperature T gives the learner's temperature-scaled logprob, the number importance weights compare to.
 * `generate` ties them together and returns tokens, per-token logprobs and a finish reason per row; its
   state can be continued with `append` (tool results, the next user turn) without recomputing the prefix.
+* `continuous_generate` serves many sequences through a fixed number of decode rows (continuous batching):
+  a row whose turn ends either continues in place (the caller's next turn appended to it) or is emptied
+  and refilled with the next prompt, prefilled into that row while the other rows keep decoding.
 * LoRA adapters are applied unmerged: pass `adapters` (a tree mirroring the params; see nemo_jax.lora).
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +27,7 @@ import numpy as np
 from nemo_jax.lora import attach
 from nemo_jax.model import model as M
 from nemo_jax.model.cache import DecodeState, init_decode_state, state_shardings
+from nemo_jax.model.mamba2 import MambaState
 
 
 @dataclass(frozen=True)
@@ -244,6 +249,160 @@ def generate(params, prompts: list[list[int]], cfg, sp: SamplingParams = Samplin
         out_l.append(L[r, :n].tolist())
         reasons.append("stop" if len(hit) else "length")
     return Generation(out_t, out_l, reasons, state, last_logits)
+
+
+# --------------------------------------------------------------------------- continuous batching
+@dataclass
+class Finished:
+    """One sequence of `continuous_generate`: its prompt's index and each sampled turn."""
+    index: int
+    turns: list[tuple[list[int], list[float], str]] = field(default_factory=list)  # (tokens, logprobs, reason)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "opts", "sp", "mesh"), donate_argnames=("state",))
+def _decode_rows(params, logits, state, done, budget, key, cfg, opts, sp, mesh=None):
+    """One step over every row: sample, append for the rows still going; a row is done after a stop token or
+    when its budget of new tokens is spent. -> (token, logprob, active [b], logits, state, done, budget)."""
+    active = ~done
+    tok, lp, stop, logits, state = _decode_and_sample(params, logits, state, done, key, cfg, opts, sp, mesh)
+    budget = budget - active.astype(budget.dtype)
+    return tok, lp, active, logits, state, done | stop | (budget <= 0), budget
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "mesh"), donate_argnames=("state",))
+def _empty_rows(state, rows, cfg, mesh=None):
+    """Forget rows [b] (bool) of a state: zero Mamba conv/SSM state, no valid KV slot (a new sequence starts)."""
+    keep = ~rows
+    mamba = state.mamba
+    if mamba is not None:
+        mamba = MambaState(mamba.conv * keep[None, :, None, None].astype(mamba.conv.dtype),
+                           mamba.ssm * keep[None, :, None, None, None].astype(mamba.ssm.dtype))
+    return _keep_sharded(state._replace(mamba=mamba, valid=state.valid & keep[:, None]), cfg, mesh)
+
+
+@jax.jit
+def _merge_fed(fed, new_logits, logits, done, budget, max_new):
+    """Rows `fed` just had tokens appended: their logits are the new ones, they decode again with a full budget."""
+    return (jnp.where(fed[:, None], new_logits, logits), done & ~fed,
+            jnp.where(fed, max_new, budget).astype(budget.dtype))
+
+
+def continuous_generate(params, prompts, cfg, sp: SamplingParams, *, batch: int, max_len: int, next_turn=None,
+                        key=None, opts: M.Options = M.Options(), adapters=None, bucket: int = 32,
+                        check_every: int = 4):
+    """Sample every prompt of the iterable `prompts` through `batch` decode rows, yielding a `Finished` per
+    sequence as it completes (not in input order).
+
+    A row's turn ends at a stop token or after `sp.max_new_tokens`; then `next_turn(index, turns)` may return
+    more tokens (tool results, the next user turn: they are appended to that row and it samples another turn)
+    or None: the sequence is finished and the row is refilled with the next prompt (emptied and prefilled in
+    place, while the other rows keep their state). Rows are checked every `check_every` steps (a finished row
+    idles at most that long). Rows share one position axis of `max_len` slots: appends and steps consume them,
+    and when the rest cannot hold another turn the rows still going finish their turns and a fresh state
+    starts; a conversation continued then is re-prefilled whole. Tokens and logprobs per turn are exactly
+    those `generate` would give the same sequence on its own (up to the random draws).
+    """
+    key = jax.random.key(0) if key is None else key
+    p = attach(params, adapters)
+    mesh = _mesh_of(p)
+    todo = iter(enumerate(prompts))
+    again: deque = deque()  # (index, whole sequence so far, turns) of conversations to re-prefill
+    item: list[Finished | None] = [None] * batch
+    seq: list[list[int]] = [[] for _ in range(batch)]
+    feed: dict[int, list[int]] = {}  # row -> tokens to append before the next steps
+    stop_ids = set(sp.stop_token_ids)
+    rnd = lambda n: -(-n // bucket) * bucket
+    turn_t: list[list[int]] = [[] for _ in range(batch)]  # the turn each row is sampling
+    turn_l: list[list[float]] = [[] for _ in range(batch)]
+    state, pos, logits = None, 0, None
+    done = budget = None
+    while True:
+        # ---- admit: continuations into their rows, then new (or re-prefilled) sequences into empty rows
+        if state is None or all(x is None for x in item) and not feed:
+            state, pos = None, 0  # nothing running: start from a fresh state
+        width = rnd(max((len(t) for t in feed.values()), default=0))
+        if state is not None and pos + width + sp.max_new_tokens > max_len:
+            for r, toks in feed.items():  # no room to continue here: re-prefill the whole conversation later
+                again.append((item[r].index, seq[r] + toks, item[r].turns))
+                item[r] = None
+            feed, width = {}, 0
+        fresh = []
+        for r in range(batch):
+            if item[r] is not None or r in feed:
+                continue
+            got = again[0] if again else None
+            if got is None:
+                nxt = next(todo, None)
+                if nxt is None:
+                    break
+                got = (nxt[0], list(nxt[1]), [])
+                again.appendleft(got)
+            if not got[1]:
+                raise ValueError(f"prompt {got[0]} is empty")
+            if rnd(len(got[1])) + sp.max_new_tokens > max_len:
+                raise ValueError(f"prompt {got[0]}: {len(got[1])} tokens + max_new_tokens={sp.max_new_tokens} do not "
+                                 f"fit max_len={max_len}")
+            w = max(width, rnd(len(got[1])))
+            if (0 if state is None else pos) + w + sp.max_new_tokens > max_len:
+                break  # no room: wait until the rows going finish, then a fresh state
+            again.popleft()
+            width = w
+            item[r], seq[r] = Finished(got[0], list(got[2])), got[1]
+            turn_t[r], turn_l[r] = [], []
+            feed[r] = got[1]
+            fresh.append(r)
+        if all(x is None for x in item):
+            if not again:
+                return
+            continue  # everything left waits for a fresh state
+        if state is None:
+            state = init_decode_state(cfg, batch, max_len, opts.dtype, mesh=mesh)
+            logits = _rows_on(jnp.zeros((batch, cfg.vocab_size), jnp.float32), mesh)
+            done = _rows_on(jnp.ones((batch,), bool), mesh)
+            budget = _rows_on(jnp.zeros((batch,), jnp.int32), mesh)
+        if feed:
+            if fresh:
+                state = _empty_rows(state, _rows_on(jnp.asarray(np.isin(np.arange(batch), fresh)), mesh), cfg, mesh)
+            fed = _rows_on(jnp.asarray(np.isin(np.arange(batch), list(feed))), mesh)
+            new_logits, state = _run_chunk(p, [feed.get(r, []) for r in range(batch)], state, cfg, opts, None, 0,
+                                           width)
+            logits, done, budget = _merge_fed(fed, new_logits, logits, done, budget, sp.max_new_tokens)
+            pos += width
+            for r, toks in feed.items():
+                if r not in fresh:
+                    seq[r] = seq[r] + toks
+            feed = {}
+        # ---- decode a few steps, then read which rows finished their turn
+        steps = []
+        n = min(check_every, max_len - pos)  # active rows' budgets fit in what is left (checked on admission)
+        if n <= 0:
+            raise RuntimeError(f"continuous_generate: decode state full ({max_len} positions) with rows going")
+        for _ in range(n):
+            key, sub = jax.random.split(key)
+            tok, lp, act, logits, state, done, budget = _decode_rows(p, logits, state, done, budget, sub, cfg, opts,
+                                                                     sp, mesh)
+            steps.append((tok, lp, act))
+            pos += 1
+        T, L, A = (np.asarray(jnp.stack(x, 0)) for x in zip(*steps))
+        D = np.asarray(done)
+        for r in range(batch):
+            if item[r] is None:
+                continue
+            got = A[:, r]
+            turn_t[r] += T[got, r].tolist()
+            turn_l[r] += L[got, r].tolist()
+            if not D[r]:
+                continue
+            f, toks = item[r], turn_t[r]
+            f.turns.append((toks, turn_l[r], "stop" if toks and toks[-1] in stop_ids else "length"))
+            seq[r] = seq[r] + toks
+            turn_t[r], turn_l[r] = [], []
+            more = next_turn(f.index, f.turns) if next_turn is not None else None
+            if more:
+                feed[r] = list(more)
+            else:
+                item[r] = None
+                yield f
 
 
 # --------------------------------------------------------------------------- CLI

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from nemo_jax import model as M
-from nemo_jax.generate import SamplingParams, append, generate, prefill, sample_token, sampling_logprobs
+from nemo_jax.generate import (SamplingParams, append, continuous_generate, generate, prefill, sample_token,
+                               sampling_logprobs)
 from nemo_jax.lora import attach
 
 from helpers import tiny_cfg
@@ -151,3 +152,50 @@ def test_generate_cli_streams_tokens(tmp_path, capsys):
 
     m = re.search(r"\[(\d+) tokens, finish: (stop|length)", err)
     assert m and 1 <= int(m.group(1)) <= 5, err
+
+
+CB_PROMPTS = [[5, 17, 3, 44, 9, 1, 2], [8, 2], [60, 61, 62, 63, 64], [11] * 12, [3, 4], [70, 71, 72]]
+MORE = [7, 7, 9]  # what the "environment" answers after a first turn, for the even-numbered prompts
+
+
+def _two_turns(i, turns):
+    return MORE if i % 2 == 0 and len(turns) == 1 else None
+
+
+@pytest.mark.parametrize("max_len", [256, 40])  # 40: the state fills up, conversations move to a fresh one
+def test_continuous_batching_equals_each_sequence_alone(setup, max_len):
+    """2 decode rows serving 6 two-turn or one-turn sequences (finished rows refilled in place, turns continued
+    in place or re-prefilled) give, greedy, exactly the tokens of each conversation generated on its own."""
+    cfg, params = setup
+    g0 = generate(params, CB_PROMPTS[:1], cfg, SamplingParams(max_new_tokens=6, temperature=0.0))
+    sp = SamplingParams(max_new_tokens=6, temperature=0.0, stop_token_ids=(g0.tokens[0][3],))
+    out = list(continuous_generate(params, CB_PROMPTS, cfg, sp, batch=2, max_len=max_len, next_turn=_two_turns,
+                                   bucket=8, check_every=3))
+    assert sorted(f.index for f in out) == list(range(len(CB_PROMPTS)))
+    reasons = set()
+    for f in out:
+        seq = list(CB_PROMPTS[f.index])
+        assert len(f.turns) == (2 if f.index % 2 == 0 else 1)
+        for k, (toks, lps, why) in enumerate(f.turns):
+            alone = generate(params, [seq], cfg, sp, bucket=8, max_len=64)
+            assert toks == alone.tokens[0] and why == alone.finish_reason[0], (f.index, k)
+            np.testing.assert_allclose(lps, alone.logprobs[0], atol=1e-4)
+            seq += toks + MORE
+            reasons.add(why)
+    assert reasons == {"stop", "length"}  # rows finished at different times
+
+
+def test_continuous_batching_sampled_logprobs_equal_full_forward(setup):
+    cfg, params = setup
+    sp = SamplingParams(max_new_tokens=5, temperature=0.8)
+    fwd = jax.jit(lambda p, t: M.forward(p, t, cfg)[0])  # causal: right padding to one length changes nothing before it
+    for f in continuous_generate(params, CB_PROMPTS, cfg, sp, batch=4, max_len=64, next_turn=_two_turns, bucket=8,
+                                 key=jax.random.key(5)):
+        seq = list(CB_PROMPTS[f.index])
+        for toks, lps, _ in f.turns:
+            lp = np.asarray(jax.nn.log_softmax(fwd(params, jnp.asarray([seq + toks + [0] * (40 - len(seq + toks))]))[0]
+                                               / 0.8, axis=-1))
+            np.testing.assert_allclose(lps, [lp[len(seq) - 1 + i, t] for i, t in enumerate(toks)], atol=1e-4)
+            seq += toks + MORE
+    with pytest.raises(ValueError, match="do not fit max_len"):
+        list(continuous_generate(params, [[1] * 30], cfg, sp, batch=2, max_len=32, bucket=8))
