@@ -4,10 +4,13 @@ model and weights (built by transformers, imported with `nemo_jax.hf`).
 
     python bench/sampler.py [--batch 16 --new-tokens 256 --min-prompt 16 --max-prompt 256 --iters 2]
 
-Prompts have mixed lengths (left-padded on both sides); sampling at temperature 1 with no stop token, so every
-row generates exactly --new-tokens tokens. Goal (issue 14): ours >= 2x transformers' tokens/s.
-Continuous batching (refilling finished rows) is not implemented yet: with no stop token every row runs to the end,
-so the figure here does not depend on it.
+Two workloads, prompts of mixed lengths (left-padded on both sides), temperature 1:
+* fixed length: --batch rows, no stop token, every row generates exactly --new-tokens tokens;
+* rollouts: --rollouts sequences, each ending at one of --stop-ids stop tokens (random lengths, capped at
+  --new-tokens), like RL rollouts. Ours streams them through --batch decode rows with continuous batching
+  (`continuous_generate`: a finished row is refilled at once); transformers generates them --batch at a time
+  (a batch runs until its longest row ends). Tokens/s counts the tokens of the rollouts (up to their stop).
+Goal (issue 14): ours >= 2x transformers' tokens/s.
 """
 
 import argparse
@@ -20,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nemo_jax.config.model import NemotronHConfig, parse_pattern
-from nemo_jax.generate import SamplingParams, generate
+from nemo_jax.generate import SamplingParams, continuous_generate, generate
 
 
 def bench_config() -> NemotronHConfig:
@@ -38,6 +41,8 @@ def main():
     ap.add_argument("--min-prompt", type=int, default=16)
     ap.add_argument("--max-prompt", type=int, default=256)
     ap.add_argument("--iters", type=int, default=2)
+    ap.add_argument("--rollouts", type=int, default=48)
+    ap.add_argument("--stop-ids", type=int, default=48, help="stop tokens among the vocabulary (sets the mean length)")
     a = ap.parse_args()
     import torch
     import transformers
@@ -92,7 +97,54 @@ def main():
         {"impl": "transformers generate (cache)", "s": f"{t_hf:.2f}", "tokens/s": f"{n_tokens / t_hf:,.0f}",
          "first call s (compile)": "-"},
     ])
-    print(f"ours / transformers tokens/s: {t_hf / t_ours:.2f}x (goal >= 2x)")
+    print(f"fixed length: ours / transformers tokens/s: {t_hf / t_ours:.2f}x (goal >= 2x)")
+
+    # ---- rollouts ending at stop tokens: continuous batching vs batch-at-a-time
+    lens2 = rng.integers(a.min_prompt, a.max_prompt + 1, a.rollouts)
+    many = [rng.integers(200, cfg.vocab_size, n).tolist() for n in lens2]  # prompts avoid the stop ids
+    stops = tuple(range(100, 100 + a.stop_ids))
+    sp2 = SamplingParams(max_new_tokens=a.new_tokens, temperature=1.0, stop_token_ids=stops)
+    max_len = 4 * (-(-a.max_prompt // 32) * 32 + a.new_tokens)
+
+    def ours_stream(key):
+        out = list(continuous_generate(params, many, cfg, sp2, batch=a.batch, max_len=max_len, key=key, bucket=32))
+        return sum(len(f.turns[0][0]) for f in out)
+
+    ours_stream(jax.random.key(0))  # compiles
+    t0 = time.perf_counter()
+    n_ours = ours_stream(jax.random.key(1))
+    t_stream = time.perf_counter() - t0
+
+    def theirs_batches():
+        n = 0
+        for s in range(0, a.rollouts, a.batch):
+            chunk = many[s:s + a.batch]
+            w = max(map(len, chunk))
+            ids = torch.zeros((len(chunk), w), dtype=torch.long)
+            mask = torch.zeros((len(chunk), w), dtype=torch.long)
+            for i, p in enumerate(chunk):
+                ids[i, w - len(p):] = torch.tensor(p)
+                mask[i, w - len(p):] = 1
+            with torch.no_grad():
+                out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=a.new_tokens, do_sample=True,
+                                  temperature=1.0, top_k=0, top_p=1.0, use_cache=True, pad_token_id=0,
+                                  eos_token_id=list(stops))
+            for row in out[:, w:].tolist():  # tokens up to and including the first stop
+                hit = [j for j, t in enumerate(row) if t in stops]
+                n += hit[0] + 1 if hit else len(row)
+        return n
+
+    t0 = time.perf_counter()
+    n_hf = theirs_batches()
+    t_hf2 = time.perf_counter() - t0
+    print(f"\nrollouts: {a.rollouts} prompts, {a.batch} rows, stop at any of {a.stop_ids} tokens or {a.new_tokens} "
+          f"new tokens (mean rollout: ours {n_ours / a.rollouts:.0f}, transformers {n_hf / a.rollouts:.0f} tokens)")
+    common.table([
+        {"impl": "nemo_jax continuous_generate (rows refilled)", "s": f"{t_stream:.2f}",
+         "tokens/s": f"{n_ours / t_stream:,.0f}"},
+        {"impl": f"transformers generate, {a.batch} at a time", "s": f"{t_hf2:.2f}", "tokens/s": f"{n_hf / t_hf2:,.0f}"},
+    ])
+    print(f"rollouts: ours / transformers tokens/s: {(n_ours / t_stream) / (n_hf / t_hf2):.2f}x (goal >= 2x)")
 
 
 if __name__ == "__main__":

@@ -287,3 +287,24 @@ def test_inbox_tools_checks_and_guardrails():
         assert env.score(t, leak).reward == 0.5 and not env.score(t, leak).success
     assert env.score(tasks[0], list(tasks[0].messages) + [{"role": "assistant", "content": "<tool_call>{oops"
                                                                                           "}</tool_call>"}]).reward == 0
+
+
+def test_streamed_rollouts_equal_the_turn_by_turn_sampler(tok, base, monkeypatch):
+    """Continuous batching (2 decode rows for 4 two-turn rollouts, conversations continued in their rows) gives,
+    greedy, the rollouts the plain turn-by-turn sampler gives."""
+    import nemo_jax.rl.producer as producer
+
+    client = TrainingClient(CFG, base, LCFG)
+    env = TwoTurns()
+    tasks = [(env.tasks("train")[0], "g0"), (env.tasks("train")[0], "g1")]
+    first = sample_rollouts(client.sample, tok, CFG, env, tasks[:1], 1, 6, 0.0, jax.random.key(0), (1,))[0]
+    # a token greedy decoding emits early stands for the end of turn, so the user's follow-up turn happens
+    monkeypatch.setattr(producer, "stop_ids", lambda cfg, tok: (first.tokens[first.loss_mask.index(1) + 2],))
+    plain = sample_rollouts(client.sample, tok, CFG, env, tasks, 2, 6, 0.0, jax.random.key(0), (1,))
+    stream = lambda prompts, sp, key, next_turn: client.sample_stream(prompts, sp, key, batch=2, max_len=256,
+                                                                      next_turn=next_turn)
+    streamed = sample_rollouts(None, tok, CFG, env, tasks, 2, 6, 0.0, jax.random.key(0), (1,), stream=stream)
+    assert len(plain) == len(streamed) == 4 and {r.reward for r in plain} == {4.0}  # two turns each
+    for a, b in zip(plain, streamed):
+        assert (a.tokens, a.loss_mask, a.reward, a.group_id) == (b.tokens, b.loss_mask, b.reward, b.group_id)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)

@@ -124,6 +124,17 @@ class TrainingClient:
         return generate(self.base, prompts, self.cfg, sp, key=key, opts=self.opts, bucket=bucket,
                         adapters=self.state.params if adapters is None else adapters)
 
+    def sample_stream(self, prompts, sp, key=None, adapters=None, *, batch: int, max_len: int, next_turn=None,
+                      bucket: int = 32):
+        """Continuous batching (`nemo_jax.generate.continuous_generate`) with the current adapters (or `adapters`):
+        `batch` decode rows serve the iterable `prompts`, a finished row refilled with the next one; yields a
+        `Finished` (index, turns) per sequence; `next_turn(index, turns)` continues a conversation in place."""
+        from nemo_jax.generate import continuous_generate
+
+        return continuous_generate(self.base, prompts, self.cfg, sp, batch=batch, max_len=max_len,
+                                   next_turn=next_turn, key=key, opts=self.opts, bucket=bucket,
+                                   adapters=self.state.params if adapters is None else adapters)
+
     def publish(self, run_dir: str) -> int:
         """Write the adapters as RUN/policy/<version> (PEFT; the version counts optimiser steps) -> the version."""
         from nemo_jax.rl.spool import publish_policy

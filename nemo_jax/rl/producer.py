@@ -4,8 +4,12 @@ turn (tool results, the next user turn) until it is done, score, and hand the ro
 
 A rollout's token sequence is the whole conversation: prompt and environment turns (loss mask 0, rendered by the
 chat template: the text the template adds after the assistant's end-of-turn token, tokenised) and the sampled
-tokens (loss mask 1, exactly as sampled, with their logprobs). Each turn is one batched sample over the rows
-still going; a row that stops early waits for the batch (no continuous batching yet).
+tokens (loss mask 1, exactly as sampled, with their logprobs).
+
+Two samplers: `stream` (continuous batching, what the producer uses: a fixed number of decode rows, each
+conversation continuing in its row as the environment answers, a finished rollout's row refilled with the next
+at once) and the plain `sample` (each turn one batched `generate` over the rows still going: a row that stops
+early waits for the batch), which the tests compare it with.
 """
 
 from __future__ import annotations
@@ -43,10 +47,31 @@ def _turn_delta(tok, history: list[dict], follow: list[dict]) -> str:
     return after[cut:]
 
 
+def _take_turn(tok, env, r: dict, turn: int, new: list[int], lps: list[float], why: str) -> list[int] | None:
+    """Record a sampled assistant turn of rollout row `r`; the environment answers -> the tokens that continue
+    the conversation (its messages and the next generation prompt), or None when the rollout is done."""
+    r["tokens"] += new
+    r["mask"] += [1] * len(new)
+    r["lps"] += lps
+    r["history"].append({"role": "assistant", "content": tok.tokenizer.decode(new, skip_special_tokens=True)})
+    follow = None if why != "stop" else env.respond(r["task"], r["history"])
+    if not follow or turn + 1 == getattr(env, "max_turns", 1):
+        r["done"] = True
+        return None
+    extra = _encode(tok, _turn_delta(tok, r["history"], follow))
+    r["history"] += follow
+    r["tokens"] += extra
+    r["mask"] += [0] * len(extra)
+    r["lps"] += [0.0] * len(extra)
+    return extra
+
+
 def sample_rollouts(sample, tok, cfg, env: Environment, tasks: list[tuple[Task, str]], group_size: int,
-                    max_new_tokens: int, temperature: float, key, versions: tuple[int, ...]) -> list[Rollout]:
-    """tasks: (task, group id) pairs -> group_size scored rollouts per task. sample(prompts, sp, key) ->
-    Generation (e.g. TrainingClient.sample with an adapter snapshot); versions: the policy version(s) sampling."""
+                    max_new_tokens: int, temperature: float, key, versions: tuple[int, ...], stream=None) -> list[Rollout]:
+    """tasks: (task, group id) pairs -> group_size scored rollouts per task. versions: the policy version(s)
+    sampling. With `stream(prompts, sp, key, next_turn)` (e.g. TrainingClient.sample_stream with an adapter
+    snapshot and its rows) the rollouts go through continuous batching; else each turn is one
+    `sample(prompts, sp, key)` -> Generation over the rollouts still going."""
     sp = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=stop_ids(cfg, tok))
     rows = []
     for task, gid in tasks:
@@ -54,26 +79,21 @@ def sample_rollouts(sample, tok, cfg, env: Environment, tasks: list[tuple[Task, 
         for _ in range(group_size):
             rows.append({"task": task, "gid": gid, "history": list(task.messages), "tokens": list(ids),
                          "mask": [0] * len(ids), "lps": [0.0] * len(ids), "done": False})
-    for turn in range(max(1, getattr(env, "max_turns", 1))):
+    if stream is not None:
+        def next_turn(i, turns):
+            new, lps, why = turns[-1]
+            return _take_turn(tok, env, rows[i], len(turns) - 1, new, lps, why)
+
+        for _ in stream([list(r["tokens"]) for r in rows], sp, key, next_turn):
+            pass
+    for turn in range(max(1, getattr(env, "max_turns", 1)) if stream is None else 0):
         live = [r for r in rows if not r["done"]]
         if not live:
             break
         key, sub = jax.random.split(key)
         g = sample([r["tokens"] for r in live], sp, sub)
         for r, new, lps, why in zip(live, g.tokens, g.logprobs, g.finish_reason):
-            r["tokens"] += new
-            r["mask"] += [1] * len(new)
-            r["lps"] += lps
-            r["history"].append({"role": "assistant", "content": tok.tokenizer.decode(new, skip_special_tokens=True)})
-            follow = None if why != "stop" else env.respond(r["task"], r["history"])
-            if not follow or turn + 1 == getattr(env, "max_turns", 1):
-                r["done"] = True
-                continue
-            extra = _encode(tok, _turn_delta(tok, r["history"], follow))
-            r["history"] += follow
-            r["tokens"] += extra
-            r["mask"] += [0] * len(extra)
-            r["lps"] += [0.0] * len(extra)
+            _take_turn(tok, env, r, turn, new, lps, why)
     out = []
     for r in rows:
         s = env.score(r["task"], r["history"])
@@ -119,9 +139,15 @@ class ThreadProducer:
             version, adapters = self.snapshot
         self.key, sub = jax.random.split(self.key)
         t0 = time.perf_counter()
-        rollouts = sample_rollouts(lambda p, sp, k: self.client.sample(p, sp, k, adapters=adapters), self.tok,
-                                   self.client.cfg, self.env, tasks, self.r.group_size, self.r.max_new_tokens,
-                                   self.temperature, sub, (version,))
+        rows = self.r.sampler_rows or want * self.r.group_size
+        positions = self.r.sampler_positions or 4 * (self.r.seq_len + self.r.max_new_tokens)
+
+        def stream(prompts, sp, key, next_turn):  # continuous batching over `rows` decode rows
+            return self.client.sample_stream(prompts, sp, key, adapters=adapters, batch=rows, max_len=positions,
+                                             next_turn=next_turn)
+
+        rollouts = sample_rollouts(None, self.tok, self.client.cfg, self.env, tasks, self.r.group_size,
+                                   self.r.max_new_tokens, self.temperature, sub, (version,), stream=stream)
         self.busy_s += time.perf_counter() - t0
         with self.lock:
             for x in rollouts:
