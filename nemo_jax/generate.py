@@ -27,6 +27,7 @@ import numpy as np
 from nemo_jax.lora import attach
 from nemo_jax.model import model as M
 from nemo_jax.model.cache import DecodeState, init_decode_state, state_shardings
+from nemo_jax.model.attention import KVCache
 from nemo_jax.model.mamba2 import MambaState
 
 
@@ -280,6 +281,23 @@ def _empty_rows(state, rows, cfg, mesh=None):
     return _keep_sharded(state._replace(mamba=mamba, valid=state.valid & keep[:, None]), cfg, mesh)
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "opts", "mesh"), donate_argnames=("state",))
+def _append_rows(params, tokens, valid, state, rows, cfg, opts, mesh=None):
+    """Append a chunk [k, n] to rows `rows` [k] of a [b]-row state only: their state is gathered, run and
+    scattered back, so refilling one row costs one row's prefill, not the batch's. -> (logits [k, V], state)."""
+    take = lambda x, axis: jnp.take(x, rows, axis=axis)
+    sub = DecodeState(None if state.mamba is None else MambaState(take(state.mamba.conv, 1), take(state.mamba.ssm, 1)),
+                      None if state.kv is None else KVCache(take(state.kv.k, 1), take(state.kv.v, 1)),
+                      take(state.valid, 0), state.pos)
+    logits, sub = M.forward_cached(params, tokens, valid, sub, cfg, opts=opts, positions="last")
+    put = lambda x, y: x.at[:, rows].set(y)
+    state = DecodeState(
+        None if state.mamba is None else MambaState(put(state.mamba.conv, sub.mamba.conv), put(state.mamba.ssm, sub.mamba.ssm)),
+        None if state.kv is None else KVCache(put(state.kv.k, sub.kv.k), put(state.kv.v, sub.kv.v)),
+        state.valid.at[rows].set(sub.valid), sub.pos)
+    return logits[:, 0], _keep_sharded(state, cfg, mesh)
+
+
 @jax.jit
 def _merge_fed(fed, new_logits, logits, done, budget, max_new):
     """Rows `fed` just had tokens appended: their logits are the new ones, they decode again with a full budget."""
@@ -364,8 +382,16 @@ def continuous_generate(params, prompts, cfg, sp: SamplingParams, *, batch: int,
             if fresh:
                 state = _empty_rows(state, _rows_on(jnp.asarray(np.isin(np.arange(batch), fresh)), mesh), cfg, mesh)
             fed = _rows_on(jnp.asarray(np.isin(np.arange(batch), list(feed))), mesh)
-            new_logits, state = _run_chunk(p, [feed.get(r, []) for r in range(batch)], state, cfg, opts, None, 0,
-                                           width)
+            k = min(batch, 1 << (len(feed) - 1).bit_length())  # rows run: the fed ones, padded to a power of 2
+            if k < batch:  # + rows appending nothing (their state comes back unchanged)
+                rows = sorted(feed) + [r for r in range(batch) if r not in feed][:k - len(feed)]
+                toks, valid = left_pad([feed.get(r, []) for r in rows], 0, width)
+                sub_logits, state = _append_rows(p, _rows_on(toks, mesh), _rows_on(valid, mesh), state,
+                                                 jnp.asarray(rows, jnp.int32), cfg, opts, mesh)
+                new_logits = logits.at[jnp.asarray(rows, jnp.int32)].set(sub_logits)
+            else:
+                new_logits, state = _run_chunk(p, [feed.get(r, []) for r in range(batch)], state, cfg, opts, None, 0,
+                                               width)
             logits, done, budget = _merge_fed(fed, new_logits, logits, done, budget, sp.max_new_tokens)
             pos += width
             for r, toks in feed.items():
