@@ -377,6 +377,8 @@ def shared_atomic_dir(path: str, tag: str, timeout_s: float = 3600.0):
     me, _ = process()
     path = os.path.abspath(os.fspath(path))
     tmp = f"{path}.tmp-{tag}"
+    _STATE["outputs"] = _STATE.get("outputs", 0) + 1  # every process writes its outputs in the same order:
+    tag = f"{tag} #{_STATE['outputs']}"  # a fresh set of barrier names per output
     if me == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
