@@ -1,7 +1,7 @@
 """Full SFT vs LoRA SFT (rank 16, every target kind) on the train-step bench config, side by side in one run:
 step time and compiled memory per step (arguments + temporaries, from XLA's memory analysis).
 
-    python bench/lora_step.py [--seq 1024 --batch 1 --rank 16 --warmup 2 --iters 5]
+    python bench/lora_step.py [--seq 1024 --batch 1 --rank 16 --remat none,layer --warmup 2 --iters 5]
 
 Both use the trainer's own step (`nemo_jax.train.step.make_train_step`: forward, backward, clipping, AdamW with
 the decay mask); LoRA differentiates only the adapters (the base is a frozen argument, held in fp32 or in
@@ -37,7 +37,8 @@ def main():
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--remat", default="none", help="remat policy for both runs: none | layer | save_matmuls")
+    ap.add_argument("--remat", default="none,layer",
+                    help="remat policies to compare under (comma-separated): none | layer | save_matmuls")
     a = ap.parse_args()
     cfg = bench_config()
     B, T = a.batch, a.seq
@@ -51,37 +52,39 @@ def main():
     lcfg = LoraConfig(targets=("all",), rank=a.rank, alpha=2.0 * a.rank)
     adapters = init_adapters(cfg, lcfg)
     z = lambda: jnp.zeros((), jnp.int32)  # noqa: E731
-    rows = []
-    results = {}
-    for name, trainable, frozen, combine in (
-            ("full SFT", jax.tree.map(jnp.copy, params), None, None),  # donated: keep `params` for LoRA
-            (f"LoRA r{a.rank} (all targets), fp32 base", adapters, params, lambda ad, base: attach(base, ad)),
-            (f"LoRA r{a.rank} (all targets), bf16 base", jax.tree.map(jnp.copy, adapters), base_bf16,
-             lambda ad, base: attach(base, ad))):
-        tx, sched = make_optimizer(o, trainable, 100)
-        state = TrainState(trainable, tx.init(trainable), z(), z(), z(), jax.random.key_data(jax.random.key(1)))
-        step = make_train_step(cfg, Options(remat=a.remat), tx, sched, o, 1, combine)
-        fn, mem = compiled(step, state, batch, frozen)
-        holder = [state]
+    rows, ratios = [], []
+    for remat in a.remat.split(","):
+        results = {}
+        for name, trainable, frozen, combine in (
+                ("full SFT", jax.tree.map(jnp.copy, params), None, None),  # donated: keep `params` for LoRA
+                (f"LoRA r{a.rank} (all targets), fp32 base", jax.tree.map(jnp.copy, adapters), params,
+                 lambda ad, base: attach(base, ad)),
+                (f"LoRA r{a.rank} (all targets), bf16 base", jax.tree.map(jnp.copy, adapters), base_bf16,
+                 lambda ad, base: attach(base, ad))):
+            tx, sched = make_optimizer(o, trainable, 100)
+            state = TrainState(trainable, tx.init(trainable), z(), z(), z(), jax.random.key_data(jax.random.key(1)))
+            step = make_train_step(cfg, Options(remat=remat), tx, sched, o, 1, combine)
+            fn, mem = compiled(step, state, batch, frozen)
+            holder = [state]
 
-        def run(fn=fn, holder=holder, frozen=frozen):
-            s, m = fn(holder[0], batch, frozen)
-            jax.block_until_ready(m["loss"])
-            holder[0] = s
+            def run(fn=fn, holder=holder, frozen=frozen):
+                s, m = fn(holder[0], batch, frozen)
+                jax.block_until_ready(m["loss"])
+                holder[0] = s
 
-        t, _ = timed(run, a.warmup, a.iters)
-        n_train = sum(x.size for x in jax.tree.leaves(trainable))
-        results[name] = (t, mem)
-        rows.append({"run": name, "trained params": f"{n_train / 1e6:.2f} M", "step s": f"{t:.3f}",
-                     "args": common.mib(mem["args"]), "temps": common.mib(mem["temp"]),
-                     "args + temps": common.mib(mem["total"])})
-    (tf, mf), *lora_runs = results.values()
-    print(f"train step, {count_params(cfg) / 1e6:.1f}M params, pattern {cfg.pattern}, batch {B} x seq {T}, fp32, remat {a.remat}, "
+            t, _ = timed(run, a.warmup, a.iters)
+            n_train = sum(x.size for x in jax.tree.leaves(trainable))
+            results[name] = (t, mem)
+            rows.append({"remat": remat, "run": name, "trained params": f"{n_train / 1e6:.2f} M",
+                         "step s": f"{t:.3f}", "args": common.mib(mem["args"]), "temps": common.mib(mem["temp"]),
+                         "args + temps": common.mib(mem["total"])})
+        (tf, mf), *_ = results.values()
+        ratios += [f"remat {remat}, {name} / full: time {tl / tf:.2f}x (goal <= 0.8x), memory "
+                   f"{ml['total'] / mf['total']:.2f}x (goal <= 0.5x)" for name, (tl, ml) in list(results.items())[1:]]
+    print(f"train step, {count_params(cfg) / 1e6:.1f}M params, pattern {cfg.pattern}, batch {B} x seq {T}, fp32, "
           f"{jax.devices()[0].device_kind}")
     common.table(rows)
-    for name, (tl, ml) in list(results.items())[1:]:
-        print(f"{name} / full: time {tl / tf:.2f}x (goal <= 0.8x), memory {ml['total'] / mf['total']:.2f}x "
-              "(goal <= 0.5x)")
+    print("\n".join(ratios))
 
 
 if __name__ == "__main__":

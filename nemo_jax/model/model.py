@@ -111,7 +111,7 @@ def apply_layer(kind: str, p: dict, h: jax.Array, ctx: _Ctx, cache=None):
         mask = ctx.valid if ctx.valid is not None else (None if ctx.segment_ids is None else ctx.segment_ids > 0)
         y, aux = moe_lib.moe(p["mixer"], u, cfg, dtype, dispatch=ctx.opts.moe_dispatch,
                              capacity_factor=ctx.opts.capacity_factor, token_mask=mask, mesh=ctx.opts.mesh,
-                             ep_capacity=ctx.opts.ep_capacity)
+                             ep_capacity=ctx.opts.ep_capacity, unroll=not ctx.opts.scan)
     else:
         raise ValueError(f"unknown layer kind {kind!r}")
     return pin_batch((h + y.astype(h.dtype)).astype(h.dtype), ctx.opts.mesh), new, aux

@@ -3,8 +3,9 @@ shared expert, optional latent projections.
 
 Dispatch paths (all give the same values when nothing is dropped):
 * "sorted" (default, dropless): token-slots sorted by expert into blocks of `bs` slots, each block owned by
-  one expert, then one batched matmul over blocks. Padding is at most E*(bs-1) slots, and bs is chosen
-  as n_slots / (2E), so compiled FLOPs stay <= 1.5x the useful expert FLOPs.
+  one expert, then batched matmuls over blocks, in ceil(n_blocks / E) steps of <= E blocks (so the
+  per-block weights live at a time never exceed one copy of the expert weights). Padding is at most E*(bs-1) slots, and
+  bs is chosen as n_slots / (2E), so compiled FLOPs stay <= 1.5x the useful expert FLOPs.
 * "capacity": per-expert buffers of `ceil(cf * n_slots / E)` slots; overflow is dropped and counted.
 * "ragged": `jax.lax.ragged_dot` on the sorted slots (native grouped GEMM on TPU; XLA on CPU and on GPU
   without the cuDNN grouped-GEMM fusion lowers it to dense work over all experts).
@@ -17,11 +18,13 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from nemo_jax.model.layers import linear, mlp, relu2
 from nemo_jax.parallel.mesh import BATCH_AXES, gather_shards, pin_batch, row_shards
 
 DISPATCHES = ("sorted", "capacity", "ragged", "dense")
+BLOCK_UP = "moe_block_up"  # checkpoint name of the experts' up-projection output: all their backward saves
 
 
 def route(p_gate: dict, x: jax.Array, cfg, mesh=None):
@@ -111,12 +114,38 @@ def _lora_einsum(eq: str, x, w, lora, dtype, take=None):
 
 def _experts_mlp(eq_up: str, eq_down: str, x, pe: dict, dtype, take=None):
     """relu^2 experts on per-expert buffers: down(relu(up(x))**2), each with its optional LoRA."""
-    h = relu2(_lora_einsum(eq_up, x, pe["up_proj"], pe.get("up_proj_lora"), dtype, take).astype(dtype))
+    u = checkpoint_name(_lora_einsum(eq_up, x, pe["up_proj"], pe.get("up_proj_lora"), dtype, take), BLOCK_UP)
+    h = relu2(u.astype(dtype))
     return _lora_einsum(eq_down, h, pe["down_proj"], pe.get("down_proj_lora"), dtype, take)
 
 
+def _block_steps(xb, pe: dict, dtype, block_expert, unroll: bool = False):
+    """The sorted dispatch's experts over blocks xb [nb, bs, D], block g owned by expert block_expert[g].
+
+    Each block needs its expert's weights: gathered for all nb blocks at once they are nb / E (~3) copies of
+    the expert weights, live in the forward and again in the backward. Here the blocks run in
+    ceil(nb / E) steps of G <= E blocks (a scan: one copy of the expert weights live at a time; `unroll`:
+    the loop-free reference), and the backward saves only each step's up-projection output (BLOCK_UP): it
+    re-gathers the weights and recomputes relu^2 and the adapters' rank-r products. Padding blocks (zero
+    inputs, the last expert) give zero outputs. -> yb [nb, bs, D] fp32."""
+    E, nb = pe["up_proj"].shape[0], xb.shape[0]
+    steps = -(-nb // E)
+    G = -(-nb // steps)
+    pad = steps * G - nb
+    xs = jnp.pad(xb, ((0, pad), (0, 0), (0, 0))).reshape(steps, G, *xb.shape[1:])
+    owners = jnp.pad(block_expert, (0, pad), constant_values=E - 1).reshape(steps, G)
+
+    def step(_, x_owner):
+        x, owner = x_owner
+        return None, _experts_mlp("gbd,gdi->gbi", "gbi,gid->gbd", x, pe, dtype, owner)
+
+    step = jax.checkpoint(step, policy=jax.checkpoint_policies.save_only_these_names(BLOCK_UP))
+    _, ys = jax.lax.scan(step, None, (xs, owners), unroll=unroll)
+    return ys.reshape(steps * G, *ys.shape[2:])[:nb]
+
+
 def _buffered_experts(pe, x, w, idx, E: int, dtype, dispatch: str, capacity_factor: float, valid=None,
-                      max_slots: int | None = None):
+                      max_slots: int | None = None, unroll: bool = False):
     """Sorted / capacity dispatch over E local experts (pe: up_proj/down_proj [E, ...] in `dtype`, optional
     `*_lora`). -> (y [T, Din] dtype, dropped slots among valid ones)."""
     T, k = idx.shape
@@ -129,8 +158,10 @@ def _buffered_experts(pe, x, w, idx, E: int, dtype, dispatch: str, capacity_fact
     src = jnp.full((nb * bs,), T, jnp.int32).at[dest].set(tok.astype(jnp.int32), mode="drop")
     buf = jnp.take(jnp.pad(x, ((0, 1), (0, 0))), src, axis=0, mode="clip")  # row T: zeros (empty slots)
     xb = buf.reshape(nb, bs, -1)
-    take = None if dispatch == "capacity" else block_expert
-    yb = _experts_mlp("gbd,gdi->gbi", "gbi,gid->gbd", xb, pe, dtype, take)
+    if dispatch == "capacity":
+        yb = _experts_mlp("gbd,gdi->gbi", "gbi,gid->gbd", xb, pe, dtype)
+    else:
+        yb = _block_steps(xb, pe, dtype, block_expert, unroll)
     # and adds its weighted output back to that token: buffer-sized, never [T * k, Din]
     slot = jnp.full((nb * bs,), T * k, jnp.int32).at[dest].set(jnp.arange(T * k, dtype=jnp.int32), mode="drop")
     wb = jnp.take(jnp.pad(w.reshape(-1), (0, 1)), slot, mode="clip")  # 0 for empty slots
@@ -140,7 +171,7 @@ def _buffered_experts(pe, x, w, idx, E: int, dtype, dispatch: str, capacity_fact
 
 
 def experts_forward(pe: dict, x: jax.Array, w: jax.Array, idx: jax.Array, cfg, dtype, dispatch: str = "sorted",
-                    capacity_factor: float = 1.25, mesh=None, ep_capacity: float = 0.0):
+                    capacity_factor: float = 1.25, mesh=None, ep_capacity: float = 0.0, unroll: bool = False):
     """Routed experts. x [T, Din], w/idx [T, k] -> (y [T, Din], dropped slots).
 
     On a mesh a sorted/capacity dispatch runs per device inside `shard_map` (`_expert_parallel`): over the
@@ -152,7 +183,7 @@ def experts_forward(pe: dict, x: jax.Array, w: jax.Array, idx: jax.Array, cfg, d
     if dispatch not in DISPATCHES:
         raise ValueError(f"unknown MoE dispatch {dispatch!r}; expected one of {DISPATCHES}")
     if mesh is not None and mesh.size > 1 and dispatch in ("sorted", "capacity"):
-        out = _expert_parallel(pe, x, w, idx, cfg, dtype, dispatch, capacity_factor, mesh, ep_capacity)
+        out = _expert_parallel(pe, x, w, idx, cfg, dtype, dispatch, capacity_factor, mesh, ep_capacity, unroll)
         if out is not None:
             return out
     pe = _cast_experts(pe, dtype)
@@ -170,7 +201,7 @@ def experts_forward(pe: dict, x: jax.Array, w: jax.Array, idx: jax.Array, cfg, d
         ys = _ragged_lora(h, pe["down_proj"], pe.get("down_proj_lora"), counts, dtype)
         y_slots = jnp.zeros_like(ys).at[order].set(ys)
         return jnp.sum(y_slots.reshape(T, k, -1) * w[..., None], axis=1).astype(dtype), jnp.zeros((), jnp.int32)
-    return _buffered_experts(pe, x, w, idx, E, dtype, dispatch, capacity_factor)
+    return _buffered_experts(pe, x, w, idx, E, dtype, dispatch, capacity_factor, unroll=unroll)
 
 
 def _cast_experts(pe: dict, dtype) -> dict:
@@ -188,7 +219,8 @@ def _ragged_lora(x, w, lora, counts, dtype):
     return y + lora["lora_scale"] * jax.lax.ragged_dot(xa, lora["lora_b"], counts, preferred_element_type=jnp.float32)
 
 
-def _expert_parallel(pe, x, w, idx, cfg, dtype, dispatch, capacity_factor, mesh, ep_capacity: float = 0.0):
+def _expert_parallel(pe, x, w, idx, cfg, dtype, dispatch, capacity_factor, mesh, ep_capacity: float = 0.0,
+                     unroll: bool = False):
     """Expert parallelism by all-gather / reduce-scatter inside shard_map.
 
     Tokens are sharded over the batch axes (data, fsdp, expert); routed experts over `expert`. Each device
@@ -249,7 +281,7 @@ def _expert_parallel(pe, x, w, idx, cfg, dtype, dispatch, capacity_factor, mesh,
         n = ig.shape[0] * ig.shape[1]
         cap = math.ceil(ep_capacity * n / ep) if ep_capacity > 0 and dispatch == "sorted" else None
         y, dropped = _buffered_experts(_cast_experts(pe, dtype), xg.astype(dtype), wg,
-                                       jnp.clip(li, 0, El - 1), El, dtype, dispatch, cf, valid, cap)
+                                       jnp.clip(li, 0, El - 1), El, dtype, dispatch, cf, valid, cap, unroll)
         y = jax.lax.psum_scatter(y.astype(jnp.float32), "expert", scatter_dimension=0, tiled=True)
         return y.astype(dtype), jax.lax.psum(dropped, tuple(mesh.axis_names))
 
@@ -259,16 +291,18 @@ def _expert_parallel(pe, x, w, idx, cfg, dtype, dispatch, capacity_factor, mesh,
 
 
 def moe(p: dict, u: jax.Array, cfg, dtype, *, dispatch: str = "sorted", capacity_factor: float = 1.25,
-        token_mask=None, mesh=None, ep_capacity: float = 0.0):
+        token_mask=None, mesh=None, ep_capacity: float = 0.0, unroll: bool = False):
     """u [b, l, D] -> (out [b, l, D], aux) with aux = {aux_loss, load [E] (slot counts), dropped}.
 
-    `token_mask` [b, l] (optional) excludes padding from the balance statistics.
+    `token_mask` [b, l] (optional) excludes padding from the balance statistics; `unroll` runs the sorted
+    dispatch's block steps without a loop (the unrolled reference).
     """
     b, l, D = u.shape
     x = u.reshape(b * l, D)
     w, idx, scores = route(p["gate"], x, cfg, mesh)
     xin = linear(x, p["fc1_latent_proj"], dtype) if cfg.moe_latent_size else x
-    y, dropped = experts_forward(p["experts"], xin, w, idx, cfg, dtype, dispatch, capacity_factor, mesh, ep_capacity)
+    y, dropped = experts_forward(p["experts"], xin, w, idx, cfg, dtype, dispatch, capacity_factor, mesh, ep_capacity,
+                                 unroll)
     if cfg.moe_latent_size:
         y = linear(y, p["fc2_latent_proj"], dtype)
     if cfg.n_shared_experts:
