@@ -441,7 +441,8 @@ def cli_generate(a):
     if getattr(a, "mesh", None):
         from nemo_jax.parallel.mesh import make_mesh, read_mesh_sizes
 
-        mesh = make_mesh(read_mesh_sizes(a.mesh))
+        sizes = read_mesh_sizes(a.mesh)
+        mesh = make_mesh(sizes, devices_per_node=sizes.pop("devices_per_node", 0))
     cfg, params, tok_dir = load_for_generation(a.ckpt, mesh=mesh, dtype=jnp.float32)
     tok = ChatTokenizer.load(a.tokenizer or tok_dir)
     if a.no_chat_template:

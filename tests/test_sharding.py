@@ -5,6 +5,8 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
 from nemo_jax.model import Options
 from nemo_jax.model.spec import abstract_params, param_specs
@@ -54,3 +56,28 @@ def test_embedding_and_expert_parallel_moe_never_gather_the_global_batch():
     act = re.compile(rf"^(f32|bf16)\[({B},{T}|{B * T}),\d+\]")  # [B, T, *] or flattened [B*T, *]
     found = [c for c in collectives(compiled_grad_hlo(cfg, mesh, B, T, pin=True)) if act.match(c[0])]
     assert not found, found
+
+
+def _groups(mesh, axis):
+    """The device-id groups that communicate over `axis` (all other coordinates fixed)."""
+    arr = np.vectorize(lambda d: d.id)(mesh.devices)
+    moved = np.moveaxis(arr, mesh.axis_names.index(axis), -1)
+    return [list(g) for g in moved.reshape(-1, mesh.shape[axis])]
+
+
+def test_meshes_keep_tensor_and_expert_inside_a_node():
+    devs = jax.devices()
+    # one node (a single process): the devices in order, as before
+    flat = make_mesh({"fsdp": 2, "tensor": 2, "expert": 2}, devs)
+    assert [d.id for d in flat.devices.reshape(-1)] == [d.id for d in devs]
+    # two simulated nodes of 4: tensor (2) and then expert (2 of its 4) fill a node, the rest spans nodes
+    m = make_mesh({"tensor": 2, "expert": 4}, devs, devices_per_node=4)
+    node = lambda i: i // 4  # noqa: E731
+    assert all(len({node(i) for i in g}) == 1 for g in _groups(m, "tensor"))
+    assert all(len({node(i) for i in g}) == 2 for g in _groups(m, "expert"))
+    m = make_mesh({"data": 2, "fsdp": 2, "tensor": 2}, devs, devices_per_node=2)
+    assert all(len({i // 2 for i in g}) == 1 for g in _groups(m, "tensor"))
+    assert all(len({i // 2 for i in g}) == 2 for g in _groups(m, "fsdp") + _groups(m, "data"))
+    assert sorted(d.id for d in m.devices.reshape(-1)) == list(range(8))
+    with pytest.raises(ValueError, match="devices_per_node=3"):
+        make_mesh({"fsdp": 8}, devs, devices_per_node=3)

@@ -46,8 +46,8 @@ def read_mesh_sizes(spec: str) -> dict:
     else:
         raise FileNotFoundError(f"--mesh {spec!r}: neither a preset file nor sizes like fsdp=8,tensor=2")
     for k, v in sizes.items():
-        if k not in MESH_AXES:
-            raise ValueError(f"--mesh {spec}: unknown axis {k!r} (axes: {', '.join(MESH_AXES)})")
+        if k not in MESH_AXES + ("devices_per_node",):
+            raise ValueError(f"--mesh {spec}: unknown axis {k!r} (axes: {', '.join(MESH_AXES)}; or devices_per_node)")
         try:
             sizes[k] = int(v)
         except (TypeError, ValueError):
@@ -55,11 +55,61 @@ def read_mesh_sizes(spec: str) -> dict:
     return sizes
 
 
-def make_mesh(sizes: dict, devices=None) -> Mesh:
+# Axes placed inside a node first (its fast links: NVLink, a TPU slice's ICI), the heaviest traffic first:
+# tensor (an all-reduce per layer), expert (token exchange per MoE layer), then fsdp, then data.
+NODE_ORDER = ("tensor", "expert", "fsdp", "data")
+
+
+def nodes_of(devices: list, devices_per_node: int = 0) -> list[list]:
+    """The devices grouped into nodes, in order. devices_per_node > 0: consecutive groups of that many (a
+    simulated cluster); 0: one node per TPU slice (`slice_index`), else per process (one process per host,
+    as the launchers in launch/ start them)."""
+    if devices_per_node > 0:
+        if len(devices) % devices_per_node:
+            raise ValueError(f"mesh.devices_per_node={devices_per_node} does not divide the {len(devices)} devices")
+        return [devices[i:i + devices_per_node] for i in range(0, len(devices), devices_per_node)]
+    groups: dict = {}
+    for d in devices:
+        key = getattr(d, "slice_index", None)
+        groups.setdefault(d.process_index if key is None else key, []).append(d)
+    nodes = list(groups.values())
+    if len({len(n) for n in nodes}) > 1:
+        raise ValueError(f"mesh: nodes hold different device counts {[len(n) for n in nodes]}; set "
+                         "mesh.devices_per_node")
+    return nodes
+
+
+def node_split(sizes: dict, per_node: int) -> dict:
+    """{axis: how many of its devices share a node}, filling a node in NODE_ORDER (each axis takes the largest
+    part of its size that still fits): e.g. tensor=2, expert=4, fsdp=8 on 8-device nodes -> tensor and expert
+    whole inside a node, fsdp across 4 nodes."""
+    inner, room = {}, per_node
+    for a in NODE_ORDER:
+        inner[a] = math.gcd(sizes[a], room)
+        room //= inner[a]
+    if room != 1:
+        raise ValueError(f"mesh: sizes {sizes} cannot fill nodes of {per_node} devices with whole axis blocks")
+    return inner
+
+
+def make_mesh(sizes: dict, devices=None, devices_per_node: int = 0) -> Mesh:
+    """A (data, fsdp, tensor, expert) mesh laid over the nodes (`nodes_of`): each axis is split into a part
+    inside a node (`node_split`) and a part across nodes, so tensor and expert groups stay on a node's fast
+    links and data/fsdp span nodes. Inside a node `mesh_utils.create_device_mesh` orders the devices (the
+    physical torus on TPU; device order elsewhere). One node (a single process): the devices in order."""
+    from jax.experimental import mesh_utils
+
     devices = list(devices if devices is not None else jax.devices())
     s = resolve_sizes(sizes, len(devices))
-    arr = np.asarray(devices).reshape([s[a] for a in MESH_AXES])
-    return Mesh(arr, MESH_AXES)
+    nodes = nodes_of(devices, devices_per_node)
+    inner = node_split(s, len(nodes[0]))
+    k = len(MESH_AXES)
+    grid = np.stack([mesh_utils.create_device_mesh([inner[a] for a in MESH_AXES], node,
+                                                   allow_split_physical_axes=True) for node in nodes])
+    # [nodes, *inner] -> [*outer, *inner] -> each axis = (its across-node part, its in-node part)
+    grid = grid.reshape([s[a] // inner[a] for a in MESH_AXES] + [inner[a] for a in MESH_AXES])
+    grid = grid.transpose([j for i in range(k) for j in (i, k + i)]).reshape([s[a] for a in MESH_AXES])
+    return Mesh(grid, MESH_AXES)
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:

@@ -125,6 +125,12 @@ def _devices(n: int):
     return devs[:n]
 
 
+def _per_node(c, kind: DeviceKind, n: int) -> int:
+    """Devices per simulated node for make_mesh: the config's mesh.devices_per_node, else the device kind's
+    node size when n fills whole nodes, else 0 (one node)."""
+    return c.mesh.devices_per_node or (kind.per_node if kind.per_node and n % kind.per_node == 0 else 0)
+
+
 def plan_sft(c, n_devices: int, kind: DeviceKind, headroom: float = 0.1) -> dict:
     """Compile the config's SFT (or LoRA SFT) step for n_devices simulated devices and report its figures."""
     from nemo_jax.parallel.mesh import make_mesh
@@ -133,7 +139,7 @@ def plan_sft(c, n_devices: int, kind: DeviceKind, headroom: float = 0.1) -> dict
     from nemo_jax.train.sft import step_program
 
     cfg = model_config(c)
-    mesh = make_mesh(c.mesh.sizes(), _devices(n_devices))
+    mesh = make_mesh(c.mesh.sizes(), _devices(n_devices), _per_node(c, kind, n_devices))
     prog = step_program(c, cfg, mesh, Rules())
     state, batch, frozen = prog.abstract_inputs(c.data.batch_size, c.data.seq_len)
     t0 = time.perf_counter()
@@ -164,7 +170,7 @@ def plan_sampler(c, n_devices: int, kind: DeviceKind, batch: int, context: int, 
     from nemo_jax.train.sft import options_from
 
     cfg = model_config(c)
-    mesh = make_mesh(c.mesh.sizes(), _devices(n_devices))
+    mesh = make_mesh(c.mesh.sizes(), _devices(n_devices), _per_node(c, kind, n_devices))
     opts = dataclasses.replace(options_from(c.model, mesh), remat="none")
     sh = param_shardings(param_specs(cfg), mesh, Rules())
     params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, opts.dtype, sharding=s), abstract_params(cfg), sh)

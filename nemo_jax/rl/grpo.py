@@ -68,7 +68,7 @@ class GRPORunner:
         check_logging(c.logging)
         self.c, self.quiet = c, quiet
         self.run_dir = os.path.abspath(c.run_dir or os.path.join("runs", c.name))
-        self.mesh = make_mesh(c.mesh.sizes(), devices)
+        self.mesh = make_mesh(c.mesh.sizes(), devices, c.mesh.devices_per_node)
         cfg, params = initial_params(c, self.mesh, Rules())
         if c.lora.base_dtype not in DTYPES:
             raise ValueError(f"lora.base_dtype: {c.lora.base_dtype!r} (expected one of {sorted(DTYPES)})")

@@ -146,7 +146,7 @@ class Trainer:
         self.c = c
         self.quiet = quiet
         self.run_dir = os.path.abspath(c.run_dir or os.path.join("runs", c.name))
-        self.mesh = make_mesh(c.mesh.sizes(), devices)
+        self.mesh = make_mesh(c.mesh.sizes(), devices, c.mesh.devices_per_node)
         self.rules = Rules()
         self.cfg, params = initial_params(c, self.mesh, self.rules)
         if c.data.batch_size % jax.process_count():
