@@ -336,7 +336,6 @@ def test_two_processes_convert_each_tensor_once(tmp_path, xla_cache):
     from nemo_jax.hf.io import save_pretrained
     from nemo_jax.hf.mapping import leaf_specs
     from nemo_jax.model.spec import unflatten_paths
-    from nemo_jax.parallel.distributed import share
 
     cfg = tiny_cfg()
     rng = np.random.default_rng(0)
