@@ -98,7 +98,7 @@ def _lora_einsum(eq: str, x, w, lora, dtype, take=None):
     """einsum(eq, x, w) (w: per-expert weights, last two dims [in, out]) plus the expert LoRA delta, unmerged:
     + scale * (x A) B with A [..., in, r], B [..., r, out] on the same lead axes as w. `take` gathers the
     lead (expert) axis of w, A and B first (per-block weights of the sorted dispatch)."""
-    pick = (lambda t: t) if take is None else (lambda t: t[take])
+    pick = (lambda t: t) if take is None else (lambda t: jnp.take(t, take, axis=0, mode="clip"))  # t may be numpy
     y = jnp.einsum(eq, x, pick(w), preferred_element_type=jnp.float32)
     if lora is None:
         return y
