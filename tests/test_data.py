@@ -5,7 +5,8 @@ import pytest
 
 from nemo_jax.config.load import load_config
 from nemo_jax.config.train import SFTConfig
-from nemo_jax.data.chat import ChatTokenizer, DataError, PackedIterator, pack, read_chat_jsonl
+from nemo_jax.data.chat import (ChatTokenizer, DataError, Document, PackedIterator, pack, read_chat_jsonl,
+                                split_long)
 
 CONV = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 plus 2?"},
                      {"role": "assistant", "content": "2 plus 2 is 4."}, {"role": "user", "content": "And 3?"},
@@ -72,6 +73,62 @@ def test_iterator_is_deterministic_resumable_and_sharded(tok):
     p1 = PackedIterator(docs, 128, 2, seed=3, process_index=1, process_count=2)
     assert set(p0._epoch_order()).isdisjoint(p1._epoch_order())
     assert len(p0._epoch_order()) + len(p1._epoch_order()) == len(docs)
+
+
+def _long_tailed_docs(n=300, seed=0):
+    """Documents with long-tailed lengths (lognormal, some longer than a 64-token row), every token trained."""
+    rng = np.random.default_rng(seed)
+    lengths = np.minimum(2 + rng.lognormal(3.0, 0.9, n).astype(int), 400)
+    return [Document(rng.integers(1, 500, L).astype(np.int32), np.ones(L, bool)) for L in lengths]
+
+
+def _trained(batches):
+    """The multiset of trained targets (loss mask on) of some batches."""
+    return sorted(t for b in batches for t in b["targets"][b["loss_mask"]].tolist())
+
+
+def test_split_long_predicts_every_target_once_and_ffd_packs_tighter():
+    doc = Document(np.arange(1, 131, dtype=np.int32), np.arange(130) % 3 > 0)
+    pieces = split_long(doc, 64)
+    assert [len(p.ids) for p in pieces] == [65, 65, 2]
+    np.testing.assert_array_equal(np.concatenate([p.ids[1:] for p in pieces]), doc.ids[1:])
+    np.testing.assert_array_equal(np.concatenate([p.mask[1:] for p in pieces]), doc.mask[1:])
+    docs = _long_tailed_docs()
+
+    def epoch(**kw):
+        return list(PackedIterator(docs, 64, 8, seed=1, repeat=False, **kw))
+
+    ffd, greedy = epoch(window=128), epoch(packing="greedy")
+    # every target of every document exactly once (long documents split, not truncated as greedy does)
+    want = sorted(t for d in docs for t in d.ids[1:].tolist())
+    assert _trained(ffd) == want and len(_trained(greedy)) < len(want)
+    eff = lambda bs: np.mean([(b["segment_ids"] > 0).mean() for b in bs[:-1]])  # noqa: E731
+    assert eff(ffd) > eff(greedy) + 0.05 and eff(ffd) > 0.9, (eff(ffd), eff(greedy))
+    assert len(ffd) < len(greedy)
+    dropped = PackedIterator(docs, 64, 8, seed=1, repeat=False, long_documents="drop")
+    list(dropped)
+    assert dropped.dropped == sum(len(d.ids) > 65 for d in docs) > 0 and dropped.split == 0
+    with pytest.raises(ValueError, match="data.packing"):
+        PackedIterator(docs, 64, 8, seed=1, packing="best")
+
+
+def test_ffd_resumes_mid_window_and_from_old_states():
+    docs = _long_tailed_docs(120, seed=2)
+    a = PackedIterator(docs, 64, 4, seed=5, window=32)
+    batches = [next(a) for _ in range(40)]  # several windows and an epoch
+    assert a.epoch >= 1
+    for k in (1, 3, 11, 25):
+        b = PackedIterator(docs, 64, 4, seed=5, window=32)
+        for _ in range(k):
+            next(b)
+        assert k != 3 or b.row > 0  # a state in the middle of a window
+        c = PackedIterator(docs, 64, 4, seed=5, window=32)
+        c.set_state(b.get_state())
+        for want in batches[k:k + 5]:
+            np.testing.assert_array_equal(next(c)["tokens"], want["tokens"])
+    old = PackedIterator(docs, 64, 4, seed=5, window=32)
+    old.set_state({"epoch": 0, "pos": 0})  # checkpoints written before the `row` field
+    np.testing.assert_array_equal(next(old)["tokens"], batches[0]["tokens"])
 
 
 def test_config_loader_errors_name_the_key(tmp_path):

@@ -28,6 +28,9 @@ class DataSection:
     seed: int = 0
     on_error: str = "raise"  # raise | skip  (malformed lines)
     max_eval_batches: int = 4
+    packing: str = "ffd"  # ffd (first-fit decreasing in windows of pack_window documents) | greedy (next-fit, in order)
+    pack_window: int = 1024
+    long_documents: str = "split"  # documents longer than a row (ffd): split into consecutive pieces | drop
 
 
 @dataclass(frozen=True)

@@ -167,7 +167,8 @@ def _parse_line(line: str, tok: ChatTokenizer, vocab_size: int) -> Document:
 
 # --------------------------------------------------------------------------- packing
 def pack(docs: list[Document], seq_len: int) -> dict[str, np.ndarray]:
-    """Greedy packing of whole documents into one row. Returns tokens/targets/loss_mask/segment_ids [seq_len]."""
+    """Documents into one row, in order (each its own segment; one past the row is cut). Returns
+    tokens/targets/loss_mask/segment_ids [seq_len]."""
     tokens = np.zeros(seq_len + 1, np.int32)
     mask = np.zeros(seq_len + 1, bool)
     seg = np.zeros(seq_len + 1, np.int32)
@@ -187,19 +188,60 @@ def pack(docs: list[Document], seq_len: int) -> dict[str, np.ndarray]:
     }
 
 
+PACKINGS = ("ffd", "greedy")
+LONG_DOCUMENTS = ("split", "drop")
+
+
+def split_long(doc: Document, seq_len: int) -> list[Document]:
+    """A document longer than a row (seq_len + 1 tokens) as consecutive pieces of <= seq_len + 1 tokens that
+    overlap by one token, so each of its targets is predicted exactly once (each piece its own segment)."""
+    n = len(doc.ids)
+    if n <= seq_len + 1:
+        return [doc]
+    return [Document(doc.ids[s:s + seq_len + 1], doc.mask[s:s + seq_len + 1]) for s in range(0, n - 1, seq_len)]
+
+
+def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Bins of item indices: items taken longest first (ties in order), each into the first bin it fits."""
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        j = next((j for j, r in enumerate(room) if r >= lengths[i]), len(bins))
+        if j == len(bins):
+            bins.append([])
+            room.append(capacity)
+        bins[j].append(i)
+        room[j] -= lengths[i]
+    return bins
+
+
 class PackedIterator:
     """Deterministic, resumable iterator of packed batches [rows, seq_len] for this process.
 
-    state = {"epoch", "pos"}: the next document of this process's share of the epoch's shuffled order.
+    packing "ffd" (default): the epoch's shuffled order is taken in windows of `window` documents; documents
+    longer than a row are split into consecutive pieces (`split_long`) or dropped and counted
+    (`long_documents`), and each window's pieces are packed first-fit decreasing. state = {"epoch", "pos",
+    "row"}: the first document of the current window and the rows of it already emitted (a window re-packs
+    to the same rows, so resume is exact). packing "greedy" (the reference): documents in order, a row
+    filled until the next one does not fit (next-fit); documents longer than a row are truncated and counted.
     """
 
     def __init__(self, docs: list[Document], seq_len: int, rows: int, seed: int, *, process_index: int = 0,
-                 process_count: int = 1, shuffle: bool = True, repeat: bool = True):
+                 process_count: int = 1, shuffle: bool = True, repeat: bool = True, packing: str = "ffd",
+                 long_documents: str = "split", window: int = 1024):
+        if packing not in PACKINGS:
+            raise ValueError(f"data.packing: {packing!r} not in {PACKINGS}")
+        if long_documents not in LONG_DOCUMENTS:
+            raise ValueError(f"data.long_documents: {long_documents!r} not in {LONG_DOCUMENTS}")
+        if window < 1:
+            raise ValueError(f"data.pack_window must be >= 1, got {window}")
         self.docs, self.seq_len, self.rows, self.seed = docs, seq_len, rows, seed
         self.pi, self.pc, self.shuffle, self.repeat = process_index, process_count, shuffle, repeat
-        self.epoch, self.pos = 0, 0
-        self.truncated = 0
+        self.packing, self.long_documents, self.window = packing, long_documents, window
+        self.epoch, self.pos, self.row = 0, 0, 0
+        self.truncated = self.split = self.dropped = 0  # documents truncated (greedy), split, dropped (ffd)
         self._order_epoch, self._order = None, None
+        self._bins_at, self._bins = None, None
 
     def _epoch_order(self) -> np.ndarray:
         if self._order_epoch != self.epoch:
@@ -212,10 +254,47 @@ class PackedIterator:
         return self._order
 
     def get_state(self) -> dict:
-        return {"epoch": self.epoch, "pos": self.pos}
+        return {"epoch": self.epoch, "pos": self.pos, "row": self.row}
 
     def set_state(self, state: dict):
-        self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
+        self.epoch, self.pos, self.row = int(state["epoch"]), int(state["pos"]), int(state.get("row", 0))
+
+    def _window(self):
+        """(pieces, bins, documents in the window) at (epoch, pos), moving to the next epoch at the end of
+        one (None at the end without repeat)."""
+        order = self._epoch_order()
+        if self.pos >= len(order):
+            if not self.repeat or not len(order):
+                return None
+            self.epoch, self.pos, self.row = self.epoch + 1, 0, 0
+            order = self._epoch_order()
+        if self._bins_at != (self.epoch, self.pos):
+            docs = [self.docs[i] for i in order[self.pos:self.pos + self.window]]
+            pieces = []
+            for d in docs:
+                if len(d.ids) > self.seq_len + 1:
+                    if self.long_documents == "drop":
+                        self.dropped += 1
+                        continue
+                    self.split += 1
+                pieces += split_long(d, self.seq_len)
+            bins = first_fit_decreasing([len(p.ids) for p in pieces], self.seq_len + 1)
+            self._bins_at, self._bins = (self.epoch, self.pos), (pieces, bins, len(docs))
+        return self._bins
+
+    def _next_ffd(self) -> list[dict]:
+        rows = []
+        while len(rows) < self.rows:
+            w = self._window()
+            if w is None:
+                break
+            pieces, bins, n_docs = w
+            take = bins[self.row:self.row + self.rows - len(rows)]
+            rows += [pack([pieces[i] for i in b], self.seq_len) for b in take]
+            self.row += len(take)
+            if self.row >= len(bins):
+                self.pos, self.row = self.pos + n_docs, 0
+        return rows
 
     def _next_doc(self) -> Document | None:
         order = self._epoch_order()
@@ -239,6 +318,14 @@ class PackedIterator:
         return self
 
     def __next__(self) -> dict[str, np.ndarray]:
+        rows = self._next_ffd() if self.packing == "ffd" else self._next_greedy()
+        if not rows:
+            raise StopIteration
+        while len(rows) < self.rows:  # final partial batch (no repeat): pad with empty rows
+            rows.append(pack([], self.seq_len))
+        return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+
+    def _next_greedy(self) -> list[dict]:
         rows = []
         for _ in range(self.rows):
             docs, used = [], 0
@@ -257,8 +344,4 @@ class PackedIterator:
             if not docs:
                 break
             rows.append(pack(docs, self.seq_len))
-        if not rows:
-            raise StopIteration
-        while len(rows) < self.rows:  # final partial batch (no repeat): pad with empty rows
-            rows.append(pack([], self.seq_len))
-        return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+        return rows

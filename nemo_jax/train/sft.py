@@ -71,6 +71,11 @@ def initial_params(c: SFTConfig, mesh, rules):
     return cfg, params
 
 
+def packing_args(data) -> dict:
+    """PackedIterator keywords from the config's data section."""
+    return {"packing": data.packing, "long_documents": data.long_documents, "window": data.pack_window}
+
+
 @dataclass
 class StepProgram:
     """The SFT (or LoRA SFT) step on a mesh, decided before any array exists: the Trainer fills it with arrays,
@@ -174,7 +179,7 @@ class Trainer:
         # Every process packs the same global batch (numpy, cheap) and puts only its own rows on its devices:
         # the global batch and the iterator position do not depend on the process count, so a checkpoint
         # resumes on any number of processes and every process's saved position is the same by construction.
-        self.it = PackedIterator(docs, c.data.seq_len, c.data.batch_size, c.data.seed)
+        self.it = PackedIterator(docs, c.data.seq_len, c.data.batch_size, c.data.seed, **packing_args(c.data))
         self.local_rows = _process_rows(self.batch_sharding, c.data.batch_size, c.data.seq_len)
         self.trace_dir = os.environ.get("NEMO_JAX_TRACE_BATCHES")  # debugging: per-process row digests
         self.eval_docs = None
@@ -215,7 +220,7 @@ class Trainer:
         # the same global batches on every process (each takes its rows), so all processes run the collective
         # eval step the same number of times; rows past the end of the eval set are empty (loss_mask 0)
         it = PackedIterator(self.eval_docs, self.c.data.seq_len, self.c.data.batch_size, 0, shuffle=False,
-                            repeat=False)
+                            repeat=False, **packing_args(self.c.data))
         total = count = 0.0
         for i, b in enumerate(it):
             if i >= self.c.data.max_eval_batches:
@@ -290,13 +295,14 @@ class Trainer:
             ev = self.evaluate()
             logger.log({"step": 0, "eval_loss": ev})
             last["eval_loss"] = ev
-        t0, tokens_since = time.perf_counter(), 0
+        t0, tokens_since, rows_since = time.perf_counter(), 0, 0
         step = start
         while step < c.steps and not self._any_process(self.stop_requested):
             np_batch = next(self.it)
             if self.trace_dir:
                 self._trace(step + 1, np_batch)
             tokens_since += int(np.sum(np_batch["segment_ids"] > 0))
+            rows_since += np_batch["segment_ids"].size
             self.state, m = self.step_fn(self.state, self._global_batch(np_batch), self.frozen)
             step += 1
             if int(m["skipped_updates"]) and int(self.state.nonfinite_run) >= c.optim.max_nonfinite_in_a_row:
@@ -308,6 +314,9 @@ class Trainer:
                 tps = tokens_since / max(dt, 1e-9)
                 rec = {"step": step, **{k: _scalar(v) for k, v in m.items() if k != "expert_load"}}
                 rec["tokens_per_sec"] = tps
+                # real tokens / row tokens of the batches since the last log; documents split / dropped so far
+                rec.update(packing_efficiency=tokens_since / max(rows_since, 1), documents_split=self.it.split,
+                           documents_dropped=self.it.dropped, documents_truncated=self.it.truncated)
                 if self.peak:
                     rec["mfu"] = tps * self.flops_per_token / (self.peak * jax.device_count())
                 if "expert_load" in m:
@@ -315,7 +324,7 @@ class Trainer:
                 logger.log(rec)
                 last.update(rec)
                 bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{tps:,.0f}", refresh=False)
-                t0, tokens_since = time.perf_counter(), 0
+                t0, tokens_since, rows_since = time.perf_counter(), 0, 0
             if c.eval_every and step % c.eval_every == 0 and self.eval_docs:
                 ev = self.evaluate()
                 logger.log({"step": step, "eval_loss": ev})
