@@ -131,6 +131,50 @@ def test_ffd_resumes_mid_window_and_from_old_states():
     np.testing.assert_array_equal(next(old)["tokens"], batches[0]["tokens"])
 
 
+def test_mixture_follows_the_weights_and_is_deterministic():
+    rng = np.random.default_rng(3)
+    sizes, weights = (50, 400, 120), (1.0, 2.0, 5.0)  # the smallest source must repeat, the largest not run out
+    lengths = [(s, int(rng.integers(5, 40))) for s, n in enumerate(sizes) for _ in range(n)]
+    docs = [Document(rng.integers(1, 99, L).astype(np.int32), np.ones(L, bool), s) for s, L in lengths]
+
+    def epochs(seed, n=4):
+        it = PackedIterator(docs, 64, 4, seed=seed, weights=list(weights))
+        out = []
+        for e in range(n):
+            it.epoch = e
+            out.append(it._epoch_order().copy())
+        return out
+
+    a, b, c = epochs(7), epochs(7), epochs(8)
+    assert all((x == y).all() for x, y in zip(a, b)) and not all((x == y).all() for x, y in zip(a, c))
+    draws = np.concatenate(a)
+    counts = np.bincount(np.array([docs[i].source for i in draws]), minlength=3)
+    expect = len(draws) * np.asarray(weights) / sum(weights)
+    chi2 = float(((counts - expect) ** 2 / expect).sum())
+    assert chi2 < 13.8, (counts, expect)  # chi-square, 2 degrees of freedom, p = 0.001
+    first = a[0][np.array([docs[i].source for i in a[0]]) == 0]
+    assert set(first[:50]) == set(range(50))  # a source is drawn without repeats until it runs out
+    it = PackedIterator(docs, 64, 4, seed=7, weights=list(weights))
+    batches = [next(it) for _ in range(20)]
+    assert it.source_tokens.sum() >= sum(int((b["segment_ids"] > 0).sum()) for b in batches)
+    with pytest.raises(ValueError, match="data.sources"):
+        PackedIterator(docs, 64, 4, seed=7, weights=[1.0, 2.0])
+
+
+def test_sources_are_read_tagged_and_checked(tok):
+    from nemo_jax.train.sft import read_sources
+
+    data = load_config(SFTConfig, None, ["data.sources=[{path: 'builtin:tiny_chat/eval.jsonl', weight: 2}, "
+                                         "{path: 'builtin:tiny_chat/eval.jsonl'}]"]).data
+    docs, skipped, weights, names = read_sources(data, tok, 512)
+    assert weights == [2.0, 1.0] and names == ["eval", "eval_1"] and skipped == 0
+    assert [d.source for d in docs] == [0] * (len(docs) // 2) + [1] * (len(docs) // 2)
+    for bad, msg in (("[{path: 'builtin:tiny_chat/eval.jsonl', weight: 0}]", r"data.sources\[0\].weight"),
+                     ("[{file: x.jsonl}]", r"data.sources\[0\]: expected")):
+        with pytest.raises(ValueError, match=msg):
+            read_sources(load_config(SFTConfig, None, [f"data.sources={bad}"]).data, tok, 512)
+
+
 def test_config_loader_errors_name_the_key(tmp_path):
     p = tmp_path / "c.yaml"
     p.write_text("steps: 5\noptim:\n  lr: 0.1\n  lrr: 2\n")

@@ -23,6 +23,9 @@ from nemo_jax.train.sft import Trainer
 
 BASE = ["steps=4", "log_every=2", "eval_every=2", "data.batch_size=2", "data.seq_len=64", "checkpoint.every=0",
         "checkpoint.async_save=false", "optim.warmup_steps=2", "model.config=tiny"]
+# run b trains on a weighted mixture of the two shipped chat files
+MIXTURE = ("data.sources=[{path: 'builtin:tiny_chat/train.jsonl', weight: 3}, "
+           "{path: 'builtin:tiny_chat/eval.jsonl', weight: 1}]")
 WANDB_ENV = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONSOLE": "off", "WANDB_DISABLE_GIT": "true"}
 
 
@@ -39,7 +42,7 @@ def runs(tmp_path_factory):
         ta = Trainer(a, quiet=True, devices=jax.devices()[:1])
         ta.run()
         b = load_config(SFTConfig, None, BASE + [f"run_dir={root / 'b'}", "model.seed=1", "data.seed=1",
-                                                 "logging.tensorboard=false"])
+                                                 "logging.tensorboard=false", MIXTURE])
         tb = Trainer(b, quiet=True, devices=jax.devices()[:1])
         # same model, shapes, shardings and optimizer: reuse a's compiled steps (this file tests logging, and
         # compiling them again would double its time)
@@ -91,7 +94,11 @@ def test_tensorboard_events_hold_every_logged_scalar_and_expert_load(runs):
 
 def test_tensorboard_off_writes_no_event_files(runs):
     assert not os.path.exists(os.path.join(runs["b"], "tensorboard"))
-    assert expected_scalars(records(runs["b"]))["loss"].keys() == {2, 4}
+    got = expected_scalars(records(runs["b"]))
+    assert got["loss"].keys() == {2, 4}
+    # the mixture run logs each source's tokens (cumulative) and the packing figures
+    assert got["source_tokens/train"][4] > got["source_tokens/train"][2] > 0 and got["source_tokens/eval"][4] >= 0
+    assert 0.5 < got["packing_efficiency"][4] <= 1.0 and "packing_efficiency" in expected_scalars(records(runs["a"]))
 
 
 # ---------------------------------------------------------------------------------------------------- W&B

@@ -21,6 +21,8 @@ class ModelSection:
 @dataclass(frozen=True)
 class DataSection:
     train: str = "builtin:tiny_chat/train.jsonl"
+    # a weighted mixture instead of `train`: [{path: ..., weight: ...}, ...] (weight defaults to 1)
+    sources: list[dict] = field(default_factory=list)
     eval: str | None = "builtin:tiny_chat/eval.jsonl"
     tokenizer: str = "builtin:tiny"  # dir with tokenizer.json + tokenizer_config.json
     seq_len: int = 256

@@ -117,6 +117,7 @@ def _raise(msg):
 class Document:
     ids: np.ndarray
     mask: np.ndarray
+    source: int = 0  # index of the mixture source it came from (data.sources)
 
 
 def read_chat_jsonl(path: str, tok: ChatTokenizer, vocab_size: int, on_error: str = "raise"):
@@ -198,7 +199,8 @@ def split_long(doc: Document, seq_len: int) -> list[Document]:
     n = len(doc.ids)
     if n <= seq_len + 1:
         return [doc]
-    return [Document(doc.ids[s:s + seq_len + 1], doc.mask[s:s + seq_len + 1]) for s in range(0, n - 1, seq_len)]
+    return [Document(doc.ids[s:s + seq_len + 1], doc.mask[s:s + seq_len + 1], doc.source)
+            for s in range(0, n - 1, seq_len)]
 
 
 def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -228,7 +230,7 @@ class PackedIterator:
 
     def __init__(self, docs: list[Document], seq_len: int, rows: int, seed: int, *, process_index: int = 0,
                  process_count: int = 1, shuffle: bool = True, repeat: bool = True, packing: str = "ffd",
-                 long_documents: str = "split", window: int = 1024):
+                 long_documents: str = "split", window: int = 1024, weights: list[float] | None = None):
         if packing not in PACKINGS:
             raise ValueError(f"data.packing: {packing!r} not in {PACKINGS}")
         if long_documents not in LONG_DOCUMENTS:
@@ -242,16 +244,42 @@ class PackedIterator:
         self.truncated = self.split = self.dropped = 0  # documents truncated (greedy), split, dropped (ffd)
         self._order_epoch, self._order = None, None
         self._bins_at, self._bins = None, None
+        self.weights = None if weights is None else np.asarray(weights, np.float64)
+        self._sources = np.fromiter((d.source for d in docs), np.int64, len(docs))
+        n_sources = 1 + int(self._sources.max(initial=0))
+        if self.weights is not None and (len(self.weights) != n_sources or not (self.weights > 0).all()):
+            raise ValueError(f"data.sources: {n_sources} sources need as many positive weights, got {weights}")
+        self.source_tokens = np.zeros(n_sources, np.int64)  # tokens of each source emitted since the start
 
     def _epoch_order(self) -> np.ndarray:
         if self._order_epoch != self.epoch:
-            ds = grain.MapDataset.range(len(self.docs))
-            if self.shuffle:
-                ds = ds.shuffle(seed=self.seed + 1_000_003 * self.epoch)
-            ds = ds[self.pi::self.pc]
-            self._order = np.fromiter((ds[i] for i in range(len(ds))), np.int64, len(ds))
+            if self.weights is None:
+                ds = grain.MapDataset.range(len(self.docs))
+                if self.shuffle:
+                    ds = ds.shuffle(seed=self.seed + 1_000_003 * self.epoch)
+                order = np.fromiter((ds[i] for i in range(len(ds))), np.int64, len(ds))
+            else:
+                order = self._mixture_order()
+            self._order = order[self.pi::self.pc]
             self._order_epoch = self.epoch
         return self._order
+
+    def _mixture_order(self) -> np.ndarray:
+        """An epoch of len(docs) draws: each draw picks a source with probability weight / sum(weights) and
+        takes that source's next document (its own shuffled order, reshuffled each time it runs out), all
+        from (seed, epoch)."""
+        rng = np.random.default_rng([self.seed, self.epoch])
+        draws = rng.choice(len(self.weights), size=len(self.docs), p=self.weights / self.weights.sum())
+        members = [np.flatnonzero(self._sources == s) for s in range(len(self.weights))]
+        order = np.empty(len(draws), np.int64)
+        for s, m in enumerate(members):
+            at = np.flatnonzero(draws == s)
+            if len(at) and not len(m):
+                raise ValueError(f"data.sources[{s}] holds no documents")
+            cycles = -(-len(at) // max(len(m), 1))
+            order[at] = np.concatenate([rng.permutation(m) if self.shuffle else m for _ in range(cycles)]
+                                       or [np.zeros(0, np.int64)])[:len(at)]
+        return order
 
     def get_state(self) -> dict:
         return {"epoch": self.epoch, "pos": self.pos, "row": self.row}
@@ -291,6 +319,9 @@ class PackedIterator:
             pieces, bins, n_docs = w
             take = bins[self.row:self.row + self.rows - len(rows)]
             rows += [pack([pieces[i] for i in b], self.seq_len) for b in take]
+            for b in take:
+                for i in b:
+                    self.source_tokens[pieces[i].source] += len(pieces[i].ids)
             self.row += len(take)
             if self.row >= len(bins):
                 self.pos, self.row = self.pos + n_docs, 0
@@ -340,6 +371,7 @@ class PackedIterator:
                 if n > self.seq_len + 1:
                     self.truncated += 1
                 docs.append(d)
+                self.source_tokens[d.source] += min(len(d.ids), self.seq_len + 1)
                 used += n
             if not docs:
                 break

@@ -71,6 +71,33 @@ def initial_params(c: SFTConfig, mesh, rules):
     return cfg, params
 
 
+def read_sources(data, tok, vocab_size: int):
+    """-> (documents, skipped lines, mixture weights or None, source names) of `data.sources` (each document
+    tagged with its source) or of `data.train` alone."""
+    import dataclasses as dc
+
+    if not data.sources:
+        docs, skipped = read_chat_jsonl(data.train, tok, vocab_size, data.on_error)
+        return docs, skipped, None, ["train"]
+    docs, skipped, weights, names = [], 0, [], []
+    for i, src in enumerate(data.sources):
+        where = f"data.sources[{i}]"
+        if not isinstance(src.get("path"), str) or set(src) - {"path", "weight"}:
+            raise ValueError(f"{where}: expected {{path: FILE, weight: NUMBER}}, got {src!r}")
+        w = src.get("weight", 1.0)
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or w <= 0:
+            raise ValueError(f"{where}.weight must be a positive number, got {w!r}")
+        d, sk = read_chat_jsonl(src["path"], tok, vocab_size, data.on_error)
+        if not d:
+            raise ValueError(f"{where}: {src['path']} holds no documents")
+        docs += [dc.replace(x, source=i) for x in d]
+        skipped += sk
+        weights.append(float(w))
+        stem = os.path.splitext(os.path.basename(src["path"]))[0]
+        names.append(stem if stem not in names else f"{stem}_{i}")
+    return docs, skipped, weights, names
+
+
 def packing_args(data) -> dict:
     """PackedIterator keywords from the config's data section."""
     return {"packing": data.packing, "long_documents": data.long_documents, "window": data.pack_window}
@@ -174,12 +201,13 @@ class Trainer:
         self.batch_sharding = prog.batch_sharding
         self.step_fn, self.eval_fn = prog.step, prog.eval_step
         self.tok = ChatTokenizer.load(c.data.tokenizer)
-        docs, skipped = read_chat_jsonl(c.data.train, self.tok, self.cfg.vocab_size, c.data.on_error)
+        docs, skipped, weights, self.source_names = read_sources(c.data, self.tok, self.cfg.vocab_size)
         self.skipped_lines = skipped
         # Every process packs the same global batch (numpy, cheap) and puts only its own rows on its devices:
         # the global batch and the iterator position do not depend on the process count, so a checkpoint
         # resumes on any number of processes and every process's saved position is the same by construction.
-        self.it = PackedIterator(docs, c.data.seq_len, c.data.batch_size, c.data.seed, **packing_args(c.data))
+        self.it = PackedIterator(docs, c.data.seq_len, c.data.batch_size, c.data.seed, weights=weights,
+                                 **packing_args(c.data))
         self.local_rows = _process_rows(self.batch_sharding, c.data.batch_size, c.data.seq_len)
         self.trace_dir = os.environ.get("NEMO_JAX_TRACE_BATCHES")  # debugging: per-process row digests
         self.eval_docs = None
@@ -317,6 +345,8 @@ class Trainer:
                 # real tokens / row tokens of the batches since the last log; documents split / dropped so far
                 rec.update(packing_efficiency=tokens_since / max(rows_since, 1), documents_split=self.it.split,
                            documents_dropped=self.it.dropped, documents_truncated=self.it.truncated)
+                if len(self.source_names) > 1:
+                    rec.update({f"source_tokens/{n}": int(t) for n, t in zip(self.source_names, self.it.source_tokens)})
                 if self.peak:
                     rec["mfu"] = tps * self.flops_per_token / (self.peak * jax.device_count())
                 if "expert_load" in m:
