@@ -110,6 +110,9 @@ def test_split_long_predicts_every_target_once_and_ffd_packs_tighter():
     assert dropped.dropped == sum(len(d.ids) > 65 for d in docs) > 0 and dropped.split == 0
     with pytest.raises(ValueError, match="data.packing"):
         PackedIterator(docs, 64, 8, seed=1, packing="best")
+    too_long = [d for d in docs if len(d.ids) > 65]
+    with pytest.raises(ValueError, match="every document is longer than a row"):  # not an endless loop
+        next(PackedIterator(too_long, 64, 8, seed=1, long_documents="drop", window=4))
 
 
 def test_ffd_resumes_mid_window_and_from_old_states():

@@ -311,12 +311,16 @@ class PackedIterator:
         return self._bins
 
     def _next_ffd(self) -> list[dict]:
-        rows = []
+        rows, empty = [], 0
         while len(rows) < self.rows:
             w = self._window()
             if w is None:
                 break
             pieces, bins, n_docs = w
+            empty = 0 if bins else empty + 1
+            if empty > len(self._epoch_order()) // self.window + 1:  # a whole epoch without a row
+                raise ValueError(f"data: every document is longer than a row ({self.seq_len + 1} tokens) and "
+                                 "data.long_documents is drop")
             take = bins[self.row:self.row + self.rows - len(rows)]
             rows += [pack([pieces[i] for i in b], self.seq_len) for b in take]
             for b in take:
