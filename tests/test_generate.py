@@ -20,9 +20,15 @@ def setup():
     return cfg, params
 
 
-def full_logprobs(params, cfg, seq, temperature=1.0):
-    logits, _ = M.forward(params, jnp.asarray([seq]), cfg)
-    return np.asarray(jax.nn.log_softmax(logits[0] / temperature, axis=-1))
+_forward = jax.jit(lambda params, toks, cfg: M.forward(params, toks, cfg)[0], static_argnums=2)
+
+
+def full_logprobs(params, cfg, seq, temperature=1.0, width=32):
+    """Log-probs of one causal forward over seq (right-padded to `width`: one compile for every call)."""
+    toks = np.zeros((1, width), np.int32)
+    toks[0, :len(seq)] = seq
+    logits = _forward(params, jnp.asarray(toks), cfg)[0, :len(seq)]
+    return np.asarray(jax.nn.log_softmax(logits / temperature, axis=-1))
 
 
 def test_greedy_matches_full_reforward_argmax(setup):
