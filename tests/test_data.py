@@ -6,7 +6,7 @@ import pytest
 from nemo_jax.config.load import load_config
 from nemo_jax.config.train import SFTConfig
 from nemo_jax.data.chat import (ChatTokenizer, DataError, Document, PackedIterator, pack, read_chat_jsonl,
-                                split_long)
+                                read_sources, split_long)
 
 CONV = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 plus 2?"},
                      {"role": "assistant", "content": "2 plus 2 is 4."}, {"role": "user", "content": "And 3?"},
@@ -165,8 +165,6 @@ def test_mixture_follows_the_weights_and_is_deterministic():
 
 
 def test_sources_are_read_tagged_and_checked(tok):
-    from nemo_jax.train.sft import read_sources
-
     data = load_config(SFTConfig, None, ["data.sources=[{path: 'builtin:tiny_chat/eval.jsonl', weight: 2}, "
                                          "{path: 'builtin:tiny_chat/eval.jsonl'}]"]).data
     docs, skipped, weights, names = read_sources(data, tok, 512)

@@ -166,6 +166,31 @@ def _parse_line(line: str, tok: ChatTokenizer, vocab_size: int) -> Document:
     return Document(ids, mask)
 
 
+def read_sources(data, tok, vocab_size: int):
+    """-> (documents, skipped lines, mixture weights or None, source names) of a data config section's
+    `sources` (each document tagged with its source) or of its `train` file alone."""
+    if not data.sources:
+        docs, skipped = read_chat_jsonl(data.train, tok, vocab_size, data.on_error)
+        return docs, skipped, None, ["train"]
+    docs, skipped, weights, names = [], 0, [], []
+    for i, src in enumerate(data.sources):
+        where = f"data.sources[{i}]"
+        if not isinstance(src.get("path"), str) or set(src) - {"path", "weight"}:
+            raise ValueError(f"{where}: expected {{path: FILE, weight: NUMBER}}, got {src!r}")
+        w = src.get("weight", 1.0)
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or w <= 0:
+            raise ValueError(f"{where}.weight must be a positive number, got {w!r}")
+        d, sk = read_chat_jsonl(src["path"], tok, vocab_size, data.on_error)
+        if not d:
+            raise ValueError(f"{where}: {src['path']} holds no documents")
+        docs += [Document(x.ids, x.mask, i) for x in d]
+        skipped += sk
+        weights.append(float(w))
+        stem = os.path.splitext(os.path.basename(src["path"]))[0]
+        names.append(stem if stem not in names else f"{stem}_{i}")
+    return docs, skipped, weights, names
+
+
 # --------------------------------------------------------------------------- packing
 def pack(docs: list[Document], seq_len: int) -> dict[str, np.ndarray]:
     """Documents into one row, in order (each its own segment; one past the row is cut). Returns

@@ -3,9 +3,9 @@ shared expert, optional latent projections.
 
 Dispatch paths (all give the same values when nothing is dropped):
 * "sorted" (default, dropless): token-slots sorted by expert into blocks of `bs` slots, each block owned by
-  one expert, then batched matmuls over blocks, in ceil(n_blocks / E) steps of <= E blocks (so the
-  per-block weights live at a time never exceed one copy of the expert weights). Padding is at most E*(bs-1) slots, and
-  bs is chosen as n_slots / (2E), so compiled FLOPs stay <= 1.5x the useful expert FLOPs.
+  one expert, then batched matmuls over blocks, in ceil(n_blocks / E) steps of <= E blocks (the per-block
+  weights live at a time never exceed one copy of the expert weights). Padding is at most E*(bs-1) slots,
+  and bs is chosen as n_slots / (2E), so compiled FLOPs stay <= 1.5x the useful expert FLOPs.
 * "capacity": per-expert buffers of `ceil(cf * n_slots / E)` slots; overflow is dropped and counted.
 * "ragged": `jax.lax.ragged_dot` on the sorted slots (native grouped GEMM on TPU; XLA on CPU and on GPU
   without the cuDNN grouped-GEMM fusion lowers it to dense work over all experts).

@@ -17,7 +17,7 @@ from nemo_jax.checkpoint import load_any
 from nemo_jax.config.load import dump_yaml, load_config
 from nemo_jax.config.model import NemotronHConfig
 from nemo_jax.config.train import SFTConfig
-from nemo_jax.data.chat import ASSETS, ChatTokenizer, PackedIterator, read_chat_jsonl
+from nemo_jax.data.chat import ASSETS, ChatTokenizer, PackedIterator, read_chat_jsonl, read_sources
 from nemo_jax.model import model as M
 from nemo_jax.model.spec import abstract_params, count_params, init as init_params, param_specs
 from nemo_jax.parallel import distributed
@@ -69,33 +69,6 @@ def initial_params(c: SFTConfig, mesh, rules):
     shardings = param_shardings(param_specs(cfg), mesh, rules)
     params = jax.jit(lambda k: init_params(cfg, k), out_shardings=shardings)(jax.random.key(c.model.seed))
     return cfg, params
-
-
-def read_sources(data, tok, vocab_size: int):
-    """-> (documents, skipped lines, mixture weights or None, source names) of `data.sources` (each document
-    tagged with its source) or of `data.train` alone."""
-    import dataclasses as dc
-
-    if not data.sources:
-        docs, skipped = read_chat_jsonl(data.train, tok, vocab_size, data.on_error)
-        return docs, skipped, None, ["train"]
-    docs, skipped, weights, names = [], 0, [], []
-    for i, src in enumerate(data.sources):
-        where = f"data.sources[{i}]"
-        if not isinstance(src.get("path"), str) or set(src) - {"path", "weight"}:
-            raise ValueError(f"{where}: expected {{path: FILE, weight: NUMBER}}, got {src!r}")
-        w = src.get("weight", 1.0)
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or w <= 0:
-            raise ValueError(f"{where}.weight must be a positive number, got {w!r}")
-        d, sk = read_chat_jsonl(src["path"], tok, vocab_size, data.on_error)
-        if not d:
-            raise ValueError(f"{where}: {src['path']} holds no documents")
-        docs += [dc.replace(x, source=i) for x in d]
-        skipped += sk
-        weights.append(float(w))
-        stem = os.path.splitext(os.path.basename(src["path"]))[0]
-        names.append(stem if stem not in names else f"{stem}_{i}")
-    return docs, skipped, weights, names
 
 
 def packing_args(data) -> dict:
