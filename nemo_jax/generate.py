@@ -27,7 +27,6 @@ import numpy as np
 from nemo_jax.lora import attach
 from nemo_jax.model import model as M
 from nemo_jax.model.cache import DecodeState, init_decode_state, state_shardings
-from nemo_jax.model.attention import KVCache
 from nemo_jax.model.mamba2 import MambaState
 
 
@@ -285,16 +284,14 @@ def _empty_rows(state, rows, cfg, mesh=None):
 def _append_rows(params, tokens, valid, state, rows, cfg, opts, mesh=None):
     """Append a chunk [k, n] to rows `rows` [k] of a [b]-row state only: their state is gathered, run and
     scattered back, so refilling one row costs one row's prefill, not the batch's. -> (logits [k, V], state)."""
-    take = lambda x, axis: jnp.take(x, rows, axis=axis)
-    sub = DecodeState(None if state.mamba is None else MambaState(take(state.mamba.conv, 1), take(state.mamba.ssm, 1)),
-                      None if state.kv is None else KVCache(take(state.kv.k, 1), take(state.kv.v, 1)),
-                      take(state.valid, 0), state.pos)
+    # Mamba conv/SSM and KV leaves hold rows on axis 1 ([layers, b, ...]), `valid` on axis 0
+    take = lambda x: jnp.take(x, rows, axis=1)  # noqa: E731
+    sub = state._replace(mamba=jax.tree.map(take, state.mamba), kv=jax.tree.map(take, state.kv),
+                         valid=jnp.take(state.valid, rows, axis=0))
     logits, sub = M.forward_cached(params, tokens, valid, sub, cfg, opts=opts, positions="last")
-    put = lambda x, y: x.at[:, rows].set(y)
-    state = DecodeState(
-        None if state.mamba is None else MambaState(put(state.mamba.conv, sub.mamba.conv), put(state.mamba.ssm, sub.mamba.ssm)),
-        None if state.kv is None else KVCache(put(state.kv.k, sub.kv.k), put(state.kv.v, sub.kv.v)),
-        state.valid.at[rows].set(sub.valid), sub.pos)
+    put = lambda x, y: x.at[:, rows].set(y)  # noqa: E731
+    state = state._replace(mamba=jax.tree.map(put, state.mamba, sub.mamba), kv=jax.tree.map(put, state.kv, sub.kv),
+                           valid=state.valid.at[rows].set(sub.valid), pos=sub.pos)
     return logits[:, 0], _keep_sharded(state, cfg, mesh)
 
 
