@@ -33,6 +33,11 @@ class DataSection:
     packing: str = "ffd"  # ffd (first-fit decreasing in windows of pack_window documents) | greedy (next-fit, in order)
     pack_window: int = 1024
     long_documents: str = "split"  # documents longer than a row (ffd): split into consecutive pieces | drop
+    shards: int = 0  # data shards of the global batch, each its own share of the documents (0: one per row range
+    #                  the processes hold); the same count reproduces the same batches on any number of processes
+    workers: int = 0  # grain loader worker processes (0: load in the training process)
+    prefetch: int = 2  # batches each loader worker keeps ready
+    prepare_workers: int = 1  # processes tokenising JSONL given directly (prepared into RUN_DIR/data)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,9 @@ from nemo_jax.checkpoint import load_any
 from nemo_jax.config.load import dump_yaml, load_config
 from nemo_jax.config.model import NemotronHConfig
 from nemo_jax.config.train import SFTConfig
-from nemo_jax.data.chat import ASSETS, ChatTokenizer, PackedIterator, read_chat_jsonl, read_sources
+from nemo_jax.data.chat import ASSETS, ChatTokenizer, read_chat_jsonl
+from nemo_jax.data.loader import PackedIterator, ShardedBatches
+from nemo_jax.data.prepared import open_sources
 from nemo_jax.model import model as M
 from nemo_jax.model.spec import abstract_params, count_params, init as init_params, param_specs
 from nemo_jax.parallel import distributed
@@ -73,7 +75,8 @@ def initial_params(c: SFTConfig, mesh, rules):
 
 def packing_args(data) -> dict:
     """PackedIterator keywords from the config's data section."""
-    return {"packing": data.packing, "long_documents": data.long_documents, "window": data.pack_window}
+    return {"packing": data.packing, "long_documents": data.long_documents, "window": data.pack_window,
+            "prefetch": data.prefetch}
 
 
 @dataclass
@@ -174,14 +177,23 @@ class Trainer:
         self.batch_sharding = prog.batch_sharding
         self.step_fn, self.eval_fn = prog.step, prog.eval_step
         self.tok = ChatTokenizer.load(c.data.tokenizer)
-        docs, skipped, weights, self.source_names = read_sources(c.data, self.tok, self.cfg.vocab_size)
-        self.skipped_lines = skipped
-        # Every process packs the same global batch (numpy, cheap) and puts only its own rows on its devices:
-        # the global batch and the iterator position do not depend on the process count, so a checkpoint
-        # resumes on any number of processes and every process's saved position is the same by construction.
-        self.it = PackedIterator(docs, c.data.seq_len, c.data.batch_size, c.data.seed, weights=weights,
-                                 **packing_args(c.data))
-        self.local_rows = _process_rows(self.batch_sharding, c.data.batch_size, c.data.seq_len)
+        cache = os.path.join(self.run_dir, "data" if jax.process_count() == 1 else f"data/process-{jax.process_index()}")
+        docs, weights, self.source_names, self.rejected_lines = open_sources(c.data, self.cfg.vocab_size, cache,
+                                                                              quiet=quiet)
+        # The global batch is made of data.shards shards (default: one per row range the processes hold), each
+        # packed from its own share of the documents; a process reads only the shards its rows fall in. The
+        # batch (and a checkpoint's data position) depends on the shard count, not on the process count.
+        spans = _process_rows(self.batch_sharding, c.data.batch_size, c.data.seq_len)
+        self.local_rows = lo, hi = spans[jax.process_index()]
+        self.data_shards = c.data.shards or len(set(spans.values()))
+        self.it = ShardedBatches(docs, c.data.seq_len, c.data.batch_size, self.data_shards, lo, hi, c.data.seed,
+                                 weights=weights, workers=c.data.workers, **packing_args(c.data))
+        per = c.data.batch_size // self.data_shards  # the shards whose counters this process reports: those
+        self.counted_shards = [k for k in self.it.mine  # whose first row no lower-numbered process holds
+                               if min(p for p, (a, b) in spans.items() if a < (k + 1) * per and b > k * per)
+                               == jax.process_index()]
+        self._counted_rows = np.asarray([min(p for p, (a, b) in spans.items() if a <= r < b) == jax.process_index()
+                                         for r in range(lo, hi)])  # rows whose tokens this process reports
         self.trace_dir = os.environ.get("NEMO_JAX_TRACE_BATCHES")  # debugging: per-process row digests
         self.eval_docs = None
         if c.data.eval:
@@ -194,16 +206,16 @@ class Trainer:
         self.stop_requested = False
 
     # ------------------------------------------------------------------ pieces
-    def _global_batch(self, np_batch: dict) -> dict:
-        """Global numpy batch -> global jax arrays, this process contributing only its rows."""
-        lo, hi = self.local_rows
+    def _global_batch(self, np_batch: dict, local: bool = True) -> dict:
+        """This process's rows (`local`; else the global numpy batch, of which it takes its rows) -> global jax
+        arrays."""
+        lo, hi = (0, None) if local else self.local_rows
         return {k: jax.make_array_from_process_local_data(self.batch_sharding, v[lo:hi]) for k, v in np_batch.items()}
 
     def _trace(self, step: int, np_batch: dict):
         import hashlib
 
-        lo, hi = self.local_rows
-        rows = [hashlib.sha1(np.ascontiguousarray(np_batch["tokens"][r])).hexdigest()[:16] for r in range(lo, hi)]
+        rows = [hashlib.sha1(np.ascontiguousarray(r)).hexdigest()[:16] for r in np_batch["tokens"]]
         with open(os.path.join(self.trace_dir, f"batches.{jax.process_index()}.jsonl"), "a") as f:
             f.write(json.dumps({"step": step, "process": jax.process_index(), "rows": rows}) + "\n")
 
@@ -226,7 +238,7 @@ class Trainer:
         for i, b in enumerate(it):
             if i >= self.c.data.max_eval_batches:
                 break
-            t, n = self.eval_fn(self.state.params, self._global_batch(b), self.frozen)
+            t, n = self.eval_fn(self.state.params, self._global_batch(b, local=False), self.frozen)
             total += float(t)
             count += float(n)
         return total / max(count, 1.0)
@@ -242,17 +254,31 @@ class Trainer:
             return
         meta = {"step": int(self.state.step), "config": json.loads(json.dumps(_asdict(self.c))),
                 "model_config": self.cfg.to_hf_dict(), "process_count": jax.process_count()}
-        if jax.process_count() > 1:  # the data position is global by construction: verify before writing it once
-            from jax.experimental import multihost_utils
-
-            mine = self.it.get_state()
-            every = np.asarray(multihost_utils.process_allgather(np.asarray([mine["epoch"], mine["pos"]])))
-            if not (every == every[0]).all():
-                raise RuntimeError(f"data iterator positions differ between processes at step "
-                                   f"{int(self.state.step)}: {every.tolist()} (process {jax.process_index()})")
-        self.ckpt.save(int(self.state.step), self.state, self.it.get_state(), meta, force=force)
+        self.ckpt.save(int(self.state.step), self.state, self._data_states(), meta, force=force)
         if self.lora_cfg is not None:  # the latest adapters, readable without the optimiser (lora export, eval)
             save_adapter_checkpoint(os.path.join(self.run_dir, "adapters"), self.cfg, self.lora_cfg, self.state.params)
+
+    def _over_processes(self, *counts: int) -> tuple[int, ...]:
+        """Counts of this process -> summed over all processes (every process must call it)."""
+        if jax.process_count() == 1:
+            return counts
+        from jax.experimental import multihost_utils
+
+        every = np.asarray(multihost_utils.process_allgather(np.asarray(counts, np.int64)))
+        return tuple(int(x) for x in every.reshape(jax.process_count(), -1).sum(0))
+
+    def _data_states(self) -> dict:
+        """Every data shard's iterator position (gathered from the processes that read it)."""
+        states = self.it.get_state()
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            raw = np.frombuffer(json.dumps(states).encode(), np.uint8)
+            n = int(np.max(multihost_utils.process_allgather(np.int32(len(raw)))))
+            every = np.asarray(multihost_utils.process_allgather(np.pad(raw, (0, n - len(raw)))))
+            for row in every.reshape(jax.process_count(), -1):
+                states.update(json.loads(bytes(row).rstrip(b"\0")))
+        return {"shards": [states[str(k)] for k in range(self.data_shards)]}
 
     def maybe_restore(self) -> bool:
         target = abstract_like(self.state, self.state_shardings)
@@ -261,7 +287,13 @@ class Trainer:
             return False
         step, state, data_state, _ = got
         self.state = state
-        self.it.set_state(data_state)
+        shards = data_state.get("shards")
+        if shards is None or len(shards) != self.data_shards:
+            raise ValueError(f"{self.ckpt.directory}: the checkpoint's data positions are for "
+                             f"{'an older loader' if shards is None else f'{len(shards)} data shards'}; this run "
+                             f"reads {self.data_shards} (data.shards, by default one per row range the processes "
+                             "hold): set data.shards to the saved count, or start afresh")
+        self.it.set_state({str(k): st for k, st in enumerate(shards)})
         if not self.quiet:
             print(f"resumed from {self.ckpt.directory} at step {step}")
         return True
@@ -302,8 +334,8 @@ class Trainer:
             np_batch = next(self.it)
             if self.trace_dir:
                 self._trace(step + 1, np_batch)
-            tokens_since += int(np.sum(np_batch["segment_ids"] > 0))
-            rows_since += np_batch["segment_ids"].size
+            tokens_since += int(np.sum(np_batch["segment_ids"][self._counted_rows] > 0))  # summed at logging
+            rows_since += np_batch["segment_ids"][self._counted_rows].size
             self.state, m = self.step_fn(self.state, self._global_batch(np_batch), self.frozen)
             step += 1
             if int(m["skipped_updates"]) and int(self.state.nonfinite_run) >= c.optim.max_nonfinite_in_a_row:
@@ -312,14 +344,17 @@ class Trainer:
                                    "stopping (the last checkpoint holds finite values)")
             if step % c.log_every == 0 or step == c.steps:
                 dt = time.perf_counter() - t0
+                tokens_since, rows_since, split, dropped, truncated, *per_source = self._over_processes(
+                    tokens_since, rows_since, *self.it.counts(self.counted_shards))
                 tps = tokens_since / max(dt, 1e-9)
                 rec = {"step": step, **{k: _scalar(v) for k, v in m.items() if k != "expert_load"}}
                 rec["tokens_per_sec"] = tps
-                # real tokens / row tokens of the batches since the last log; documents split / dropped so far
-                rec.update(packing_efficiency=tokens_since / max(rows_since, 1), documents_split=self.it.split,
-                           documents_dropped=self.it.dropped, documents_truncated=self.it.truncated)
+                # real tokens / row tokens of the batches since the last log; documents split / dropped, tokens
+                # of each source: since this process started (all data shards)
+                rec.update(packing_efficiency=tokens_since / max(rows_since, 1), documents_split=split,
+                           documents_dropped=dropped, documents_truncated=truncated)
                 if len(self.source_names) > 1:
-                    rec.update({f"source_tokens/{n}": int(t) for n, t in zip(self.source_names, self.it.source_tokens)})
+                    rec.update({f"source_tokens/{n}": t for n, t in zip(self.source_names, per_source)})
                 if self.peak:
                     rec["mfu"] = tps * self.flops_per_token / (self.peak * jax.device_count())
                 if "expert_load" in m:
@@ -339,24 +374,28 @@ class Trainer:
         bar.close()
         self.save(force=True)
         self.ckpt.close()
+        self.it.close()
         logger.close()
         last["step"] = step
         last["stopped_early"] = self.stop_requested
         return last
 
 
-def _process_rows(sharding, batch: int, seq_len: int) -> tuple[int, int]:
-    """The contiguous global row range [lo, hi) that this process's devices hold under the batch sharding."""
-    idx = sharding.addressable_devices_indices_map((batch, seq_len))
-    starts = [(s[0].start or 0) for s in idx.values()]
-    stops = [(batch if s[0].stop is None else s[0].stop) for s in idx.values()]
-    lo, hi = min(starts), max(stops)
-    covered = set()
-    for a, b in zip(starts, stops):
-        covered.update(range(a, b))
-    if covered != set(range(lo, hi)):
-        raise ValueError(f"mesh: process {jax.process_index()} holds non-contiguous batch rows {sorted(covered)}")
-    return lo, hi
+def _process_rows(sharding, batch: int, seq_len: int) -> dict[int, tuple[int, int]]:
+    """-> {process: the contiguous global row range [lo, hi) its devices hold under the batch sharding}."""
+    ranges = {}
+    for d, s in sharding.devices_indices_map((batch, seq_len)).items():
+        ranges.setdefault(d.process_index, []).append((s[0].start or 0, batch if s[0].stop is None else s[0].stop))
+    spans = {}
+    for p, rs in ranges.items():
+        lo, hi = min(a for a, _ in rs), max(b for _, b in rs)
+        covered = set()
+        for a, b in rs:
+            covered.update(range(a, b))
+        if covered != set(range(lo, hi)):
+            raise ValueError(f"mesh: process {p} holds non-contiguous batch rows {sorted(covered)}")
+        spans[p] = (lo, hi)
+    return spans
 
 
 def _scalar(v):
