@@ -306,6 +306,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="base model dir or config.json (default: base_model_name_or_path if a local dir)")
     t.set_defaults(fn=cmd_lora_import)
 
+    s = sub.add_parser("data", help="SFT data: prepare chat JSONL / Parquet into sharded ArrayRecord files")
+    dsub = s.add_subparsers(dest="data_cmd", required=True)
+    t = dsub.add_parser("prepare", help="render + tokenise in worker processes; shards + manifest.json in OUT "
+                                        "(re-running skips finished shards)")
+    t.add_argument("src", nargs="+", metavar="SRC", help="chat JSONL (.jsonl) or Parquet (.parquet) files")
+    t.add_argument("--tokenizer", required=True, help="dir with tokenizer.json + tokenizer_config.json (or builtin:NAME)")
+    t.add_argument("--out", required=True, help="output directory")
+    t.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenising processes (default: all cores)")
+    t.add_argument("--on-error", choices=("raise", "skip"), default="raise",
+                   help="malformed lines: stop naming FILE:LINE, or skip and list them in the manifest")
+    t.add_argument("--vocab-size", type=int, default=None, help="token ids must be below this (default: the tokenizer's)")
+    t.add_argument("--shard-mb", type=int, default=64, help="JSONL megabytes per shard")
+    t.set_defaults(fn=cmd_data_prepare)
+
     s = sub.add_parser("forward", help="one forward pass (smoke test) on a model or a config JSON")
     s.add_argument("model", nargs="?", default=os.path.join(os.path.dirname(__file__), "assets", "models", "tiny.json"))
     s.add_argument("--batch", type=int, default=2)
@@ -313,6 +327,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(fn=cmd_forward)
     return p
+
+
+def cmd_data_prepare(args):
+    from nemo_jax.data.prepared import prepare
+
+    m = prepare(args.src, args.tokenizer, args.out, workers=args.workers, vocab_size=args.vocab_size,
+                on_error=args.on_error, chunk_bytes=args.shard_mb << 20, quiet=False)
+    print(f"{args.out}: {m['documents']:,} documents, {m['tokens']:,} tokens ({m['assistant_tokens']:,} trained), "
+          f"{len(m['shards'])} shards, lengths {m['min_length']}..{m['max_length']}, "
+          f"{m['rejected_count']} rejected lines")
 
 
 def main(argv=None):

@@ -1,12 +1,14 @@
 import json
+import os
 
 import numpy as np
 import pytest
 
 from nemo_jax.config.load import load_config
 from nemo_jax.config.train import SFTConfig
-from nemo_jax.data.chat import (ChatTokenizer, DataError, Document, PackedIterator, pack, read_chat_jsonl,
-                                read_sources, split_long)
+from nemo_jax.data.chat import ChatTokenizer, DataError, Document, pack, read_chat_jsonl, split_long
+from nemo_jax.data.loader import DocumentOrder, PackedIterator
+from nemo_jax.data.prepared import PreparedDocuments, open_sources, prepare
 
 CONV = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 plus 2?"},
                      {"role": "assistant", "content": "2 plus 2 is 4."}, {"role": "user", "content": "And 3?"},
@@ -61,7 +63,7 @@ def test_iterator_is_deterministic_resumable_and_sharded(tok):
     docs, _ = read_chat_jsonl("builtin:tiny_chat/eval.jsonl", tok, 512)
     a = PackedIterator(docs, 128, 4, seed=3)
     batches = [next(a) for _ in range(30)]  # crosses an epoch
-    assert a.epoch >= 1
+    assert sum(int(b["loss_mask"].sum()) for b in batches) > sum(int(d.mask[1:].sum()) for d in docs)
     b = PackedIterator(docs, 128, 4, seed=3)
     for _ in range(7):
         next(b)
@@ -69,10 +71,10 @@ def test_iterator_is_deterministic_resumable_and_sharded(tok):
     c.set_state(b.get_state())
     for want in batches[7:]:
         np.testing.assert_array_equal(next(c)["tokens"], want["tokens"])
-    p0 = PackedIterator(docs, 128, 2, seed=3, process_index=0, process_count=2)
-    p1 = PackedIterator(docs, 128, 2, seed=3, process_index=1, process_count=2)
-    assert set(p0._epoch_order()).isdisjoint(p1._epoch_order())
-    assert len(p0._epoch_order()) + len(p1._epoch_order()) == len(docs)
+    for e in (0, 1):
+        p0, p1 = (DocumentOrder(len(docs), 3, share=k, shares=2).indices(e, 0, len(docs)) for k in (0, 1))
+        assert sorted(np.concatenate([p0, p1]).tolist()) == list(range(len(docs)))
+    assert not (DocumentOrder(len(docs), 3).indices(0, 0, 99) == DocumentOrder(len(docs), 3).indices(1, 0, 99)).all()
 
 
 def _long_tailed_docs(n=300, seed=0):
@@ -115,23 +117,22 @@ def test_split_long_predicts_every_target_once_and_ffd_packs_tighter():
         next(PackedIterator(too_long, 64, 8, seed=1, long_documents="drop", window=4))
 
 
-def test_ffd_resumes_mid_window_and_from_old_states():
+def test_ffd_resumes_mid_window_and_refuses_old_states():
     docs = _long_tailed_docs(120, seed=2)
     a = PackedIterator(docs, 64, 4, seed=5, window=32)
-    batches = [next(a) for _ in range(40)]  # several windows and an epoch
-    assert a.epoch >= 1
+    batches = [next(a) for _ in range(40)]  # several windows and epochs (~24 rows per epoch)
     for k in (1, 3, 11, 25):
         b = PackedIterator(docs, 64, 4, seed=5, window=32)
         for _ in range(k):
             next(b)
-        assert k != 3 or b.row > 0  # a state in the middle of a window
         c = PackedIterator(docs, 64, 4, seed=5, window=32)
         c.set_state(b.get_state())
         for want in batches[k:k + 5]:
             np.testing.assert_array_equal(next(c)["tokens"], want["tokens"])
-    old = PackedIterator(docs, 64, 4, seed=5, window=32)
-    old.set_state({"epoch": 0, "pos": 0})  # checkpoints written before the `row` field
-    np.testing.assert_array_equal(next(old)["tokens"], batches[0]["tokens"])
+    with pytest.raises(ValueError, match="older nemo_jax data loader"):
+        PackedIterator(docs, 64, 4, seed=5).set_state({"epoch": 0, "pos": 0})
+    with pytest.raises(ValueError, match="data.workers=2"):
+        PackedIterator(docs, 64, 4, seed=5).set_state({"grain": {}, "workers": 2})
 
 
 def test_mixture_follows_the_weights_and_is_deterministic():
@@ -140,13 +141,11 @@ def test_mixture_follows_the_weights_and_is_deterministic():
     lengths = [(s, int(rng.integers(5, 40))) for s, n in enumerate(sizes) for _ in range(n)]
     docs = [Document(rng.integers(1, 99, L).astype(np.int32), np.ones(L, bool), s) for s, L in lengths]
 
+    bounds = np.cumsum([0, *sizes])
+
     def epochs(seed, n=4):
-        it = PackedIterator(docs, 64, 4, seed=seed, weights=list(weights))
-        out = []
-        for e in range(n):
-            it.epoch = e
-            out.append(it._epoch_order().copy())
-        return out
+        order = DocumentOrder(len(docs), seed, weights=list(weights), bounds=bounds)
+        return [order.indices(e, 0, len(docs)) for e in range(n)]
 
     a, b, c = epochs(7), epochs(7), epochs(8)
     assert all((x == y).all() for x, y in zip(a, b)) and not all((x == y).all() for x, y in zip(a, c))
@@ -164,16 +163,22 @@ def test_mixture_follows_the_weights_and_is_deterministic():
         PackedIterator(docs, 64, 4, seed=7, weights=[1.0, 2.0])
 
 
-def test_sources_are_read_tagged_and_checked(tok):
+def test_sources_are_prepared_tagged_and_checked(tmp_path):
     data = load_config(SFTConfig, None, ["data.sources=[{path: 'builtin:tiny_chat/eval.jsonl', weight: 2}, "
                                          "{path: 'builtin:tiny_chat/eval.jsonl'}]"]).data
-    docs, skipped, weights, names = read_sources(data, tok, 512)
-    assert weights == [2.0, 1.0] and names == ["eval", "eval_1"] and skipped == 0
-    assert [d.source for d in docs] == [0] * (len(docs) // 2) + [1] * (len(docs) // 2)
+    docs, weights, names, rejected = open_sources(data, 512, str(tmp_path))
+    assert weights == [2.0, 1.0] and names == ["eval", "eval_1"] and rejected == 0
+    n = len(docs) // 2
+    assert [docs[i].source for i in (0, n - 1, n, 2 * n - 1)] == [0, 0, 1, 1]
+    assert sorted(os.listdir(tmp_path)) == ["eval", "eval_1"]
+    again, *_ = open_sources(data, 512, str(tmp_path))  # a prepared directory is a source too
+    np.testing.assert_array_equal(again[n + 3].ids, docs[n + 3].ids)
     for bad, msg in (("[{path: 'builtin:tiny_chat/eval.jsonl', weight: 0}]", r"data.sources\[0\].weight"),
                      ("[{file: x.jsonl}]", r"data.sources\[0\]: expected")):
         with pytest.raises(ValueError, match=msg):
-            read_sources(load_config(SFTConfig, None, [f"data.sources={bad}"]).data, tok, 512)
+            open_sources(load_config(SFTConfig, None, [f"data.sources={bad}"]).data, 512, str(tmp_path))
+    with pytest.raises(DataError, match=r"eval: token id \d+ outside the model vocabulary \(100\)"):
+        open_sources(data, 100, str(tmp_path))
 
 
 def test_config_loader_errors_name_the_key(tmp_path):
@@ -185,3 +190,99 @@ def test_config_loader_errors_name_the_key(tmp_path):
         load_config(SFTConfig, None, ["steps=abc"])
     c = load_config(SFTConfig, None, ["optim.lr=1e-4", "mesh.fsdp=2", "data.eval=null"])
     assert c.optim.lr == 1e-4 and c.mesh.fsdp == 2 and c.data.eval is None
+
+
+# --------------------------------------------------------------------------- prepared data
+@pytest.fixture(scope="module")
+def prepared(tok, tmp_path_factory):
+    """The tiny train set (4000 conversations) prepared in ~20 shards by 2 worker processes."""
+    out = str(tmp_path_factory.mktemp("prepared") / "train")
+    manifest = prepare(["builtin:tiny_chat/train.jsonl"], "builtin:tiny", out, workers=2, chunk_bytes=40_000)
+    return out, manifest
+
+
+def test_prepare_round_trip_equals_direct_tokenisation(tok, prepared):
+    out, m = prepared
+    direct, _ = read_chat_jsonl("builtin:tiny_chat/train.jsonl", tok, 512)
+    docs = PreparedDocuments([out])
+    assert len(docs) == len(direct) == m["documents"] and len(m["shards"]) > 10
+    assert m["tokens"] == sum(len(d.ids) for d in direct)
+    assert m["assistant_tokens"] == sum(int(d.mask.sum()) for d in direct)
+    assert sum(m["length_histogram"]["counts"]) == len(direct) and m["rejected_count"] == 0
+    assert (m["min_length"], m["max_length"]) == (min(len(d.ids) for d in direct), max(len(d.ids) for d in direct))
+    got = docs.read(range(len(docs)))
+    for a, b in zip(got, direct):
+        np.testing.assert_array_equal(a.ids, b.ids)
+        np.testing.assert_array_equal(a.mask, b.mask)
+    # re-running skips every finished shard (none is rewritten), and redoes one that was lost
+    stamp = {f: os.stat(os.path.join(out, "shards", f)).st_mtime_ns for f in os.listdir(os.path.join(out, "shards"))}
+    lost = m["shards"][3]["file"]
+    os.remove(os.path.join(out, "shards", lost[:-12] + "json"))
+    stamp.pop(lost[:-12] + "json")
+    assert prepare(["builtin:tiny_chat/train.jsonl"], "builtin:tiny", out, workers=1, chunk_bytes=40_000) == m
+    now = {f: os.stat(os.path.join(out, "shards", f)).st_mtime_ns for f in stamp}
+    assert [f for f in stamp if now[f] != stamp[f]] == [lost] and os.path.exists(os.path.join(out, "shards",
+                                                                                              lost[:-12] + "json"))
+
+
+def test_prepare_names_bad_lines_and_records_skipped_ones(tmp_path):
+    good = json.dumps(CONV)
+    lines = [good] * 300 + ["{not json"] + [good] * 50 + [json.dumps({"messages": [{"role": "user"}]}),
+                                                         json.dumps({**CONV, "images": ["a.png", "b.png"]})]
+    path = _write(tmp_path, lines)
+    with pytest.raises(DataError, match=r"d.jsonl:301: not valid JSON"):  # the file's line, in a later shard
+        prepare([path], "builtin:tiny", str(tmp_path / "p"), chunk_bytes=20_000)
+    assert not os.path.exists(tmp_path / "p" / "manifest.json")
+    m = prepare([path], "builtin:tiny", str(tmp_path / "p"), chunk_bytes=20_000, on_error="skip")
+    assert m["documents"] == 351 and m["rejected_count"] == 2
+    assert [r["reason"][:14] for r in m["rejected"]] == ["not valid JSON", "messages[0] ne"]
+    assert PreparedDocuments([str(tmp_path / "p")])[350].images == ["a.png", "b.png"]
+    with pytest.raises(FileNotFoundError, match="no such data file"):
+        prepare([str(tmp_path / "missing.jsonl")], "builtin:tiny", str(tmp_path / "q"))
+
+
+def test_loader_reads_shards_only_when_asked_and_each_process_its_share(prepared, tmp_path):
+    out, m = prepared
+    moved = tmp_path / "away"
+    os.rename(os.path.join(out, "shards"), moved)  # start-up must not need the token data
+    try:
+        docs = PreparedDocuments([out])
+        its = [PackedIterator(docs, 128, 4, seed=1, repeat=False, process_index=k, process_count=2) for k in (0, 1)]
+        with pytest.raises(DataError, match=r"train: reading the prepared shards failed: .*train-\d+.array_record"):
+            next(its[0])
+        for it in its:
+            it.close()
+    finally:
+        os.rename(moved, os.path.join(out, "shards"))
+    class Spy(PreparedDocuments):
+        def read(self, idx):
+            self.seen += list(idx)
+            return super().read(idx)
+
+    seen, targets = [], []
+    for k in (0, 1):
+        spy = Spy([out])
+        spy.seen = []
+        targets += _trained(list(PackedIterator(spy, 128, 4, seed=1, repeat=False, process_index=k, process_count=2)))
+        seen.append(spy.seen)
+    assert set(seen[0]).isdisjoint(seen[1]) and sorted(seen[0] + seen[1]) == list(range(m["documents"]))
+    docs = PreparedDocuments([out])
+    want = sorted(t for d in docs.read(range(len(docs))) for t in d.ids[1:][d.mask[1:]].tolist())
+    assert sorted(targets) == want  # together: every target of the epoch once
+
+
+def test_loader_workers_resume_exactly(prepared):
+    docs = PreparedDocuments([prepared[0]])
+    a = PackedIterator(docs, 128, 4, seed=2, window=64, workers=2)
+    first = [next(a) for _ in range(6)]
+    state = a.get_state()
+    rest = [next(a) for _ in range(4)]
+    a.close()
+    b = PackedIterator(docs, 128, 4, seed=2, window=64, workers=2)
+    b.set_state(state)
+    for want in rest:
+        np.testing.assert_array_equal(next(b)["tokens"], want["tokens"])
+    b.close()
+    single = PackedIterator(docs, 128, 4, seed=2, window=64)  # the same windows, interleaved differently
+    rows = lambda bs: sorted(r.tobytes() for x in bs for r in x["tokens"])  # noqa: E731
+    assert set(rows(first)) <= set(rows([next(single) for _ in range(20)]))

@@ -224,7 +224,8 @@ def _resume_copy(src, dst, drop_step):
 
 @pytest.mark.slow
 def test_two_processes_match_one_and_checkpoints_move_between_process_counts(tmp_path, xla_cache):
-    from nemo_jax.data.chat import ASSETS, ChatTokenizer, PackedIterator, read_chat_jsonl
+    from nemo_jax.data.chat import ASSETS, ChatTokenizer, read_chat_jsonl
+    from nemo_jax.data.loader import PackedIterator
 
     # a 3-document eval set: its only global batch leaves process 1's rows (4..7) empty, the uneven case
     eval3 = tmp_path / "eval3.jsonl"
@@ -234,7 +235,9 @@ def test_two_processes_match_one_and_checkpoints_move_between_process_counts(tmp
     docs, _ = read_chat_jsonl(str(eval3), tok, 10**9, "raise")
     batches = list(PackedIterator(docs, 64, 8, 0, shuffle=False, repeat=False))
     assert batches[-1]["loss_mask"][4:].sum() == 0 and batches[-1]["loss_mask"][:4].sum() > 0
-    args = ["steps=6", "checkpoint.every=3", "eval_every=3", f"data.eval={eval3}", "data.max_eval_batches=50"]
+    # two data shards (each process reads one; the 1-process run reads both): the same global batches
+    args = ["steps=6", "checkpoint.every=3", "eval_every=3", f"data.eval={eval3}", "data.max_eval_batches=50",
+            "data.shards=2"]
     cache = xla_cache
 
     one, two = tmp_path / "one", tmp_path / "two"

@@ -201,7 +201,9 @@ class PackedIterator:
         total = win.per_epoch if not repeat else 2 ** 62  # windows (lazy: nothing per window is materialised)
         if not order.length:
             total = 0
-        ds = grain.MapDataset.range(total).map(win).to_iter_dataset()
+        # one thread packs the next windows ahead (grain's default would start hundreds of windows at once)
+        ds = grain.MapDataset.range(total).map(win).to_iter_dataset(grain.ReadOptions(num_threads=1,
+                                                                                       prefetch_buffer_size=prefetch))
         fan_out = window * max(1, -(-longest // seq_len)) + 1
         ds = gx.FlatMapIterDataset(ds, _Identity(fan_out)).batch(rows)
         if workers:

@@ -338,15 +338,16 @@ class PreparedDocuments:
         return self._source
 
     def __getitem__(self, i: int) -> Document:
-        i = int(i)
-        shard = int(np.searchsorted(self.shard_starts, i, side="right")) - 1
-        return decode_record(self._open()[i], self.shard_source[shard])
+        return self.read([i])[0]
 
     def read(self, indices) -> list[Document]:
         """Documents at `indices` (one batched read)."""
         indices = [int(i) for i in indices]
         shards = np.searchsorted(self.shard_starts, indices, side="right") - 1
-        recs = self._open().__getitems__(indices)
+        try:
+            recs = self._open().__getitems__(indices)
+        except (RuntimeError, OSError) as e:  # array_record reports a missing or damaged shard as RuntimeError
+            raise DataError(f"{', '.join(self.dirs)}: reading the prepared shards failed: {e}") from None
         return [decode_record(r, self.shard_source[s]) for r, s in zip(recs, shards)]
 
 
