@@ -133,20 +133,55 @@ def _fingerprint(chunk: Chunk, tokenizer: str) -> str:
     return h.hexdigest()
 
 
+class ShardWriter:
+    """Documents -> DIR/shards/NAME.array_record (written under a temporary name, renamed when complete) and
+    then NAME.json, its statistics; `finish()` returns them."""
+
+    def __init__(self, out: str, name: str, **info):
+        from array_record.python.array_record_module import ArrayRecordWriter
+
+        self.base = os.path.join(out, "shards", name)
+        self.hist = np.zeros(len(HIST_EDGES), np.int64)
+        self.stats = {"file": name + ".array_record", **info, "documents": 0, "tokens": 0, "assistant_tokens": 0,
+                      "min_length": None, "max_length": 0, "max_token_id": -1, "rejected": [], "rejected_count": 0}
+        self.w = ArrayRecordWriter(self.base + ".array_record.tmp", "group_size:1")
+
+    def add(self, doc: Document):
+        self.w.write(encode_record(doc.ids, doc.mask, {"images": doc.images} if doc.images else None))
+        st, n = self.stats, len(doc.ids)
+        st["documents"] += 1
+        st["tokens"] += n
+        st["assistant_tokens"] += int(doc.mask.sum())
+        st["min_length"] = n if st["min_length"] is None else min(st["min_length"], n)
+        st["max_length"] = max(st["max_length"], n)
+        st["max_token_id"] = max(st["max_token_id"], int(doc.ids.max(initial=-1)))
+        self.hist[np.searchsorted(HIST_EDGES, n, side="right") - 1] += 1
+
+    def reject(self, where, reason: str):
+        self.stats["rejected_count"] += 1
+        if len(self.stats["rejected"]) < MAX_REJECTS_LISTED:
+            self.stats["rejected"].append({"line": where, "reason": reason})
+
+    def close(self):
+        if self.w is not None:
+            self.w.close()
+            self.w = None
+
+    def finish(self) -> dict:
+        self.close()
+        self.stats["length_histogram"] = self.hist.tolist()
+        os.replace(self.base + ".array_record.tmp", self.base + ".array_record")
+        _write_json(self.base + ".json", self.stats)
+        return self.stats
+
+
 def _shard_job(args) -> dict:
     """Render + tokenise one chunk into DIR/shards/NAME.array_record (+ its .json, last). Runs in a worker."""
-    from array_record.python.array_record_module import ArrayRecordWriter
-
     from nemo_jax.data.chat import ChatTokenizer, parse_record
 
     chunk, tokenizer, out, fp, on_error, vocab = args
     tok = ChatTokenizer.load(tokenizer)
-    base = os.path.join(out, "shards", chunk.name)
-    hist = np.zeros(len(HIST_EDGES), np.int64)
-    stats = {"file": os.path.basename(base) + ".array_record", "input": chunk.path, "fingerprint": fp,
-             "documents": 0, "tokens": 0, "assistant_tokens": 0, "min_length": None, "max_length": 0,
-             "max_token_id": -1, "rejected": [], "rejected_count": 0}
-    w = ArrayRecordWriter(base + ".array_record.tmp", "group_size:1")
+    w = ShardWriter(out, chunk.name, input=chunk.path, fingerprint=fp)
     try:
         for line, raw in _records(chunk):
             try:
@@ -155,25 +190,12 @@ def _shard_job(args) -> dict:
                 where = line if chunk.kind == "jsonl" else f"row group {chunk.start} row {line}"
                 if on_error == "raise":
                     return {"error": (chunk.path, chunk.start, where, str(e))}
-                stats["rejected_count"] += 1
-                if len(stats["rejected"]) < MAX_REJECTS_LISTED:
-                    stats["rejected"].append({"line": where, "reason": str(e)})
+                w.reject(where, str(e))
                 continue
-            w.write(encode_record(doc.ids, doc.mask, {"images": doc.images} if doc.images else None))
-            n = len(doc.ids)
-            stats["documents"] += 1
-            stats["tokens"] += n
-            stats["assistant_tokens"] += int(doc.mask.sum())
-            stats["min_length"] = n if stats["min_length"] is None else min(stats["min_length"], n)
-            stats["max_length"] = max(stats["max_length"], n)
-            stats["max_token_id"] = max(stats["max_token_id"], int(doc.ids.max(initial=-1)))
-            hist[np.searchsorted(HIST_EDGES, n, side="right") - 1] += 1
+            w.add(doc)
     finally:
         w.close()
-    stats["length_histogram"] = hist.tolist()
-    os.replace(base + ".array_record.tmp", base + ".array_record")
-    _write_json(base + ".json", stats)
-    return stats
+    return w.finish()
 
 
 def _write_json(path: str, obj):
@@ -239,11 +261,9 @@ def prepare(sources: list[str], tokenizer: str, out: str, *, workers: int = 1, v
             raise DataError(f"{path}:{line}: {msg}")
         done[c.name] = r
     shards = [done[c.name] for c in chunks]
-    manifest = _manifest(shards, tokenizer, vocab)
-    if not manifest["documents"]:
+    if not sum(s["documents"] for s in shards):
         raise DataError(f"{', '.join(map(str, sources))}: no usable conversations")
-    _write_json(os.path.join(out, MANIFEST), manifest)
-    return manifest
+    return write_manifest(out, shards, tokenizer, vocab)
 
 
 def _run_jobs(jobs, workers: int) -> list[dict]:
@@ -252,6 +272,13 @@ def _run_jobs(jobs, workers: int) -> list[dict]:
     # spawn: the caller may hold threads (jax, grain) that make fork unsafe
     with multiprocessing.get_context("spawn").Pool(min(workers, len(jobs))) as pool:
         return pool.map(_shard_job, jobs, chunksize=1)
+
+
+def write_manifest(out: str, shards: list[dict], tokenizer: str, vocab: int) -> dict:
+    """The manifest of finished shards (ShardWriter.finish's statistics, in index order), written atomically."""
+    manifest = _manifest(shards, tokenizer, vocab)
+    _write_json(os.path.join(out, MANIFEST), manifest)
+    return manifest
 
 
 def _manifest(shards: list[dict], tokenizer: str, vocab: int) -> dict:
