@@ -6,7 +6,7 @@ import pytest
 
 from nemo_jax.config.load import load_config
 from nemo_jax.config.train import SFTConfig
-from nemo_jax.data.chat import ChatTokenizer, DataError, Document, pack, read_chat_jsonl, split_long
+from nemo_jax.data.chat import ASSETS, ChatTokenizer, DataError, Document, pack, read_chat_jsonl, split_long
 from nemo_jax.data.loader import DocumentOrder, PackedIterator
 from nemo_jax.data.prepared import PreparedDocuments, open_sources, prepare
 
@@ -286,3 +286,21 @@ def test_loader_workers_resume_exactly(prepared):
     single = PackedIterator(docs, 128, 4, seed=2, window=64)  # the same windows, interleaved differently
     rows = lambda bs: sorted(r.tobytes() for x in bs for r in x["tokens"])  # noqa: E731
     assert set(rows(first)) <= set(rows([next(single) for _ in range(20)]))
+
+
+def test_prepare_reads_parquet_row_groups_like_jsonl(tok, tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")  # the `parquet` extra
+    import pyarrow as pa
+
+    rows = [json.loads(line) for line in open(os.path.join(ASSETS, "tiny_chat", "eval.jsonl"))][:60]
+    rows[7]["messages"] = [{"role": "user", "content": "no answer"}]  # rejected with its row named
+    pq.write_table(pa.Table.from_pylist(rows), str(tmp_path / "chat.parquet"), row_group_size=25)
+    with pytest.raises(DataError, match=r"chat.parquet:row group 0 row 8: no assistant tokens"):
+        prepare([str(tmp_path / "chat.parquet")], "builtin:tiny", str(tmp_path / "p"))
+    m = prepare([str(tmp_path / "chat.parquet")], "builtin:tiny", str(tmp_path / "p"), on_error="skip")
+    assert len(m["shards"]) == 3 and m["documents"] == 59 and m["rejected"][0]["line"] == "row group 0 row 8"
+    docs = PreparedDocuments([str(tmp_path / "p")])
+    want = [tok.encode_chat(r["messages"]) for i, r in enumerate(rows) if i != 7]
+    for d, (ids, mask) in zip(docs.read(range(59)), want):
+        np.testing.assert_array_equal(d.ids, ids)
+        np.testing.assert_array_equal(d.mask, mask)

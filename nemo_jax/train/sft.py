@@ -235,12 +235,15 @@ class Trainer:
         it = PackedIterator(self.eval_docs, self.c.data.seq_len, self.c.data.batch_size, 0, shuffle=False,
                             repeat=False, **packing_args(self.c.data))
         total = count = 0.0
-        for i, b in enumerate(it):
-            if i >= self.c.data.max_eval_batches:
-                break
-            t, n = self.eval_fn(self.state.params, self._global_batch(b, local=False), self.frozen)
-            total += float(t)
-            count += float(n)
+        try:
+            for i, b in enumerate(it):
+                if i >= self.c.data.max_eval_batches:
+                    break
+                t, n = self.eval_fn(self.state.params, self._global_batch(b, local=False), self.frozen)
+                total += float(t)
+                count += float(n)
+        finally:
+            it.close()
         return total / max(count, 1.0)
 
     def save(self, force: bool = False):
