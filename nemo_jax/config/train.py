@@ -64,13 +64,15 @@ class MeshSection:
     fsdp: int = -1
     tensor: int = 1
     expert: int = 1
+    context: int = 1  # context parallelism: each row's sequence split this many ways (mamba state / K,V passed)
     # devices per node (tensor and expert are kept inside one, data/fsdp span nodes: parallel.mesh.make_mesh);
     # 0 = one node per process (one process per host, as launch/ starts them) or per TPU slice
     devices_per_node: int = 0
 
     def sizes(self) -> dict[str, int]:
         """Axis sizes for `parallel.mesh.make_mesh` (-1 = the devices left over)."""
-        return {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor, "expert": self.expert}
+        return {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor, "expert": self.expert,
+                "context": self.context}
 
 
 @dataclass(frozen=True)

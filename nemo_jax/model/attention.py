@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from nemo_jax.model.layers import linear
+from nemo_jax.parallel.mesh import context_shards
 
 _NEG = -1e30
 
@@ -49,6 +50,33 @@ def _attend_blocked(q, k, v, segment_ids, dtype, block: int):
     return jnp.concatenate(outs, axis=1)
 
 
+def _attend_context(q, k, v, segment_ids, dtype, block: int, mesh):
+    """Causal `_attend` of a sequence split over the mesh's `context` axis (other axes left to GSPMD): each
+    shard all-gathers K/V (cheap with few KV heads) and attends its own queries, in blocks of `block`, over the
+    keys at or before them (global positions)."""
+    from jax.sharding import PartitionSpec as P
+
+    def local(q, k, v, seg):
+        lc = q.shape[1]
+        kg, vg = (jax.lax.all_gather(a, "context", axis=1, tiled=True) for a in (k, v))
+        qpos = jax.lax.axis_index("context") * lc + jnp.arange(lc)
+        kpos = jnp.arange(kg.shape[1])
+        sg = None if seg is None else jax.lax.all_gather(seg, "context", axis=1, tiled=True)
+        step = max(block, -(-lc // MAX_BLOCKS))
+        outs = []
+        for s in range(0, lc, step):
+            e = min(lc, s + step)
+            mask = (qpos[s:e, None] >= kpos[None, :])[None]
+            if seg is not None:
+                mask = mask & (seg[:, s:e, None] == sg[:, None, :])
+            outs.append(_attend(q[:, s:e], kg, vg, mask, dtype))
+        return jnp.concatenate(outs, axis=1)
+
+    seq = P(None, "context")
+    return jax.shard_map(local, mesh=mesh, in_specs=(seq, seq, seq, None if segment_ids is None else seq),
+                         out_specs=seq, axis_names={"context"}, check_vma=False)(q, k, v, segment_ids)
+
+
 def _cached_mask(valid_cache, pos, start, l: int):
     """Mask [b, l, S] of chunk queries at positions pos + start + [0, l) over cache slots: causal and valid."""
     S = valid_cache.shape[1]
@@ -81,21 +109,25 @@ MAX_BLOCKS = 16  # longer sequences get larger blocks, so the unrolled blocks (a
 
 
 def attention(p: dict, u: jax.Array, cfg, dtype, *, segment_ids=None, cache: KVCache | None = None,
-              valid_cache=None, pos=None, impl: str = "blocked", block: int = BLOCK):
+              valid_cache=None, pos=None, impl: str = "blocked", block: int = BLOCK, mesh=None):
     """u [b, l, D] -> (out [b, l, D], new KVCache or None).
 
     Training (no cache): `impl` "blocked" runs query blocks of `block` rows over their key prefixes; "full"
     is the plain [l, l] masked reference. With `cache`: "blocked" attends `block` queries at a time over the
     cache (`_attend_cached_blocked`), "full" the whole chunk at once (reference). The chunk's keys/values are written at
     [pos, pos+l); `valid_cache` [b, S] is the validity of every cache slot *after* the write (the caller owns
-    it, shared by all layers).
+    it, shared by all layers). Training on a `mesh` with a `context` axis: the sequence split over it
+    (`_attend_context`).
     """
     b, l, _ = u.shape
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     q = linear(u, p["q_proj"], dtype).reshape(b, l, nkv, nh // nkv, hd)
     k = linear(u, p["k_proj"], dtype).reshape(b, l, nkv, hd)
     v = linear(u, p["v_proj"], dtype).reshape(b, l, nkv, hd)
-    if cache is None:
+    if cache is None and context_shards(mesh, l) > 1:
+        out = _attend_context(q, k, v, segment_ids, dtype, block if impl == "blocked" else l, mesh)
+        new_cache = None
+    elif cache is None:
         out = _attend_blocked(q, k, v, segment_ids, dtype, block if impl == "blocked" else l)
         new_cache = None
     else:

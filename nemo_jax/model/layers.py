@@ -64,7 +64,7 @@ def logits_from_hidden(h: jax.Array, lm_head: dict) -> jax.Array:
 
 
 def chunked_cross_entropy(h: jax.Array, lm_head: dict, targets: jax.Array, chunk: int = 1024,
-                          row_shards: int = 1, temperature: float = 1.0) -> jax.Array:
+                          row_shards: int = 1, temperature: float = 1.0, seq_shards: int = 1) -> jax.Array:
     """Per-token -log p(target) without materialising all fp32 logits at once (p = softmax(logits / temperature),
     the distribution a sampler at that temperature draws from).
 
@@ -72,8 +72,15 @@ def chunked_cross_entropy(h: jax.Array, lm_head: dict, targets: jax.Array, chunk
     with c = chunk / (B / row_shards), so with the rows sharded over `row_shards` devices each device projects
     about `chunk` of its own tokens per chunk (chunks of the flattened global token axis would make every
     device compute every chunk). The vocabulary projection is recomputed per chunk in the backward pass
-    (jax.checkpoint), so peak memory is one chunk of logits.
+    (jax.checkpoint), so peak memory is one chunk of logits. With the sequence split `seq_shards` ways (context
+    parallelism), each row's parts are taken as rows of their own ([B, T] -> [B * seq_shards, T / seq_shards],
+    row-major: the same split), so every device again projects only its own tokens.
     """
+    if seq_shards > 1 and h.shape[1] % seq_shards == 0:
+        B, T, D = h.shape
+        nll = chunked_cross_entropy(h.reshape(B * seq_shards, T // seq_shards, D), lm_head,
+                                    targets.reshape(B * seq_shards, -1), chunk, row_shards * seq_shards, temperature)
+        return nll.reshape(B, T)
     B, T, D = h.shape
     c = max(1, min(T, chunk // max(1, B // max(1, row_shards))))
     pad = (-T) % c

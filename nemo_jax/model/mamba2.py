@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from nemo_jax.model.layers import gated_rms_norm, linear
+from nemo_jax.parallel.mesh import context_shards
 
 
 class MambaState(NamedTuple):
@@ -178,34 +179,124 @@ def ssd_sequential(x, dt, A, B, C, segment_ids=None, initial_state=None):
     return jnp.moveaxis(ys, 0, 1), final
 
 
+# --------------------------------------------------------------------------- context parallelism
+def _from_previous(a: jax.Array, n: int, axis: str, fill=0) -> jax.Array:
+    """Inside shard_map over `axis`: the last n positions (dim 1) of the previous shard's `a`; `fill` on the
+    first shard."""
+    size = jax.lax.axis_size(axis)
+    got = jax.lax.ppermute(a[:, -n:], axis, [(j, j + 1) for j in range(size - 1)])
+    return got if fill == 0 else jnp.where(jax.lax.axis_index(axis) == 0, jnp.asarray(fill, a.dtype), got)
+
+
+def causal_conv_context(xbc, kernel, bias, segment_ids, axis: str):
+    """`causal_conv` of a sequence split over `axis` (inside shard_map; xbc [b, l_local, c]): each shard takes
+    its K-1 previous inputs (and their segment ids) from the previous shard."""
+    K = kernel.shape[0]
+    if K == 1:
+        return causal_conv(xbc, kernel, bias, segment_ids)
+    if xbc.shape[1] < K - 1:
+        raise ValueError(f"context parallelism: {xbc.shape[1]} tokens per shard, fewer than the conv's {K - 1} lags")
+    seg = None
+    if segment_ids is not None:
+        seg = jnp.concatenate([_from_previous(segment_ids, K - 1, axis, fill=-1), segment_ids], axis=1)
+    out = causal_conv(jnp.concatenate([_from_previous(xbc, K - 1, axis), xbc], axis=1), kernel, bias, seg)
+    return out[:, K - 1:]
+
+
+def ssd_context(x, dt, A, B, C, chunk_size: int, segment_ids, axis: str, scan: str = "chunked"):
+    """The SSD of a sequence split over `axis` (inside shard_map; shapes as `ssd_chunked`, l = the shard's part).
+
+    Each shard scans its own tokens from a zero state; the shards' final states and total decays are
+    all-gathered and combined in order (state entering shard j = state leaving shard j-1 when the segment
+    continues across the boundary; leaving = own final state + entering one decayed through the shard, unless a
+    segment starts inside it); each shard then adds the entering state's contribution to its tokens up to its
+    first segment start. Returns (y, the state after this shard)."""
+    f32 = jnp.float32
+    y, last = SCANS[scan](x, dt, A, B, C, chunk_size=chunk_size, segment_ids=segment_ids)
+    b, l, h, _ = x.shape
+    dA_cs = jnp.cumsum(dt.astype(f32) * A.astype(f32), axis=1)  # [b, l, h]
+    if segment_ids is None:
+        head = jnp.ones((b, l), bool)  # tokens the entering state reaches
+        first = final_seg = jnp.zeros((b,), jnp.int32)
+    else:
+        head = segment_ids == segment_ids[:, :1]
+        first, final_seg = segment_ids[:, 0], segment_ids[:, -1]
+    decay = jnp.exp(dA_cs[:, -1]) * jnp.all(head, axis=1)[:, None]  # [b, h]; 0 if a segment starts inside
+    lasts, decays, firsts, finals = (jax.lax.all_gather(a, axis) for a in (last, decay, first, final_seg))
+    carry, entering, leaving = jnp.zeros_like(last), [], []
+    for j in range(lasts.shape[0]):
+        cont = firsts[j] == finals[j - 1] if j else jnp.zeros_like(first, bool)
+        enter = carry * cont[:, None, None, None]
+        carry = lasts[j] + enter * decays[j][:, :, None, None]
+        entering.append(enter)
+        leaving.append(carry)
+    i = jax.lax.axis_index(axis)
+    h_in = jnp.stack(entering)[i]  # [b, h, p, n]
+    Ch = jnp.repeat(C.astype(f32), h // C.shape[2], axis=2)  # [b, l, h, n]
+    y_in = jnp.einsum("blhn,bhpn->blhp", Ch, h_in) * (jnp.exp(dA_cs) * head[..., None])[..., None]
+    return y + y_in, jnp.stack(leaving)[i]
+
+
 SCANS = {"chunked": ssd_chunked, "sequential": lambda x, dt, A, B, C, chunk_size, **kw: ssd_sequential(x, dt, A, B, C, **kw)}
 
 
 # --------------------------------------------------------------------------- mixer
+def _scan(xbc_c, dt, A, D, cfg, segment_ids, scan: str, init=None, axis: str | None = None):
+    """Conv output (after silu) [b, l, conv_dim] -> (y [b, l, h, p] fp32 with the D skip, final state); over a
+    sequence split along `axis` (inside shard_map) with `ssd_context`."""
+    b, l, _ = xbc_c.shape
+    H, P, G, N, Di = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.n_groups, cfg.ssm_state_size, cfg.d_inner
+    x, Bm, Cm = jnp.split(xbc_c, [Di, Di + G * N], axis=-1)
+    xh, Bm, Cm = x.reshape(b, l, H, P), Bm.reshape(b, l, G, N), Cm.reshape(b, l, G, N)
+    if axis is None:
+        y, final = SCANS[scan](xh, dt, A, Bm, Cm, chunk_size=cfg.chunk_size, segment_ids=segment_ids,
+                               initial_state=init)
+    else:
+        y, final = ssd_context(xh, dt, A, Bm, Cm, cfg.chunk_size, segment_ids, axis, scan)
+    return y + D.astype(jnp.float32)[:, None] * xh, final
+
+
+def _conv_scan(p, xbc, dt, A, cfg, segment_ids, scan: str, mesh=None):
+    """Training path, the whole sequence on each device: xbc [b, l, c] -> (y [b, l, h, p], final state)."""
+    xbc_c = causal_conv(xbc, p["conv1d"]["kernel"], p["conv1d"].get("bias"), segment_ids)
+    return _scan(jax.nn.silu(xbc_c), dt, A, p["D"], cfg, segment_ids, scan)
+
+
+def _conv_scan_context(p, xbc, dt, A, cfg, segment_ids, scan: str, mesh):
+    """`_conv_scan` with the sequence split over the mesh's `context` axis (other axes left to GSPMD): the conv
+    window and the SSM state cross shard boundaries (`causal_conv_context`, `ssd_context`)."""
+    from jax.sharding import PartitionSpec as P
+
+    weights = {"kernel": p["conv1d"]["kernel"], "D": p["D"], "A": A}
+    if p["conv1d"].get("bias") is not None:
+        weights["bias"] = p["conv1d"]["bias"]
+    seq = P(None, "context")
+
+    def local(w, xbc, dt, seg):
+        xbc_c = causal_conv_context(xbc, w["kernel"], w.get("bias"), seg, "context")
+        y, final = _scan(jax.nn.silu(xbc_c), dt, w["A"], w["D"], cfg, seg, scan, axis="context")
+        return y, final[None]
+
+    y, final = jax.shard_map(local, mesh=mesh, in_specs=(P(), seq, seq, None if segment_ids is None else seq),
+                             out_specs=(seq, P("context")), axis_names={"context"}, check_vma=False)(
+        weights, xbc, dt, segment_ids)
+    return y, final[-1]
+
+
 def mamba_mixer(p: dict, u: jax.Array, cfg, dtype, *, segment_ids=None, state: MambaState | None = None,
-                valid=None, scan: str = "chunked"):
+                valid=None, scan: str = "chunked", mesh=None):
     """u [b, l, D] -> (y [b, l, D], new MambaState).
 
     Without `state`: packed training forward (segment_ids optional); the returned state is the one
-    after the last token (meaningful when the row holds one document). With `state`: continue it,
-    `valid` [b, l] marking real tokens (padding only at the left).
+    after the last token (meaningful when the row holds one document). A `mesh` with a `context` axis splits
+    the sequence over it. With `state`: continue it, `valid` [b, l] marking real tokens (padding only at the
+    left).
     """
     b, l, _ = u.shape
-    H, P, G, N, Di = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.n_groups, cfg.ssm_state_size, cfg.d_inner
+    G, Di = cfg.n_groups, cfg.d_inner
     zxbcdt = linear(u, p["in_proj"], dtype)
     z, xbc, dt_raw = jnp.split(zxbcdt, [Di, Di + cfg.conv_dim], axis=-1)
     bias = p["conv1d"].get("bias")
-    if state is None:
-        xbc_c = causal_conv(xbc, p["conv1d"]["kernel"], bias, segment_ids)
-        K = cfg.conv_kernel
-        window = jnp.pad(xbc, ((0, 0), (max(K - 1 - l, 0), 0), (0, 0)))[:, -(K - 1):] if K > 1 else xbc[:, :0]
-        init = None
-    else:
-        n_pad = l - jnp.sum(valid, axis=1).astype(jnp.int32)
-        xbc_c, window = causal_conv_cached(xbc, p["conv1d"]["kernel"], bias, state.conv, n_pad)
-        init = state.ssm
-    xbc_c = jax.nn.silu(xbc_c)
-    x, Bm, Cm = jnp.split(xbc_c, [Di, Di + G * N], axis=-1)
     dt = jax.nn.softplus(dt_raw.astype(jnp.float32) + p["dt_bias"].astype(jnp.float32))
     lo, hi = cfg.time_step_limit
     if cfg.clamp_dt:
@@ -215,10 +306,15 @@ def mamba_mixer(p: dict, u: jax.Array, cfg, dtype, *, segment_ids=None, state: M
     if valid is not None:
         dt = dt * valid[..., None]
     A = -jnp.exp(p["A_log"].astype(jnp.float32))
-    xh = x.reshape(b, l, H, P)
-    y, final = SCANS[scan](xh, dt, A, Bm.reshape(b, l, G, N), Cm.reshape(b, l, G, N), chunk_size=cfg.chunk_size,
-                           segment_ids=segment_ids, initial_state=init)
-    y = y + p["D"].astype(jnp.float32)[:, None] * xh
+    K = cfg.conv_kernel
+    if state is None:
+        window = jnp.pad(xbc, ((0, 0), (max(K - 1 - l, 0), 0), (0, 0)))[:, -(K - 1):] if K > 1 else xbc[:, :0]
+        split = context_shards(mesh, l) > 1
+        y, final = (_conv_scan_context if split else _conv_scan)(p, xbc, dt, A, cfg, segment_ids, scan, mesh)
+    else:
+        n_pad = l - jnp.sum(valid, axis=1).astype(jnp.int32)
+        xbc_c, window = causal_conv_cached(xbc, p["conv1d"]["kernel"], bias, state.conv, n_pad)
+        y, final = _scan(jax.nn.silu(xbc_c), dt, A, p["D"], cfg, None, scan, init=state.ssm)
     y = gated_rms_norm(y.reshape(b, l, Di), z, p["norm"]["scale"], G, cfg.layer_norm_epsilon)
     out = linear(y.astype(dtype), p["out_proj"], dtype)
     return out, MambaState(window.astype(dtype), final)

@@ -26,7 +26,7 @@ import numpy as np
 from nemo_jax.model import attention as attn_lib
 from nemo_jax.model import mamba2, moe as moe_lib
 from nemo_jax.model.cache import DecodeState
-from nemo_jax.parallel.mesh import BATCH_AXES, gather_shards, pin_batch
+from nemo_jax.parallel.mesh import BATCH_AXES, context_shards, gather_shards, pin_batch
 from nemo_jax.model.layers import embed, linear, logits_from_hidden, mlp, rms_norm
 
 KIND_ORDER = ("mamba", "attention", "mlp", "moe")
@@ -100,11 +100,12 @@ def apply_layer(kind: str, p: dict, h: jax.Array, ctx: _Ctx, cache=None):
     aux, new = {}, None
     if kind == "mamba":
         y, st = mamba2.mamba_mixer(p["mixer"], u, cfg, dtype, segment_ids=ctx.segment_ids, state=cache,
-                                   valid=ctx.valid, scan=ctx.opts.ssd)
+                                   valid=ctx.valid, scan=ctx.opts.ssd, mesh=ctx.opts.mesh)
         new = st if cache is not None else None
     elif kind == "attention":
         y, new = attn_lib.attention(p["mixer"], u, cfg, dtype, segment_ids=ctx.segment_ids, cache=cache,
-                                    valid_cache=ctx.valid_cache, pos=ctx.pos, impl=ctx.opts.attention)
+                                    valid_cache=ctx.valid_cache, pos=ctx.pos, impl=ctx.opts.attention,
+                                    mesh=ctx.opts.mesh)
     elif kind == "mlp":
         y = mlp(p["mixer"], u, dtype)
     elif kind == "moe":
@@ -136,8 +137,9 @@ def embed_tokens(emb: dict, tokens: jax.Array, dtype, mesh) -> jax.Array:
     def local(t, tok):
         return jnp.take(gather_shards(t.astype(dtype), stored), tok, axis=0)
 
-    tok_spec = P(rows or None)
-    return jax.shard_map(local, mesh=mesh, in_specs=(stored, tok_spec), out_specs=P(rows or None, None, None),
+    seq = "context" if context_shards(mesh, tokens.shape[1]) > 1 else None
+    tok_spec = P(rows or None, seq)
+    return jax.shard_map(local, mesh=mesh, in_specs=(stored, tok_spec), out_specs=P(rows or None, seq, None),
                          check_vma=False)(table, tokens)
 
 

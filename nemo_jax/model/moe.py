@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from nemo_jax.model.layers import linear, mlp, relu2
-from nemo_jax.parallel.mesh import BATCH_AXES, gather_shards, pin_batch, row_shards
+from nemo_jax.parallel.mesh import TOKEN_AXES, gather_shards, pin_tokens, token_axes
 
 DISPATCHES = ("sorted", "capacity", "ragged", "dense")
 BLOCK_UP = "moe_block_up"  # checkpoint name of the experts' up-projection output: all their backward saves
@@ -50,11 +50,12 @@ def route(p_gate: dict, x: jax.Array, cfg, mesh=None):
 def _top_k(x: jax.Array, k: int, mesh=None):
     """lax.top_k over the last axis; with a mesh, per device on its own token rows (GSPMD's partitioning of
     top_k gathers every token's scores onto every device)."""
-    if mesh is None or row_shards(mesh, x.shape[0]) == 1:
+    axes = token_axes(mesh, x.shape[0])
+    if not axes:
         return jax.lax.top_k(x, k)
     from jax.sharding import PartitionSpec as P
 
-    rows = P(tuple(a for a in BATCH_AXES if mesh.shape.get(a, 1) > 1))
+    rows = P(axes)
     return jax.shard_map(lambda c: tuple(jax.lax.top_k(c, k)), mesh=mesh, in_specs=rows, out_specs=(rows, rows),
                          check_vma=False)(x)
 
@@ -240,7 +241,7 @@ def _expert_parallel(pe, x, w, idx, cfg, dtype, dispatch, capacity_factor, mesh,
     if E % ep:
         return None
     El = E // ep
-    tok_axes = tuple(a for a in ("data", "fsdp", "expert") if mesh.shape.get(a, 1) > 1)
+    tok_axes = tuple(a for a in TOKEN_AXES if mesh.shape.get(a, 1) > 1)
     if x.shape[0] % math.prod(mesh.shape[a] for a in tok_axes):
         return None
     t_spec = P(tok_axes)
@@ -311,7 +312,7 @@ def moe(p: dict, u: jax.Array, cfg, dtype, *, dispatch: str = "sorted", capacity
     E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
     m = jnp.ones((b * l,), jnp.float32) if token_mask is None else token_mask.reshape(-1).astype(jnp.float32)
     # per-token statistics stay on their rows (reduced by an all-reduce of [E] sums, never gathered)
-    m, scores = pin_batch(m, mesh), pin_batch(scores, mesh)
+    m, scores = pin_tokens(m, mesh), pin_tokens(scores, mesh)
     n_tok = jnp.maximum(jnp.sum(m), 1.0)
     onehot = jnp.sum(jax.nn.one_hot(idx, E, dtype=jnp.float32), axis=1) * m[:, None]  # [T, E]
     load = jnp.sum(onehot, axis=0)

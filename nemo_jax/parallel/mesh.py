@@ -1,4 +1,7 @@
-"""Device mesh over (data, fsdp, tensor, expert); a size of -1 takes the remaining devices."""
+"""Device mesh over (data, fsdp, tensor, expert, context); a size of -1 takes the remaining devices.
+
+Activations [B, L, ...] are split by rows over BATCH_AXES and by sequence over `context`; flattened tokens
+[B*L, ...] (the MoE's) over TOKEN_AXES, the same split read row-major."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from nemo_jax.parallel.rules import MESH_AXES
 
 BATCH_AXES = ("data", "fsdp", "expert")
+TOKEN_AXES = BATCH_AXES + ("context",)
 
 
 def resolve_sizes(sizes: dict, n_devices: int) -> dict:
@@ -56,8 +60,9 @@ def read_mesh_sizes(spec: str) -> dict:
 
 
 # Axes placed inside a node first (its fast links: NVLink, a TPU slice's ICI), the heaviest traffic first:
-# tensor (an all-reduce per layer), expert (token exchange per MoE layer), then fsdp, then data.
-NODE_ORDER = ("tensor", "expert", "fsdp", "data")
+# tensor (an all-reduce per layer), context (the attention layers' K/V all-gather and the Mamba layers' state
+# and conv-window passing), expert (token exchange per MoE layer), then fsdp, then data.
+NODE_ORDER = ("tensor", "context", "expert", "fsdp", "data")
 
 
 def nodes_of(devices: list, devices_per_node: int = 0) -> list[list]:
@@ -129,14 +134,41 @@ def row_shards(mesh, rows: int) -> int:
     return n if rows % n == 0 else 1
 
 
+def context_shards(mesh, length: int | None = None) -> int:
+    """The mesh's `context` size (1 without a mesh or the axis; 1 too when it does not divide `length`)."""
+    n = 1 if mesh is None else mesh.shape.get("context", 1)
+    return 1 if length is not None and length % n else n
+
+
+def token_axes(mesh, tokens: int) -> tuple[str, ...]:
+    """The mesh axes that split `tokens` flattened [B*L] tokens as `pin_batch` splits [B, L] (() if they do not
+    divide)."""
+    if mesh is None:
+        return ()
+    axes = tuple(a for a in TOKEN_AXES if mesh.shape.get(a, 1) > 1)
+    return axes if tokens % math.prod(mesh.shape[a] for a in axes) == 0 else ()
+
+
 def pin_batch(h, mesh):
-    """h [B, ...] (inside jit): rows over the mesh's batch axes, everything else unsharded, so GSPMD never
-    picks a layout sharded on the hidden dimension (from an FSDP-sharded embedding table) with global-batch
-    activations, nor gathers the rows for an op it partitions poorly (the router's top_k)."""
-    if mesh is None or row_shards(mesh, h.shape[0]) == 1:
+    """h [B, L, ...] (inside jit): rows over the mesh's batch axes and, for 3-d and larger, the sequence over
+    `context`, everything else unsharded, so GSPMD never picks a layout sharded on the hidden dimension (from
+    an FSDP-sharded embedding table) with global-batch activations, nor gathers the rows for an op it
+    partitions poorly (the router's top_k)."""
+    rows = row_shards(mesh, h.shape[0]) > 1
+    seq = h.ndim >= 3 and context_shards(mesh, h.shape[1]) > 1
+    if not rows and not seq:
         return h
-    axes = tuple(a for a in BATCH_AXES if mesh.shape.get(a, 1) > 1)
-    return jax.lax.with_sharding_constraint(h, NamedSharding(mesh, P(axes, *([None] * (h.ndim - 1)))))
+    axes = tuple(a for a in BATCH_AXES if mesh.shape.get(a, 1) > 1) if rows else None
+    return jax.lax.with_sharding_constraint(
+        h, NamedSharding(mesh, P(axes or None, "context" if seq else None, *([None] * (h.ndim - 2)))))
+
+
+def pin_tokens(x, mesh):
+    """x [T, ...] flattened tokens (inside jit): split over `token_axes`, the rest unsharded."""
+    axes = token_axes(mesh, x.shape[0])
+    if not axes:
+        return x
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(axes, *([None] * (x.ndim - 1)))))
 
 
 def gather_shards(a, spec, first_dim: int = 0):

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-MESH_AXES = ("data", "fsdp", "tensor", "expert")
+MESH_AXES = ("data", "fsdp", "tensor", "expert", "context")
 
 DEFAULT_RULES = {
     "layers": None,
@@ -30,7 +30,7 @@ DEFAULT_RULES = {
     "latent": None,
     # activations
     "batch": ("data", "fsdp", "expert"),
-    "seq": None,
+    "seq": "context",  # context parallelism: each device holds a contiguous part of every row
     "act_embed": None,
 }
 

@@ -10,7 +10,7 @@ import optax
 
 from nemo_jax.model.layers import chunked_cross_entropy
 from nemo_jax.model.model import Options, hidden_states, mtp_hidden
-from nemo_jax.parallel.mesh import row_shards
+from nemo_jax.parallel.mesh import context_shards, row_shards
 
 
 class TrainState(NamedTuple):
@@ -69,7 +69,7 @@ def token_nll(params, batch, cfg, opts: Options, temperature: float = 1.0):
     head = whole_head(params["lm_head"], opts.mesh)
     h, aux = hidden_states(params, batch["tokens"], cfg, batch["segment_ids"], opts=opts)
     nll = chunked_cross_entropy(h, head, batch["targets"], row_shards=row_shards(opts.mesh, h.shape[0]),
-                                temperature=temperature)
+                                temperature=temperature, seq_shards=context_shards(opts.mesh, h.shape[1]))
     return nll, h, head, aux
 
 
@@ -87,7 +87,8 @@ def token_loss(params, batch, cfg, opts: Options, mtp_coef: float = 0.0):
             tgt = jnp.pad(batch["targets"][:, 1 + d:], ((0, 0), (0, 1 + d)))
             m = jnp.pad(batch["loss_mask"][:, 1 + d:], ((0, 0), (0, 1 + d))) & (
                 jnp.pad(seg[:, 1 + d:], ((0, 0), (0, 1 + d))) == seg)
-            mnll = chunked_cross_entropy(hm, head, tgt, row_shards=rows)
+            mnll = chunked_cross_entropy(hm, head, tgt, row_shards=rows,
+                                         seq_shards=context_shards(opts.mesh, hm.shape[1]))
             aux[f"mtp{d}_nll_sum"] = jnp.sum(mnll * m)
             total = total + mtp_coef * aux[f"mtp{d}_nll_sum"]
     return total, aux
