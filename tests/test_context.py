@@ -8,10 +8,9 @@ import numpy as np
 import pytest
 
 from nemo_jax.model import Options
-from nemo_jax.model.spec import init
+from nemo_jax.model.spec import init, param_specs
 from nemo_jax.parallel.mesh import batch_sharding, make_mesh
 from nemo_jax.parallel.rules import Rules, param_shardings
-from nemo_jax.model.spec import param_specs
 from nemo_jax.train.step import token_loss
 
 from helpers import tiny_cfg
@@ -30,8 +29,8 @@ def _batch(B=2, T=32, seed=0):
     return {"tokens": tokens, "targets": targets, "loss_mask": seg > 0, "segment_ids": seg}
 
 
-def _loss_and_grads(params, batch, mesh):
-    opts = Options(mesh=mesh)
+def _loss_and_grads(params, batch, mesh, attention="blocked"):
+    opts = Options(mesh=mesh, attention=attention)
     f = jax.jit(jax.value_and_grad(lambda p, b: token_loss(p, b, CFG, opts)[0]))
     if mesh is not None:
         params = jax.device_put(params, param_shardings(param_specs(CFG), mesh, Rules()))
@@ -46,12 +45,35 @@ def reference():
     return params, batch, _loss_and_grads(params, batch, None)
 
 
-@pytest.mark.parametrize("context,data", [(2, 1), (4, 2), (8, 1)])
-def test_split_sequence_matches_unsplit(reference, context, data):
+@pytest.mark.parametrize("context,data,attention", [(2, 1, "blocked"), (4, 2, "blocked"), (8, 1, "blocked"),
+                                                    (4, 1, "full")])
+def test_split_sequence_matches_unsplit(reference, context, data, attention):
+    """Balanced causal attention ("blocked") and the all-gathered reference ("full")."""
     params, batch, (want_loss, want_grads) = reference
     mesh = make_mesh({"data": data, "fsdp": 1, "context": context}, jax.devices()[:context * data])
-    loss, grads = _loss_and_grads(params, batch, mesh)
+    loss, grads = _loss_and_grads(params, batch, mesh, attention)
     np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(want_grads)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5,
                                    err_msg=jax.tree_util.keystr(path))
+
+
+def test_context_split_divides_memory_and_not_work():
+    """A 2048-token row: per-device temporaries ~1/context, FLOPs over all devices within 1.2x of one device's
+    (the balanced attention computes ~(2n+1)/2n of the causal blocks; the reference would be ~1.5x here)."""
+    from nemo_jax.model.spec import abstract_params
+    from nemo_jax.plan.hlo import analyse
+
+    cfg = tiny_cfg("MEM*E-", hidden_size=64, chunk_size=64)
+    got = {}
+    for c in (1, 8):
+        mesh = make_mesh({"fsdp": 1, "context": c}, jax.devices()[:c])
+        sh = param_shardings(param_specs(cfg), mesh, Rules())
+        params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_params(cfg), sh)
+        batch = {k: jax.ShapeDtypeStruct((1, 2048), dt, sharding=batch_sharding(mesh)) for k, dt in
+                 (("tokens", jnp.int32), ("targets", jnp.int32), ("loss_mask", jnp.bool_), ("segment_ids", jnp.int32))}
+        f = jax.jit(jax.grad(lambda p, b: token_loss(p, b, cfg, Options(mesh=mesh, scan=False))[0]))
+        compiled = f.lower(params, batch).compile()
+        got[c] = (compiled.memory_analysis().temp_size_in_bytes, analyse(compiled.as_text(), c).flops * c)
+    assert got[8][0] < got[1][0] / 6, got
+    assert got[8][1] < 1.2 * got[1][1], got

@@ -77,6 +77,80 @@ def _attend_context(q, k, v, segment_ids, dtype, block: int, mesh):
                          out_specs=seq, axis_names={"context"}, check_vma=False)(q, k, v, segment_ids)
 
 
+def _zigzag_pairs(n: int, e):
+    """Device e's work in the balanced causal split of 2n half-shards: its query half-shards a = e and
+    b = 2n-1-e, and the 2n+1 (query slot, key half-shard) pairs they need (a: 0..e, b: 0..2n-1-e)."""
+    p = jnp.arange(2 * n + 1)
+    slot_b = p > e
+    return slot_b, jnp.where(slot_b, p - (e + 1), p)
+
+
+def _attend_context_balanced(q, k, v, segment_ids, dtype, mesh):
+    """Causal attention of a sequence split over `context` with the work balanced (the 'zigzag' split): the
+    sequence is cut into 2n half-shards; device e computes the queries of half-shards e and 2n-1-e (moved in
+    and back with two collective permutes each) over the keys before them, 2n+1 blocks of [h, h] for every
+    device (online softmax), against all-gathered K/V. FLOPs over all devices ~ (2n+1)/2n of one device's
+    causal attention, where `_attend_context` (the reference) computes every query against every key."""
+    from jax.sharding import PartitionSpec as P
+
+    n = mesh.shape["context"]
+    # half-shard j lives on device j // 2 and is computed on device j (j < n) or 2n-1-j: in a permute of
+    # first halves (j even) and one of second halves (j odd), every device sends one and receives one
+    dest = lambda j: j if j < n else 2 * n - 1 - j  # noqa: E731
+    firsts = [(d, dest(2 * d)) for d in range(n)]
+    seconds = [(d, dest(2 * d + 1)) for d in range(n)]
+
+    def local(q, k, v, seg):
+        b, lc = q.shape[:2]
+        h = lc // 2
+        e = jax.lax.axis_index("context")
+        kg, vg = (jax.lax.all_gather(a, "context", axis=1, tiled=True) for a in (k, v))  # [b, 2nh, kv, hd]
+        sg = None if seg is None else jax.lax.all_gather(seg, "context", axis=1, tiled=True)
+        one = jax.lax.ppermute(q[:, :h], "context", firsts)
+        two = jax.lax.ppermute(q[:, h:], "context", seconds)
+        even = e % 2 == 0  # half-shard e arrives in the first permute when e is even
+        qa, qb = jnp.where(even, one, two), jnp.where(even, two, one)  # queries of half-shards e, 2n-1-e
+        start = jnp.stack([e * h, (2 * n - 1 - e) * h])  # their first positions
+        slot_b, kblock = _zigzag_pairs(n, e)
+        kv, r, hd = q.shape[2], q.shape[3], q.shape[4]
+        init = (jnp.full((2, b, kv, r, h), _NEG, jnp.float32), jnp.zeros((2, b, kv, r, h), jnp.float32),
+                jnp.zeros((2, b, h, kv, r, hd), jnp.float32))
+
+        def step(carry, pair):
+            m, s, acc = carry
+            is_b, kb = pair
+            qi = jnp.where(is_b, qb, qa)
+            ks, vs = (jax.lax.dynamic_slice_in_dim(a, kb * h, h, axis=1) for a in (kg, vg))
+            qpos = start[is_b.astype(jnp.int32)] + jnp.arange(h)
+            kpos = kb * h + jnp.arange(h)
+            mask = (qpos[:, None] >= kpos[None, :])[None]
+            if sg is not None:
+                qs = jax.lax.dynamic_slice_in_dim(sg, start[is_b.astype(jnp.int32)], h, axis=1)
+                mask = mask & (qs[:, :, None] == jax.lax.dynamic_slice_in_dim(sg, kb * h, h, axis=1)[:, None, :])
+            logits = jnp.einsum("blkrh,bskh->bkrls", qi, ks, preferred_element_type=jnp.float32) * (hd ** -0.5)
+            logits = jnp.where(mask[:, None, None], logits, _NEG)
+            j = is_b.astype(jnp.int32)
+            m_new = jnp.maximum(m[j], logits.max(-1))
+            scale = jnp.exp(m[j] - m_new)
+            pr = jnp.exp(logits - m_new[..., None])
+            s_new = s[j] * scale + pr.sum(-1)
+            a_new = acc[j] * jnp.moveaxis(scale, 3, 1)[..., None] + jnp.einsum(
+                "bkrls,bskh->blkrh", pr.astype(dtype), vs, preferred_element_type=jnp.float32)
+            return (m.at[j].set(m_new), s.at[j].set(s_new), acc.at[j].set(a_new)), None
+
+        (m, s, acc), _ = jax.lax.scan(step, init, (slot_b, kblock))
+        out = (acc / jnp.moveaxis(s, 4, 2)[..., None]).astype(dtype)  # [2, b, h, kv, r, hd]
+        oa, ob = out[0], out[1]
+        # back: half-shard j's result returns from where it was computed to device j // 2 (inverse permutes)
+        back_one = jax.lax.ppermute(jnp.where(even, oa, ob), "context", [(t, f) for f, t in firsts])
+        back_two = jax.lax.ppermute(jnp.where(even, ob, oa), "context", [(t, f) for f, t in seconds])
+        return jnp.concatenate([back_one, back_two], axis=1).reshape(b, lc, -1)
+
+    seq = P(None, "context")
+    return jax.shard_map(local, mesh=mesh, in_specs=(seq, seq, seq, None if segment_ids is None else seq),
+                         out_specs=seq, axis_names={"context"}, check_vma=False)(q, k, v, segment_ids)
+
+
 def _cached_mask(valid_cache, pos, start, l: int):
     """Mask [b, l, S] of chunk queries at positions pos + start + [0, l) over cache slots: causal and valid."""
     S = valid_cache.shape[1]
@@ -125,7 +199,10 @@ def attention(p: dict, u: jax.Array, cfg, dtype, *, segment_ids=None, cache: KVC
     k = linear(u, p["k_proj"], dtype).reshape(b, l, nkv, hd)
     v = linear(u, p["v_proj"], dtype).reshape(b, l, nkv, hd)
     if cache is None and context_shards(mesh, l) > 1:
-        out = _attend_context(q, k, v, segment_ids, dtype, block if impl == "blocked" else l, mesh)
+        if impl == "blocked" and (l // context_shards(mesh, l)) % 2 == 0:
+            out = _attend_context_balanced(q, k, v, segment_ids, dtype, mesh)
+        else:
+            out = _attend_context(q, k, v, segment_ids, dtype, block if impl == "blocked" else l, mesh)
         new_cache = None
     elif cache is None:
         out = _attend_blocked(q, k, v, segment_ids, dtype, block if impl == "blocked" else l)
