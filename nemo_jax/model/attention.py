@@ -138,7 +138,8 @@ def _attend_context_balanced(q, k, v, segment_ids, dtype, mesh):
                 "bkrls,bskh->blkrh", pr.astype(dtype), vs, preferred_element_type=jnp.float32)
             return (m.at[j].set(m_new), s.at[j].set(s_new), acc.at[j].set(a_new)), None
 
-        (m, s, acc), _ = jax.lax.scan(step, init, (slot_b, kblock))
+        # each block's logits are recomputed in the backward (only the running max / sum / output are saved)
+        (m, s, acc), _ = jax.lax.scan(jax.checkpoint(step), init, (slot_b, kblock))
         out = (acc / jnp.moveaxis(s, 4, 2)[..., None]).astype(dtype)  # [2, b, h, kv, r, hd]
         oa, ob = out[0], out[1]
         # back: half-shard j's result returns from where it was computed to device j // 2 (inverse permutes)
