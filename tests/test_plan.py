@@ -148,7 +148,7 @@ def test_plan_cli_json_keys(capsys):
     for k in ("fits", "per_device_bytes", "flops_per_step", "model_flops_per_step", "collective_bytes",
               "step_time_s", "mfu"):
         assert k in out, k
-    assert out["programs"][0]["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1, "expert": 2}
+    assert out["programs"][0]["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1, "expert": 2, "context": 1}
     assert set(out["step_time_s"]) >= {"compute", "collectives", "with_overlap", "without_overlap"}
     assert out["step_time_s"]["without_overlap"] >= out["step_time_s"]["with_overlap"] > 0
 

@@ -45,7 +45,7 @@ def test_one_device_and_eight_devices_agree(tmp_path):
     a = Trainer(cfg_for(tmp_path / "one", "steps=6"), quiet=True, devices=jax.devices()[:1])
     a.run()
     b = Trainer(cfg_for(tmp_path / "eight", "steps=6", "mesh.fsdp=2", "mesh.tensor=2", "mesh.expert=2"), quiet=True)
-    assert b.mesh.shape == {"data": 1, "fsdp": 2, "tensor": 2, "expert": 2}
+    assert b.mesh.shape == {"data": 1, "fsdp": 2, "tensor": 2, "expert": 2, "context": 1}
     spec = b.state.params["layers"]["moe"]["mixer"]["experts"]["up_proj"].sharding.spec
     assert "expert" in str(spec) and "tensor" in str(spec)
     b.run()
