@@ -44,10 +44,16 @@ def publish(tmp: str, path: str):
 
 
 def fsync_tree(root: str):
-    """Flush every file under `root` to disk (before a rename publishes it)."""
+    """Flush every file under `root` to disk (before a rename publishes it). A file that vanishes between the
+    listing and the open is skipped: in a directory several processes write (`distributed.shared_atomic_dir`)
+    another process's writer creates and removes lock files meanwhile (each process syncs after its own
+    writes, so nothing it wrote is missed)."""
     for d, _, files in os.walk(root):
         for name in files:
-            fd = os.open(os.path.join(d, name), os.O_RDONLY)
+            try:
+                fd = os.open(os.path.join(d, name), os.O_RDONLY)
+            except FileNotFoundError:
+                continue
             try:
                 os.fsync(fd)
             finally:
