@@ -120,17 +120,21 @@ def _records(chunk: Chunk):
             yield i + 1, line
 
 
-def _fingerprint(chunk: Chunk, tokenizer: str) -> str:
-    st = os.stat(chunk.path)
-    tj = os.path.join(resolve(tokenizer), "tokenizer.json")
-    tc = os.path.join(resolve(tokenizer), "tokenizer_config.json")
-    h = hashlib.sha1(json.dumps([os.path.abspath(chunk.path), st.st_size, st.st_mtime_ns, chunk.start, chunk.stop,
-                                 VERSION]).encode())
-    for p in (tj, tc):
+def _tokenizer_digest(tokenizer: str) -> str:
+    """Digest of the tokenizer files that decide the tokens (read once per `prepare`, not once per shard)."""
+    h = hashlib.sha1()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        p = os.path.join(resolve(tokenizer), name)
         if os.path.exists(p):
             with open(p, "rb") as f:
                 h.update(f.read())
     return h.hexdigest()
+
+
+def _fingerprint(chunk: Chunk, tokenizer_digest: str) -> str:
+    st = os.stat(chunk.path)
+    return hashlib.sha1(json.dumps([os.path.abspath(chunk.path), st.st_size, st.st_mtime_ns, chunk.start, chunk.stop,
+                                    VERSION, tokenizer_digest]).encode()).hexdigest()
 
 
 class ShardWriter:
@@ -242,9 +246,9 @@ def prepare(sources: list[str], tokenizer: str, out: str, *, workers: int = 1, v
     vocab = vocab_size or tok.tokenizer.get_vocab_size()
     chunks = plan_chunks(list(sources), chunk_bytes)
     os.makedirs(os.path.join(out, "shards"), exist_ok=True)
-    jobs, done = [], {}
+    jobs, done, digest = [], {}, _tokenizer_digest(tokenizer)
     for c in chunks:
-        fp = _fingerprint(c, tokenizer)
+        fp = _fingerprint(c, digest)
         got = _finished(os.path.join(out, "shards", c.name), fp)
         if got is None:
             jobs.append((c, tokenizer, out, fp, on_error, vocab))
