@@ -58,7 +58,7 @@ def test_split_sequence_matches_unsplit(reference, context, data, attention):
 
 
 def test_context_split_divides_memory_and_not_work():
-    """A 2048-token row: per-device temporaries ~1/context, FLOPs over all devices within 1.2x of one device's
+    """A 2048-token row: per-device temporaries and weights ~1/context, FLOPs over all devices within 1.2x of one device's
     (the balanced attention computes ~(2n+1)/2n of the causal blocks; the reference would be ~1.5x here)."""
     from nemo_jax.model.spec import abstract_params
     from nemo_jax.plan.hlo import analyse
@@ -73,6 +73,9 @@ def test_context_split_divides_memory_and_not_work():
                  (("tokens", jnp.int32), ("targets", jnp.int32), ("loss_mask", jnp.bool_), ("segment_ids", jnp.int32))}
         f = jax.jit(jax.grad(lambda p, b: token_loss(p, b, cfg, Options(mesh=mesh, scan=False))[0]))
         compiled = f.lower(params, batch).compile()
-        got[c] = (compiled.memory_analysis().temp_size_in_bytes, analyse(compiled.as_text(), c).flops * c)
+        mem = compiled.memory_analysis()
+        got[c] = (mem.temp_size_in_bytes, analyse(compiled.as_text(), c).flops * c, mem.argument_size_in_bytes)
     assert got[8][0] < got[1][0] / 6, got
+    # the weights are split over the context group too (FSDP-like): params + batch per device fall ~1/context
+    assert got[8][2] < got[1][2] / 4, got
     assert got[8][1] < 1.2 * got[1][1], got

@@ -172,7 +172,8 @@ def test_learner_micro_batches_and_devices_match_one_batch(reference):
     ref_m, ref_p = reference
     assert ref_m[0]["ratio_max"] > 1.0 or ref_m[0]["ratio_min"] < 1.0  # off-policy: the ratio is exercised
     assert ref_m[1]["loss"] != ref_m[0]["loss"]  # the step changed the policy
-    for mesh, accum in ((None, 2), (make_mesh({"data": 2, "fsdp": 4}), 1)):
+    # the mesh run also splits each row's sequence (context=2: LoRA + the learner under context parallelism)
+    for mesh, accum in ((None, 2), (make_mesh({"data": 2, "fsdp": 2, "context": 2}), 1)):
         m, p = _run(mesh, accum)
         for a, b in zip(m, ref_m):
             for k in ("loss", "mismatch_kl", "ratio_max", "masked_frac_high", "grad_norm"):

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from nemo_jax.model.layers import linear
-from nemo_jax.parallel.mesh import context_shards
+from nemo_jax.parallel.mesh import all_gather_f32_grad, context_shards
 
 _NEG = -1e30
 
@@ -58,7 +58,7 @@ def _attend_context(q, k, v, segment_ids, dtype, block: int, mesh):
 
     def local(q, k, v, seg):
         lc = q.shape[1]
-        kg, vg = (jax.lax.all_gather(a, "context", axis=1, tiled=True) for a in (k, v))
+        kg, vg = (all_gather_f32_grad(a, "context", 1) for a in (k, v))
         qpos = jax.lax.axis_index("context") * lc + jnp.arange(lc)
         kpos = jnp.arange(kg.shape[1])
         sg = None if seg is None else jax.lax.all_gather(seg, "context", axis=1, tiled=True)
@@ -104,7 +104,7 @@ def _attend_context_balanced(q, k, v, segment_ids, dtype, mesh):
         b, lc = q.shape[:2]
         h = lc // 2
         e = jax.lax.axis_index("context")
-        kg, vg = (jax.lax.all_gather(a, "context", axis=1, tiled=True) for a in (k, v))  # [b, 2nh, kv, hd]
+        kg, vg = (all_gather_f32_grad(a, "context", 1) for a in (k, v))  # [b, 2nh, kv, hd]
         sg = None if seg is None else jax.lax.all_gather(seg, "context", axis=1, tiled=True)
         one = jax.lax.ppermute(q[:, :h], "context", firsts)
         two = jax.lax.ppermute(q[:, h:], "context", seconds)

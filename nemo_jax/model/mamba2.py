@@ -271,8 +271,13 @@ def _conv_scan_context(p, xbc, dt, A, cfg, segment_ids, scan: str, mesh):
     if p["conv1d"].get("bias") is not None:
         weights["bias"] = p["conv1d"]["bias"]
     seq = P(None, "context")
+    # the weights enter in fp32, cast back inside: their cotangents leave by a psum over `context`, which in bf16
+    # crashed XLA's CPU all-reduce promotion (and would sum the shards' gradients in bf16)
+    dtypes = jax.tree.map(lambda a: a.dtype, weights)
+    weights = jax.tree.map(lambda a: a.astype(jnp.float32), weights)
 
     def local(w, xbc, dt, seg):
+        w = jax.tree.map(lambda a, d: a.astype(d), w, dtypes)
         xbc_c = causal_conv_context(xbc, w["kernel"], w.get("bias"), seg, "context")
         y, final = _scan(jax.nn.silu(xbc_c), dt, w["A"], w["D"], cfg, seg, scan, axis="context")
         return y, final[None]

@@ -9,6 +9,7 @@ import math
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -175,6 +176,22 @@ def gather_shards(a, spec, first_dim: int = 0):
     """Inside shard_map: a's local shard, stored as `spec` (a PartitionSpec), all-gathered whole along every
     dimension from `first_dim` on (earlier dimensions, e.g. an expert axis, stay split)."""
     for dim, axes in list(enumerate(spec))[first_dim:]:
-        for ax in () if axes is None else (axes,) if isinstance(axes, str) else axes:
-            a = jax.lax.all_gather(a, ax, axis=dim, tiled=True)
+        if axes is not None:  # one gather over all of a dim's axes: (fsdp, context) orders blocks fsdp-major
+            a = jax.lax.all_gather(a, axes, axis=dim, tiled=True)
     return a
+
+
+def all_gather_f32_grad(a, axis: str, dim: int):
+    """Inside shard_map: `all_gather(a, axis, tiled)` along `dim` in a's dtype, whose transpose (the cotangent's
+    reduce-scatter) sums in fp32: the K/V gathers of context-parallel attention. A bf16 reduce-scatter out of a
+    partly manual shard_map crashed XLA's CPU all-reduce promotion, and fp32 is the better sum for gradients."""
+
+    @jax.custom_vjp
+    def gather(x):
+        return jax.lax.all_gather(x, axis, axis=dim, tiled=True)
+
+    def bwd(_, g):
+        return (jax.lax.psum_scatter(g.astype(jnp.float32), axis, scatter_dimension=dim, tiled=True).astype(a.dtype),)
+
+    gather.defvjp(lambda x: (gather(x), None), bwd)
+    return gather(a)

@@ -13,7 +13,10 @@ MESH_AXES = ("data", "fsdp", "tensor", "expert", "context")
 DEFAULT_RULES = {
     "layers": None,
     "vocab": "tensor",
-    "embed": "fsdp",
+    # weights' D dim over fsdp and context: the context group is a data-parallel group for the weights (each
+    # device sees other tokens of the same rows), so its members split the weights, gradients (reduce-scatter
+    # instead of an all-reduce) and optimiser state as FSDP does; without it context=8 held 8x the bytes
+    "embed": ("fsdp", "context"),
     "q_heads": "tensor",
     "kv_heads": "tensor",
     "mlp": "tensor",
@@ -26,7 +29,7 @@ DEFAULT_RULES = {
     "router_experts": None,
     "experts": "expert",
     "expert_mlp": "tensor",
-    "expert_in": "fsdp",  # routed experts' D (or latent) dim: without it latent experts were split only E-ways
+    "expert_in": ("fsdp", "context"),  # routed experts' D (or latent) dim: without it latent experts were split only E-ways
     "latent": None,
     # activations
     "batch": ("data", "fsdp", "expert"),
