@@ -1,11 +1,12 @@
 """Context parallelism bench: a long row split over 8 (fake) devices vs the longest row one device can take.
 
     python bench/context.py                    # 32k tokens, context=8, the tiny bench model
-    python bench/context.py --tokens 32768 --context 8 --hidden 64
+    python bench/context.py --tokens 32768 --context 8 --hidden 64 --attention blocked,ring --iters 3
 
 Prints, for the train step (loss + gradients) of one row: per-device temporaries, FLOPs per device and summed
 over devices, the bytes each collective kind moves per device per step (compiled HLO, loops by trip count),
-and the measured step time. "One device" is the longest power-of-two row whose single-device temporaries fit
+and the measured step time, for each context-parallel attention form (`--attention`: "blocked", K/V
+all-gathered; "ring", K/V passed around the ring; "full", the all-gathered reference). "One device" is the longest power-of-two row whose single-device temporaries fit
 in what each device of the split run uses (its memory budget), timed the same way; tokens/s compare the two.
 On this CPU the 8 devices share the host's cores, so the time ratio shows overheads, not a GPU speed-up.
 """
@@ -41,7 +42,7 @@ def bench_cfg(hidden: int) -> NemotronHConfig:
                            moe_shared_expert_intermediate_size=hidden)
 
 
-def step(cfg, params, tokens: int, context: int):
+def step(cfg, params, tokens: int, context: int, attention: str = "blocked"):
     """(compiled grad step, its inputs) of one row of `tokens` on `context` devices."""
     mesh = make_mesh({"fsdp": 1, "context": context}, jax.devices()[:context])
     p = jax.device_put(params, param_shardings(param_specs(cfg), mesh, Rules()))
@@ -49,7 +50,7 @@ def step(cfg, params, tokens: int, context: int):
     t = rng.integers(0, cfg.vocab_size, (1, tokens)).astype(np.int32)
     batch = jax.device_put({"tokens": t, "targets": np.roll(t, -1, 1), "loss_mask": np.ones((1, tokens), bool),
                             "segment_ids": np.ones((1, tokens), np.int32)}, batch_sharding(mesh))
-    f = jax.jit(jax.grad(lambda p, b: token_loss(p, b, cfg, Options(mesh=mesh))[0]))
+    f = jax.jit(jax.grad(lambda p, b: token_loss(p, b, cfg, Options(mesh=mesh, attention=attention))[0]))
     return f.lower(p, batch).compile(), (p, batch)
 
 
@@ -58,13 +59,16 @@ def main():
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--context", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--attention", default="blocked,ring", help="context-parallel attention forms, comma-separated")
+    ap.add_argument("--iters", type=int, default=3, help="timed steps per run (after one warm-up)")
     a = ap.parse_args()
     cfg = bench_cfg(a.hidden)
     params = init(cfg, jax.random.key(0))
     runs = []
-    split, args = step(cfg, params, a.tokens, a.context)
-    budget = split.memory_analysis().temp_size_in_bytes
-    runs.append((f"{a.tokens} tokens, context={a.context}", a.tokens, a.context, split, args))
+    for form in a.attention.split(","):
+        split, args = step(cfg, params, a.tokens, a.context, form)
+        runs.append((f"{a.tokens} tokens, context={a.context}, attention={form}", a.tokens, a.context, split, args))
+    budget = runs[0][3].memory_analysis().temp_size_in_bytes
     n = 256
     while n * 2 <= a.tokens:
         c, _ = step(cfg, params, n * 2, 1)
@@ -82,7 +86,7 @@ def main():
     for name, tokens, c, compiled, inputs in runs:
         cost = analyse(compiled.as_text(), c)
         coll = ", ".join(f"{k} {v / 2**20:,.1f} MiB" for k, v in sorted(cost.collective_bytes().items())) or "none"
-        t = timeit(lambda: jax.block_until_ready(compiled(*inputs)), warmup=1, iters=3)
+        t = timeit(lambda: jax.block_until_ready(compiled(*inputs)), warmup=1, iters=a.iters)
         print(f"| {name} | {compiled.memory_analysis().temp_size_in_bytes / 2**20:,.1f} MiB | {cost.flops / 1e9:,.2f} G "
               f"| {cost.flops * c / 1e9:,.2f} G | {coll} | {t:.2f} | {tokens / t:,.0f} |")
 

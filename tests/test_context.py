@@ -45,9 +45,11 @@ def reference():
     return params, batch, _loss_and_grads(params, batch, None)
 
 
-@pytest.mark.parametrize("context,data,attention", [(2, 2, "blocked"), (8, 1, "blocked"), (4, 1, "full")])
+@pytest.mark.parametrize("context,data,attention", [(2, 2, "blocked"), (8, 1, "blocked"), (4, 1, "full"),
+                                                    (4, 2, "ring")])
 def test_split_sequence_matches_unsplit(reference, context, data, attention):
-    """Balanced causal attention ("blocked") and the all-gathered reference ("full")."""
+    """Balanced causal attention against all-gathered K/V ("blocked"), ring attention ("ring") and the
+    all-gathered plain reference ("full")."""
     params, batch, (want_loss, want_grads) = reference
     mesh = make_mesh({"data": data, "fsdp": 1, "context": context}, jax.devices()[:context * data])
     loss, grads = _loss_and_grads(params, batch, mesh, attention)

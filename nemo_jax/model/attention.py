@@ -54,27 +54,21 @@ def _attend_context(q, k, v, segment_ids, dtype, block: int, mesh):
     """Causal `_attend` of a sequence split over the mesh's `context` axis (other axes left to GSPMD): each
     shard all-gathers K/V (cheap with few KV heads) and attends its own queries, in blocks of `block`, over the
     keys at or before them (global positions)."""
-    from jax.sharding import PartitionSpec as P
 
     def local(q, k, v, seg):
         lc = q.shape[1]
         kg, vg = (all_gather_f32_grad(a, "context", 1) for a in (k, v))
+        sg = jax.lax.all_gather(seg, "context", axis=1, tiled=True)
         qpos = jax.lax.axis_index("context") * lc + jnp.arange(lc)
-        kpos = jnp.arange(kg.shape[1])
-        sg = None if seg is None else jax.lax.all_gather(seg, "context", axis=1, tiled=True)
         step = max(block, -(-lc // MAX_BLOCKS))
         outs = []
         for s in range(0, lc, step):
             e = min(lc, s + step)
-            mask = (qpos[s:e, None] >= kpos[None, :])[None]
-            if seg is not None:
-                mask = mask & (seg[:, s:e, None] == sg[:, None, :])
+            mask = _block_mask(qpos[s:e], jnp.arange(kg.shape[1]), seg[:, s:e], sg)
             outs.append(_attend(q[:, s:e], kg, vg, mask, dtype))
         return jnp.concatenate(outs, axis=1)
 
-    seq = P(None, "context")
-    return jax.shard_map(local, mesh=mesh, in_specs=(seq, seq, seq, None if segment_ids is None else seq),
-                         out_specs=seq, axis_names={"context"}, check_vma=False)(q, k, v, segment_ids)
+    return _context_attention(local, q, k, v, segment_ids, mesh)
 
 
 def _zigzag_pairs(n: int, e):
@@ -85,71 +79,151 @@ def _zigzag_pairs(n: int, e):
     return slot_b, jnp.where(slot_b, p - (e + 1), p)
 
 
-def _attend_context_balanced(q, k, v, segment_ids, dtype, mesh):
-    """Causal attention of a sequence split over `context` with the work balanced (the 'zigzag' split): the
-    sequence is cut into 2n half-shards; device e computes the queries of half-shards e and 2n-1-e (moved in
-    and back with two collective permutes each) over the keys before them, 2n+1 blocks of [h, h] for every
-    device (online softmax), against all-gathered K/V. FLOPs over all devices ~ (2n+1)/2n of one device's
-    causal attention, where `_attend_context` (the reference) computes every query against every key."""
+def _zigzag_moves(n: int):
+    """The two collective permutes that take each device's two halves to the zigzag layout, in which device e
+    holds half-shards e and 2n-1-e: half-shard j lives on device j // 2 and goes to device j (j < n) or
+    2n-1-j; in one permute of first halves (j even) and one of second halves (j odd) every device sends one
+    and receives one. -> (firsts, seconds) as (source, destination) pairs."""
+    dest = lambda j: j if j < n else 2 * n - 1 - j  # noqa: E731
+    return [(d, dest(2 * d)) for d in range(n)], [(d, dest(2 * d + 1)) for d in range(n)]
+
+
+def _to_zigzag(x, n: int, h: int):
+    """Inside shard_map: x [b, 2h, ...] (this device's contiguous shard) -> [b, 2h, ...] holding half-shards
+    e and 2n-1-e, in that order."""
+    firsts, seconds = _zigzag_moves(n)
+    one = jax.lax.ppermute(x[:, :h], "context", firsts)
+    two = jax.lax.ppermute(x[:, h:], "context", seconds)
+    even = jax.lax.axis_index("context") % 2 == 0  # half-shard e arrives in the first permute when e is even
+    return jnp.concatenate([jnp.where(even, one, two), jnp.where(even, two, one)], axis=1)
+
+
+def _from_zigzag(x, n: int, h: int):
+    """The inverse of `_to_zigzag`: each half-shard returns to device j // 2."""
+    firsts, seconds = _zigzag_moves(n)
+    even = jax.lax.axis_index("context") % 2 == 0
+    xa, xb = x[:, :h], x[:, h:]
+    one = jax.lax.ppermute(jnp.where(even, xa, xb), "context", [(t, f) for f, t in firsts])
+    two = jax.lax.ppermute(jnp.where(even, xb, xa), "context", [(t, f) for f, t in seconds])
+    return jnp.concatenate([one, two], axis=1)
+
+
+def _online_init(b: int, l: int, kv: int, r: int, hd: int):
+    """Online-softmax state of l queries: running max, sum [b, kv, r, l] and output [b, l, kv, r, hd], fp32."""
+    return (jnp.full((b, kv, r, l), _NEG, jnp.float32), jnp.zeros((b, kv, r, l), jnp.float32),
+            jnp.zeros((b, l, kv, r, hd), jnp.float32))
+
+
+def _online_step(state, q, k, v, mask, dtype):
+    """One key block into the online softmax: q [b, l, kv, r, hd], k/v [b, s, kv, hd], mask [b, l, s]."""
+    m, s, acc = state
+    logits = jnp.einsum("blkrh,bskh->bkrls", q, k, preferred_element_type=jnp.float32) * (q.shape[-1] ** -0.5)
+    logits = jnp.where(mask[:, None, None], logits, _NEG)
+    m_new = jnp.maximum(m, logits.max(-1))
+    scale = jnp.exp(m - m_new)
+    pr = jnp.exp(logits - m_new[..., None])
+    acc = acc * jnp.moveaxis(scale, 3, 1)[..., None] + jnp.einsum(
+        "bkrls,bskh->blkrh", pr.astype(dtype), v, preferred_element_type=jnp.float32)
+    return m_new, s * scale + pr.sum(-1), acc
+
+
+def _online_out(state, dtype):
+    m, s, acc = state
+    return (acc / jnp.moveaxis(s, 3, 1)[..., None]).astype(dtype)  # [b, l, kv, r, hd]
+
+
+def _block_mask(qpos, kpos, qseg, kseg):
+    """[b, lq, lk]: causal by global positions, inside one packed document."""
+    return (qpos[:, None] >= kpos[None, :])[None] & (qseg[:, :, None] == kseg[:, None, :])
+
+
+def _context_attention(local, q, k, v, segment_ids, mesh):
+    """Run local(q, k, v, seg) -> [b, l/n, kv*r*hd] over the `context` axis (other axes left to GSPMD); segment
+    ids default to one document per row."""
     from jax.sharding import PartitionSpec as P
 
+    seg = jnp.ones(q.shape[:2], jnp.int32) if segment_ids is None else segment_ids
+    seq = P(None, "context")
+    return jax.shard_map(local, mesh=mesh, in_specs=(seq, seq, seq, seq), out_specs=seq, axis_names={"context"},
+                         check_vma=False)(q, k, v, seg)
+
+
+def _attend_context_balanced(q, k, v, segment_ids, dtype, mesh):
+    """Causal attention of a sequence split over `context` with the work balanced (the 'zigzag' split): the
+    sequence is cut into 2n half-shards; device e computes the queries of half-shards e and 2n-1-e
+    (`_to_zigzag`, two collective permutes in and two back) over the keys before them, 2n+1 blocks of [h, h]
+    for every device (online softmax), against all-gathered K/V. FLOPs over all devices ~ (2n+1)/2n of one
+    device's causal attention, where `_attend_context` (the reference) computes every query against every key."""
     n = mesh.shape["context"]
-    # half-shard j lives on device j // 2 and is computed on device j (j < n) or 2n-1-j: in a permute of
-    # first halves (j even) and one of second halves (j odd), every device sends one and receives one
-    dest = lambda j: j if j < n else 2 * n - 1 - j  # noqa: E731
-    firsts = [(d, dest(2 * d)) for d in range(n)]
-    seconds = [(d, dest(2 * d + 1)) for d in range(n)]
 
     def local(q, k, v, seg):
-        b, lc = q.shape[:2]
+        b, lc, kv, r, hd = q.shape
         h = lc // 2
         e = jax.lax.axis_index("context")
         kg, vg = (all_gather_f32_grad(a, "context", 1) for a in (k, v))  # [b, 2nh, kv, hd]
-        sg = None if seg is None else jax.lax.all_gather(seg, "context", axis=1, tiled=True)
-        one = jax.lax.ppermute(q[:, :h], "context", firsts)
-        two = jax.lax.ppermute(q[:, h:], "context", seconds)
-        even = e % 2 == 0  # half-shard e arrives in the first permute when e is even
-        qa, qb = jnp.where(even, one, two), jnp.where(even, two, one)  # queries of half-shards e, 2n-1-e
-        start = jnp.stack([e * h, (2 * n - 1 - e) * h])  # their first positions
+        sg = jax.lax.all_gather(seg, "context", axis=1, tiled=True)
+        qz, sz = _to_zigzag(q, n, h), _to_zigzag(seg, n, h)
+        start = jnp.stack([e * h, (2 * n - 1 - e) * h])  # first positions of query half-shards e, 2n-1-e
         slot_b, kblock = _zigzag_pairs(n, e)
-        kv, r, hd = q.shape[2], q.shape[3], q.shape[4]
-        init = (jnp.full((2, b, kv, r, h), _NEG, jnp.float32), jnp.zeros((2, b, kv, r, h), jnp.float32),
-                jnp.zeros((2, b, h, kv, r, hd), jnp.float32))
 
-        def step(carry, pair):
-            m, s, acc = carry
+        def step(states, pair):
             is_b, kb = pair
-            qi = jnp.where(is_b, qb, qa)
-            ks, vs = (jax.lax.dynamic_slice_in_dim(a, kb * h, h, axis=1) for a in (kg, vg))
-            qpos = start[is_b.astype(jnp.int32)] + jnp.arange(h)
-            kpos = kb * h + jnp.arange(h)
-            mask = (qpos[:, None] >= kpos[None, :])[None]
-            if sg is not None:
-                qs = jax.lax.dynamic_slice_in_dim(sg, start[is_b.astype(jnp.int32)], h, axis=1)
-                mask = mask & (qs[:, :, None] == jax.lax.dynamic_slice_in_dim(sg, kb * h, h, axis=1)[:, None, :])
-            logits = jnp.einsum("blkrh,bskh->bkrls", qi, ks, preferred_element_type=jnp.float32) * (hd ** -0.5)
-            logits = jnp.where(mask[:, None, None], logits, _NEG)
             j = is_b.astype(jnp.int32)
-            m_new = jnp.maximum(m[j], logits.max(-1))
-            scale = jnp.exp(m[j] - m_new)
-            pr = jnp.exp(logits - m_new[..., None])
-            s_new = s[j] * scale + pr.sum(-1)
-            a_new = acc[j] * jnp.moveaxis(scale, 3, 1)[..., None] + jnp.einsum(
-                "bkrls,bskh->blkrh", pr.astype(dtype), vs, preferred_element_type=jnp.float32)
-            return (m.at[j].set(m_new), s.at[j].set(s_new), acc.at[j].set(a_new)), None
+            qi, qs = (jax.lax.dynamic_slice_in_dim(a, j * h, h, axis=1) for a in (qz, sz))
+            ks, vs, kss = (jax.lax.dynamic_slice_in_dim(a, kb * h, h, axis=1) for a in (kg, vg, sg))
+            mask = _block_mask(start[j] + jnp.arange(h), kb * h + jnp.arange(h), qs, kss)
+            new = _online_step(jax.tree.map(lambda a: a[j], states), qi, ks, vs, mask, dtype)
+            return jax.tree.map(lambda a, x: a.at[j].set(x), states, new), None
 
+        init = jax.tree.map(lambda a: jnp.stack([a, a]), _online_init(b, h, kv, r, hd))
         # each block's logits are recomputed in the backward (only the running max / sum / output are saved)
-        (m, s, acc), _ = jax.lax.scan(jax.checkpoint(step), init, (slot_b, kblock))
-        out = (acc / jnp.moveaxis(s, 4, 2)[..., None]).astype(dtype)  # [2, b, h, kv, r, hd]
-        oa, ob = out[0], out[1]
-        # back: half-shard j's result returns from where it was computed to device j // 2 (inverse permutes)
-        back_one = jax.lax.ppermute(jnp.where(even, oa, ob), "context", [(t, f) for f, t in firsts])
-        back_two = jax.lax.ppermute(jnp.where(even, ob, oa), "context", [(t, f) for f, t in seconds])
-        return jnp.concatenate([back_one, back_two], axis=1).reshape(b, lc, -1)
+        states, _ = jax.lax.scan(jax.checkpoint(step), init, (slot_b, kblock))
+        out = jnp.concatenate([_online_out(jax.tree.map(lambda a: a[i], states), dtype) for i in (0, 1)], axis=1)
+        return _from_zigzag(out, n, h).reshape(b, lc, -1)
 
-    seq = P(None, "context")
-    return jax.shard_map(local, mesh=mesh, in_specs=(seq, seq, seq, None if segment_ids is None else seq),
-                         out_specs=seq, axis_names={"context"}, check_vma=False)(q, k, v, segment_ids)
+    return _context_attention(local, q, k, v, segment_ids, mesh)
+
+
+def _attend_context_ring(q, k, v, segment_ids, dtype, mesh):
+    """Ring attention over `context` in the zigzag layout (`_to_zigzag`): each device keeps its queries and
+    passes its K/V (and segment ids) to the next device n-1 times (`ppermute`), folding every block it holds
+    into an online softmax. Device e meets device j's half-shards j and 2n-1-j: j = e is its causal diagonal
+    ([2h, 2h] masked); j < e needs both query halves against key half j, j > e the query half 2n-1-e
+    against both key halves: [2h, h] either way, so every device does the same work at every step and the
+    causal upper half is never computed. The same FLOPs as `_attend_context_balanced`; K/V move by n-1
+    permutes of 1/n of the sequence (which a GPU overlaps with the blocks) instead of one all-gather."""
+    n = mesh.shape["context"]
+    ring = [(i, (i + 1) % n) for i in range(n)]
+
+    def local(q, k, v, seg):
+        b, lc, kv, r, hd = q.shape
+        h = lc // 2
+        e = jax.lax.axis_index("context")
+        qz, kz, vz, sz = (_to_zigzag(a, n, h) for a in (q, k, v, seg))
+        pos = lambda d: jnp.concatenate([d * h + jnp.arange(h), (2 * n - 1 - d) * h + jnp.arange(h)])  # noqa: E731
+        qpos = pos(e)
+        state = _online_step(_online_init(b, lc, kv, r, hd), qz, kz, vz, _block_mask(qpos, qpos, sz, sz), dtype)
+
+        def step(carry, i):
+            state, (kc, vc, sc) = carry
+            kc, vc, sc = (jax.lax.ppermute(a, "context", ring) for a in (kc, vc, sc))
+            j = (e - i) % n
+            kpos = pos(j)
+
+            def early(st):  # j < e: both query halves against key half j
+                return _online_step(st, qz, kc[:, :h], vc[:, :h], _block_mask(qpos, kpos[:h], sz, sc[:, :h]), dtype)
+
+            def late(st):  # j > e: query half 2n-1-e against both key halves
+                sub = _online_step((st[0][..., h:], st[1][..., h:], st[2][:, h:]), qz[:, h:], kc, vc,
+                                   _block_mask(qpos[h:], kpos, sz[:, h:], sc), dtype)
+                return st[0].at[..., h:].set(sub[0]), st[1].at[..., h:].set(sub[1]), st[2].at[:, h:].set(sub[2])
+
+            return (jax.lax.cond(j < e, early, late, state), (kc, vc, sc)), None
+
+        (state, _), _ = jax.lax.scan(jax.checkpoint(step), (state, (kz, vz, sz)), jnp.arange(1, n))
+        return _from_zigzag(_online_out(state, dtype), n, h).reshape(b, lc, -1)
+
+    return _context_attention(local, q, k, v, segment_ids, mesh)
 
 
 def _cached_mask(valid_cache, pos, start, l: int):
@@ -178,7 +252,10 @@ def _attend_cached_blocked(q, kc, vc, valid_cache, pos, dtype, block: int):
     return jnp.moveaxis(out, 0, 1).reshape(b, n * block, -1)[:, :l]
 
 
-IMPLEMENTATIONS = ("blocked", "full")
+IMPLEMENTATIONS = ("blocked", "ring", "full")  # "ring" differs from "blocked" only on a context mesh
+# the balanced forms over a split sequence (whose shards halve): K/V all-gathered (chosen by measurement, see
+# bench/context.py) or passed around the ring
+CONTEXT_FORMS = {"blocked": _attend_context_balanced, "ring": _attend_context_ring}
 BLOCK = 128  # query rows per block (1x1024 on CPU: fwd+bwd ~150 ms vs ~300 ms for the full form)
 MAX_BLOCKS = 16  # longer sequences get larger blocks, so the unrolled blocks (and compile time) stay bounded
 
@@ -187,12 +264,13 @@ def attention(p: dict, u: jax.Array, cfg, dtype, *, segment_ids=None, cache: KVC
               valid_cache=None, pos=None, impl: str = "blocked", block: int = BLOCK, mesh=None):
     """u [b, l, D] -> (out [b, l, D], new KVCache or None).
 
-    Training (no cache): `impl` "blocked" runs query blocks of `block` rows over their key prefixes; "full"
+    Training (no cache): `impl` "blocked" (or "ring") runs query blocks of `block` rows over their key prefixes; "full"
     is the plain [l, l] masked reference. With `cache`: "blocked" attends `block` queries at a time over the
     cache (`_attend_cached_blocked`), "full" the whole chunk at once (reference). The chunk's keys/values are written at
     [pos, pos+l); `valid_cache` [b, S] is the validity of every cache slot *after* the write (the caller owns
-    it, shared by all layers). Training on a `mesh` with a `context` axis: the sequence split over it
-    (`_attend_context`).
+    it, shared by all layers). Training on a `mesh` with a `context` axis: the sequence split over it,
+    "blocked" against all-gathered K/V (`_attend_context_balanced`), "ring" with K/V passed around the ring
+    (`_attend_context_ring`), "full" the all-gathered plain form (`_attend_context`).
     """
     b, l, _ = u.shape
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -200,18 +278,18 @@ def attention(p: dict, u: jax.Array, cfg, dtype, *, segment_ids=None, cache: KVC
     k = linear(u, p["k_proj"], dtype).reshape(b, l, nkv, hd)
     v = linear(u, p["v_proj"], dtype).reshape(b, l, nkv, hd)
     if cache is None and context_shards(mesh, l) > 1:
-        if impl == "blocked" and (l // context_shards(mesh, l)) % 2 == 0:
-            out = _attend_context_balanced(q, k, v, segment_ids, dtype, mesh)
+        if impl in CONTEXT_FORMS and (l // context_shards(mesh, l)) % 2 == 0:
+            out = CONTEXT_FORMS[impl](q, k, v, segment_ids, dtype, mesh)
         else:
-            out = _attend_context(q, k, v, segment_ids, dtype, block if impl == "blocked" else l, mesh)
+            out = _attend_context(q, k, v, segment_ids, dtype, l if impl == "full" else block, mesh)
         new_cache = None
     elif cache is None:
-        out = _attend_blocked(q, k, v, segment_ids, dtype, block if impl == "blocked" else l)
+        out = _attend_blocked(q, k, v, segment_ids, dtype, l if impl == "full" else block)
         new_cache = None
     else:
         kc = jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), (0, pos, 0, 0))
         vc = jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), (0, pos, 0, 0))
-        if impl == "blocked":
+        if impl != "full":
             out = _attend_cached_blocked(q, kc.astype(dtype), vc.astype(dtype), valid_cache, pos, dtype, block)
         else:
             out = _attend(q, kc.astype(dtype), vc.astype(dtype), _cached_mask(valid_cache, pos, 0, l), dtype)

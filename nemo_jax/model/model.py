@@ -41,7 +41,7 @@ class Options:
     dtype: Any = jnp.float32  # compute dtype; params stay fp32, router/norms/softmax/SSM in fp32
     scan: bool = True  # scan over repeated units (False: unrolled reference)
     ssd: str = "chunked"  # "chunked" | "sequential" (reference)
-    attention: str = "blocked"  # "blocked" (causal query blocks over key prefixes) | "full" (reference)
+    attention: str = "blocked"  # "blocked" (causal query blocks over key prefixes) | "ring" | "full" (reference)
     moe_dispatch: str = "sorted"  # see moe.DISPATCHES
     capacity_factor: float = 1.25
     ep_capacity: float = 0.0  # expert parallel: each device's sorted buffer holds this x its even share (0: dropless)
