@@ -132,6 +132,17 @@ def _online_out(state, dtype):
     return (acc / jnp.moveaxis(s, 3, 1)[..., None]).astype(dtype)  # [b, l, kv, r, hd]
 
 
+def _fold(states, j, q, k, v, mask, dtype):
+    """`_online_step` into slot j of stacked online-softmax states [2, ...] (a query half-shard's)."""
+    new = _online_step(jax.tree.map(lambda a: a[j], states), q, k, v, mask, dtype)
+    return jax.tree.map(lambda a, x: a.at[j].set(x), states, new)
+
+
+def _half(x, i, h: int):
+    """x[:, i*h : (i+1)*h] for a traced i."""
+    return jax.lax.dynamic_slice_in_dim(x, i * h, h, axis=1)
+
+
 def _block_mask(qpos, kpos, qseg, kseg):
     """[b, lq, lk]: causal by global positions, inside one packed document."""
     return (qpos[:, None] >= kpos[None, :])[None] & (qseg[:, :, None] == kseg[:, None, :])
@@ -169,11 +180,10 @@ def _attend_context_balanced(q, k, v, segment_ids, dtype, mesh):
         def step(states, pair):
             is_b, kb = pair
             j = is_b.astype(jnp.int32)
-            qi, qs = (jax.lax.dynamic_slice_in_dim(a, j * h, h, axis=1) for a in (qz, sz))
-            ks, vs, kss = (jax.lax.dynamic_slice_in_dim(a, kb * h, h, axis=1) for a in (kg, vg, sg))
-            mask = _block_mask(start[j] + jnp.arange(h), kb * h + jnp.arange(h), qs, kss)
-            new = _online_step(jax.tree.map(lambda a: a[j], states), qi, ks, vs, mask, dtype)
-            return jax.tree.map(lambda a, x: a.at[j].set(x), states, new), None
+            qi, qs = (_half(a, j, h) for a in (qz, sz))
+            ks, vs, kss = (_half(a, kb, h) for a in (kg, vg, sg))
+            return _fold(states, j, qi, ks, vs, _block_mask(start[j] + jnp.arange(h), kb * h + jnp.arange(h), qs, kss),
+                         dtype), None
 
         init = jax.tree.map(lambda a: jnp.stack([a, a]), _online_init(b, h, kv, r, hd))
         # each block's logits are recomputed in the backward (only the running max / sum / output are saved)
@@ -186,12 +196,12 @@ def _attend_context_balanced(q, k, v, segment_ids, dtype, mesh):
 
 def _attend_context_ring(q, k, v, segment_ids, dtype, mesh):
     """Ring attention over `context` in the zigzag layout (`_to_zigzag`): each device keeps its queries and
-    passes its K/V (and segment ids) to the next device n-1 times (`ppermute`), folding every block it holds
-    into an online softmax. Device e meets device j's half-shards j and 2n-1-j: j = e is its causal diagonal
-    ([2h, 2h] masked); j < e needs both query halves against key half j, j > e the query half 2n-1-e
-    against both key halves: [2h, h] either way, so every device does the same work at every step and the
-    causal upper half is never computed. The same FLOPs as `_attend_context_balanced`; K/V move by n-1
-    permutes of 1/n of the sequence (which a GPU overlaps with the blocks) instead of one all-gather."""
+    passes its K/V (and segment ids) to the next device n-1 times (`ppermute`), folding the [h, h] blocks the
+    causal mask needs into an online softmax. Device e holds query half-shards a = e and b = 2n-1-e and meets
+    device j's key half-shards j and 2n-1-j: its own (j = e) give 3 blocks (a|j, b|j, b|2n-1-j), j < e the
+    2 blocks a|j and b|j, j > e the 2 blocks b|j and b|2n-1-j; 2n+1 blocks on every device, as in
+    `_attend_context_balanced`. K/V move by n-1 permutes of 1/n of the sequence (which a GPU can overlap with
+    the blocks) instead of one all-gather; the backward keeps every block it received, like the gather."""
     n = mesh.shape["context"]
     ring = [(i, (i + 1) % n) for i in range(n)]
 
@@ -202,26 +212,32 @@ def _attend_context_ring(q, k, v, segment_ids, dtype, mesh):
         qz, kz, vz, sz = (_to_zigzag(a, n, h) for a in (q, k, v, seg))
         pos = lambda d: jnp.concatenate([d * h + jnp.arange(h), (2 * n - 1 - d) * h + jnp.arange(h)])  # noqa: E731
         qpos = pos(e)
-        state = _online_step(_online_init(b, lc, kv, r, hd), qz, kz, vz, _block_mask(qpos, qpos, sz, sz), dtype)
+
+        @jax.checkpoint  # each block's logits are recomputed in the backward
+        def block(states, qi, kh, vh, kp, ks):
+            """Query half qi (traced) against one key half-shard kh/vh at positions kp, segment ids ks."""
+            mask = _block_mask(_half(qpos[None], qi, h)[0], kp, _half(sz, qi, h), ks)
+            return _fold(states, qi, _half(qz, qi, h), kh, vh, mask, dtype)
+
+        states = jax.tree.map(lambda a: jnp.stack([a, a]), _online_init(b, h, kv, r, hd))
+        for qi, ki in ((0, 0), (1, 0), (1, 1)):  # the own diagonal: a|a, b|a, b|b
+            states = block(states, jnp.int32(qi), kz[:, ki * h:(ki + 1) * h], vz[:, ki * h:(ki + 1) * h],
+                           qpos[ki * h:(ki + 1) * h], sz[:, ki * h:(ki + 1) * h])
 
         def step(carry, i):
-            state, (kc, vc, sc) = carry
+            states, (kc, vc, sc) = carry
             kc, vc, sc = (jax.lax.ppermute(a, "context", ring) for a in (kc, vc, sc))
             j = (e - i) % n
-            kpos = pos(j)
+            kp = pos(j)
+            later = (j > e).astype(jnp.int32)  # j < e: a|j then b|j; j > e: b|j then b|2n-1-j
+            states = block(states, later, kc[:, :h], vc[:, :h], kp[:h], sc[:, :h])
+            states = block(states, jnp.int32(1), _half(kc, later, h), _half(vc, later, h), _half(kp[None], later, h)[0],
+                           _half(sc, later, h))
+            return (states, (kc, vc, sc)), None
 
-            def early(st):  # j < e: both query halves against key half j
-                return _online_step(st, qz, kc[:, :h], vc[:, :h], _block_mask(qpos, kpos[:h], sz, sc[:, :h]), dtype)
-
-            def late(st):  # j > e: query half 2n-1-e against both key halves
-                sub = _online_step((st[0][..., h:], st[1][..., h:], st[2][:, h:]), qz[:, h:], kc, vc,
-                                   _block_mask(qpos[h:], kpos, sz[:, h:], sc), dtype)
-                return st[0].at[..., h:].set(sub[0]), st[1].at[..., h:].set(sub[1]), st[2].at[:, h:].set(sub[2])
-
-            return (jax.lax.cond(j < e, early, late, state), (kc, vc, sc)), None
-
-        (state, _), _ = jax.lax.scan(jax.checkpoint(step), (state, (kz, vz, sz)), jnp.arange(1, n))
-        return _from_zigzag(_online_out(state, dtype), n, h).reshape(b, lc, -1)
+        (states, _), _ = jax.lax.scan(step, (states, (kz, vz, sz)), jnp.arange(1, n))
+        out = jnp.concatenate([_online_out(jax.tree.map(lambda a: a[i], states), dtype) for i in (0, 1)], axis=1)
+        return _from_zigzag(out, n, h).reshape(b, lc, -1)
 
     return _context_attention(local, q, k, v, segment_ids, mesh)
 
