@@ -15,6 +15,7 @@ class ModelSection:
     moe_dispatch: str = "sorted"
     capacity_factor: float = 1.25
     ep_capacity: float = 0.0  # expert parallel: per-device expert buffer = this x the even share (0: dropless, ep x)
+    attention: str = "blocked"  # blocked | ring (context-parallel K/V passed around the ring) | full (reference)
     seed: int = 0
 
 

@@ -213,27 +213,29 @@ def _attend_context_ring(q, k, v, segment_ids, dtype, mesh):
         pos = lambda d: jnp.concatenate([d * h + jnp.arange(h), (2 * n - 1 - d) * h + jnp.arange(h)])  # noqa: E731
         qpos = pos(e)
 
-        @jax.checkpoint  # each block's logits are recomputed in the backward
-        def block(states, qi, kh, vh, kp, ks):
-            """Query half qi (traced) against one key half-shard kh/vh at positions kp, segment ids ks."""
-            mask = _block_mask(_half(qpos[None], qi, h)[0], kp, _half(sz, qi, h), ks)
-            return _fold(states, qi, _half(qz, qi, h), kh, vh, mask, dtype)
+        def blocks(states, pairs, kc, vc, kp, sc):
+            """Fold (query half, key half) pairs [m, 2] of the held K/V kc/vc [b, 2h, ..] (positions kp, segment
+            ids sc) one after another: a scan, so the backward holds one block's logits at a time."""
+
+            @jax.checkpoint  # each block's logits are recomputed in the backward
+            def one(states, pair):
+                qi, ki = pair[0], pair[1]
+                mask = _block_mask(_half(qpos[None], qi, h)[0], _half(kp[None], ki, h)[0], _half(sz, qi, h),
+                                   _half(sc, ki, h))
+                return _fold(states, qi, _half(qz, qi, h), _half(kc, ki, h), _half(vc, ki, h), mask, dtype), None
+
+            return jax.lax.scan(one, states, pairs)[0]
 
         states = jax.tree.map(lambda a: jnp.stack([a, a]), _online_init(b, h, kv, r, hd))
-        for qi, ki in ((0, 0), (1, 0), (1, 1)):  # the own diagonal: a|a, b|a, b|b
-            states = block(states, jnp.int32(qi), kz[:, ki * h:(ki + 1) * h], vz[:, ki * h:(ki + 1) * h],
-                           qpos[ki * h:(ki + 1) * h], sz[:, ki * h:(ki + 1) * h])
+        states = blocks(states, jnp.array([[0, 0], [1, 0], [1, 1]]), kz, vz, qpos, sz)  # own diagonal: a|a, b|a, b|b
 
         def step(carry, i):
             states, (kc, vc, sc) = carry
             kc, vc, sc = (jax.lax.ppermute(a, "context", ring) for a in (kc, vc, sc))
             j = (e - i) % n
-            kp = pos(j)
             later = (j > e).astype(jnp.int32)  # j < e: a|j then b|j; j > e: b|j then b|2n-1-j
-            states = block(states, later, kc[:, :h], vc[:, :h], kp[:h], sc[:, :h])
-            states = block(states, jnp.int32(1), _half(kc, later, h), _half(vc, later, h), _half(kp[None], later, h)[0],
-                           _half(sc, later, h))
-            return (states, (kc, vc, sc)), None
+            pairs = jnp.asarray([[later, 0], [1, later]])
+            return (blocks(states, pairs, kc, vc, pos(j), sc), (kc, vc, sc)), None
 
         (states, _), _ = jax.lax.scan(step, (states, (kz, vz, sz)), jnp.arange(1, n))
         out = jnp.concatenate([_online_out(jax.tree.map(lambda a: a[i], states), dtype) for i in (0, 1)], axis=1)
