@@ -9,14 +9,13 @@ The trainer's run checkpoints (params + optimiser + data state) live in `nemo_ja
 
 from __future__ import annotations
 
-import json
 import os
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from nemo_jax.config.model import NemotronHConfig
+from nemo_jax.config.model import NemotronHConfig, write_config
 from nemo_jax.fsutil import atomic_dir, copy_tokenizer_files
 from nemo_jax.model.spec import ParamSpec, param_specs
 
@@ -40,8 +39,7 @@ def target_tree(cfg: NemotronHConfig, mesh=None, rules=None, dtype=None, like=No
 
 def save_model(path: str, cfg: NemotronHConfig, params, *, tokenizer_dir: str | None = None):
     with atomic_dir(path) as tmp:
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(cfg.to_hf_dict(), f, indent=2)
+        write_config(cfg, tmp)
         ckptr = ocp.PyTreeCheckpointer()
         tree = _dicts(params)
         save_args = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES), tree)

@@ -13,6 +13,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from nemo_jax.config.vision import VisionConfig
+
 # One character per layer kind, as in the legacy `hybrid_override_pattern`.
 KIND_BY_CHAR = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
 HF_TYPE_BY_KIND = {"mamba": "linear_attention", "attention": "full_attention", "mlp": "mlp", "moe": "moe"}
@@ -118,6 +120,8 @@ class NemotronHConfig:
     eos_token_id: int | list[int] | None = 2
     # ours (not in HF): transformers clamps dt at time_step_min in its full forward (DESIGN 3.4)
     clamp_dt: bool = False
+    # the vision tower of a `nemotron_h_omni` checkpoint (None: a text-only `nemotron_h` model)
+    vision: VisionConfig | None = None
     extra: tuple[tuple[str, Any], ...] = field(default=(), compare=False)
 
     def __post_init__(self):
@@ -215,11 +219,26 @@ class NemotronHConfig:
 
     # ----------------------------------------------------------------- HF dialects
     @classmethod
-    def from_hf_dict(cls, d: dict[str, Any], **overrides) -> "NemotronHConfig":
+    def from_hf_dict(cls, d: dict[str, Any], processor: dict[str, Any] | None = None, **overrides) -> "NemotronHConfig":
+        """From a `nemotron_h` config.json, or a `nemotron_h_omni` one (its `text_config` is the language model,
+        the rest the vision tower; `processor` is its preprocessor_config.json). An omni checkpoint's audio
+        tower is not supported: its config is dropped (with a warning) and its tensors are not read."""
         d = dict(d)
         mt = d.get("model_type", "nemotron_h")
+        if mt == "nemotron_h_omni":
+            text = d.get("text_config") or d.get("llm_config")
+            if not isinstance(text, dict):
+                raise ValueError("config.json: a nemotron_h_omni config needs a `text_config` object")
+            if d.get("audio_config") or d.get("sound_config"):
+                import warnings
+
+                warnings.warn("config.json: the audio tower of this nemotron_h_omni checkpoint is not supported and is "
+                              "dropped (its tensors are skipped; an export writes audio_config: null)", stacklevel=2)
+            text = dict(text, model_type="nemotron_h")
+            overrides.setdefault("vision", VisionConfig.from_hf_dict(d, processor))
+            return cls.from_hf_dict(text, **overrides)
         if mt != "nemotron_h":
-            raise ValueError(f"config.json: model_type is {mt!r}, expected 'nemotron_h'")
+            raise ValueError(f"config.json: model_type is {mt!r}, expected 'nemotron_h' or 'nemotron_h_omni'")
         for old, new in _LEGACY_KEYS.items():
             if old in d:
                 val = d.pop(old)
@@ -241,7 +260,7 @@ class NemotronHConfig:
             raise ValueError(f"config.json: num_hidden_layers={n} but the layer pattern has {len(kinds)} layers")
         if d.get("tie_word_embeddings"):
             raise ValueError("config.json: tie_word_embeddings=true is not a Nemotron-H checkpoint (lm_head is never tied)")
-        names = {f.name for f in dataclasses.fields(cls)} - {"layer_kinds", "mtp_layer_kinds", "extra", "clamp_dt"}
+        names = {f.name for f in dataclasses.fields(cls)} - {"layer_kinds", "mtp_layer_kinds", "extra", "clamp_dt", "vision"}
         kw: dict[str, Any] = {}
         extra = []
         for k, v in d.items():
@@ -260,9 +279,15 @@ class NemotronHConfig:
         return cls(layer_kinds=kinds, mtp_layer_kinds=mtp_kinds, extra=tuple(extra), **kw)
 
     def to_hf_dict(self) -> dict[str, Any]:
+        """config.json: `nemotron_h`, or `nemotron_h_omni` (this as its `text_config`) with a vision tower."""
         d: dict[str, Any] = {"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h"}
+        if self.vision is not None:
+            text = self.replace(vision=None).to_hf_dict()
+            del text["architectures"]
+            return {"architectures": ["NemotronH_Omni_Reasoning_V3"], "model_type": "nemotron_h_omni",
+                    **self.vision.to_hf_dict(), "text_config": text}
         for f in dataclasses.fields(self):
-            if f.name in ("layer_kinds", "mtp_layer_kinds", "extra", "clamp_dt"):
+            if f.name in ("layer_kinds", "mtp_layer_kinds", "extra", "clamp_dt", "vision"):
                 continue
             v = getattr(self, f.name)
             d[f.name] = list(v) if isinstance(v, tuple) else v
@@ -290,10 +315,25 @@ class NemotronHConfig:
             raise FileNotFoundError(f"{path}: no such config file") from None
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: not valid JSON ({e})") from None
+        processor = None
+        pre = os.path.join(os.path.dirname(path), "preprocessor_config.json")
+        if d.get("model_type") == "nemotron_h_omni" and os.path.exists(pre):
+            with open(pre) as f:
+                processor = json.load(f)
         try:
-            return cls.from_hf_dict(d, **overrides)
+            return cls.from_hf_dict(d, processor, **overrides)
         except (ValueError, TypeError) as e:
             raise ValueError(f"{path}: {e}") from None
+
+
+def write_config(cfg: NemotronHConfig, directory: str) -> None:
+    """config.json (and, for a vision-language model, the image processor's preprocessor_config.json)."""
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(cfg.to_hf_dict(), f, indent=2)
+    if cfg.vision is not None:
+        with open(os.path.join(directory, "preprocessor_config.json"), "w") as f:
+            json.dump(cfg.vision.processor_dict(), f, indent=2)
+
 
 
 def _decode_float(x):

@@ -22,9 +22,10 @@ import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from nemo_jax.config.model import NemotronHConfig
+from nemo_jax.config.model import NemotronHConfig, write_config
 from nemo_jax.fsutil import RecentCache, copy_tokenizer_files
-from nemo_jax.hf.mapping import Entry, build_table, from_hf_layout, leaf_specs, row_axis, to_hf_layout
+from nemo_jax.hf.mapping import (Entry, build_table, from_hf_layout, hf_constants, hf_ignored, leaf_specs, row_axis,
+                                  to_hf_layout)
 from nemo_jax.model.spec import unflatten_paths
 from nemo_jax.parallel import distributed
 
@@ -153,7 +154,8 @@ def check_against_config(reader: HFReader, cfg: NemotronHConfig, table: list[Ent
     if missing:
         raise CheckpointError(f"{reader.path}: missing tensor {missing[0]!r} (and {len(missing) - 1} more) "
                               f"required by config.json")
-    extra = [n for n in reader.tensors if n not in expected]
+    constants = hf_constants(cfg)
+    extra = [n for n in reader.tensors if n not in expected and n not in constants and not hf_ignored(n)]
     if extra and not ignore_unexpected:
         raise CheckpointError(f"{reader.path}: unexpected tensor {extra[0]!r} (and {len(extra) - 1} more); "
                               "the config does not describe it (pass ignore_unexpected=True to skip)")
@@ -263,8 +265,7 @@ def import_pretrained(path: str, dst: str, dtype=None, *, ignore_unexpected: boo
         _say_share("import", sorted(mine), len(specs), "leaves")
         if not leader:
             return cfg
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(cfg.to_hf_dict(), f, indent=2)
+        write_config(cfg, tmp)
         copy_tokenizer_files(path, tmp)
     return cfg
 
@@ -394,10 +395,14 @@ def save_pretrained(cfg: NemotronHConfig, params: dict, path: str, max_shard_siz
     table = build_table(cfg)
     flat = params if hasattr(params, "read") else ArraySource(params)
     missing = sorted({e.path for e in table} - set(flat.paths()))
+    constants = hf_constants(cfg)
+    if constants:  # buffers (not params) the HF model carries: written first, as themselves
+        flat = _WithConstants(flat, constants)
+        table = [Entry(name, _WithConstants.PREFIX + name, (), "id", x.shape) for name, x in constants.items()] + table
     if missing:
         raise CheckpointError(f"params lack leaf {missing[0]!r} required by the config")
     specs = leaf_specs(cfg)
-    for p in {e.path for e in table}:
+    for p in {e.path for e in table} - {_WithConstants.PREFIX + n for n in constants}:
         if tuple(flat[p].shape) != tuple(specs[p].shape):
             raise CheckpointError(f"param {p!r} has shape {tuple(flat[p].shape)}, config implies {specs[p].shape}")
     # write leaf by leaf (HF readers go by the index, not the file order), so a lazy source holds one leaf
@@ -442,13 +447,46 @@ def save_pretrained(cfg: NemotronHConfig, params: dict, path: str, max_shard_siz
         if n > 1:
             with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
                 json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(cfg.to_hf_dict(), f, indent=2)
+        write_config(cfg, tmp)
         gen = {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id}
         with open(os.path.join(tmp, "generation_config.json"), "w") as f:
             json.dump({k: v for k, v in gen.items() if v is not None}, f, indent=2)
         copy_tokenizer_files(tokenizer_dir, tmp)
     return os.path.abspath(path)
+
+
+class _WithConstants:
+    """A region source plus fixed host arrays under `PREFIX + hf_name` (the HF buffers `save_pretrained` writes)."""
+
+    PREFIX = "__constant__/"
+
+    def __init__(self, src, constants: dict[str, np.ndarray]):
+        self._src, self._const = src, {self.PREFIX + k: v for k, v in constants.items()}
+
+    def paths(self):
+        return list(self._src.paths()) + list(self._const)
+
+    def __getitem__(self, path):
+        return self._const[path] if path in self._const else self._src[path]
+
+    def chunks(self, path) -> tuple:
+        return self._const[path].shape if path in self._const else self._src.chunks(path)
+
+    def read(self, path, region=()) -> np.ndarray:
+        return self._const[path][region] if path in self._const else self._src.read(path, region)
+
+    def __getattr__(self, name):  # a source's HF-layout readers (the merge engine's), constants answered here
+        if name not in ("read_hf", "prefetch_hf"):
+            raise AttributeError(name)
+        inner = getattr(self._src, name)
+        const = self._const
+
+        def call(e, block):
+            if e.path not in const:
+                return inner(e, block)
+            return const[e.path][block] if name == "read_hf" else None
+
+        return call
 
 
 class ArraySource:

@@ -106,22 +106,75 @@ def _layer_entries(stacks: dict, kinds: tuple[str, ...], prefix: str, our_prefix
 
 
 def build_table(cfg) -> list[Entry]:
-    """Every HF tensor of this config, in HF order (embeddings, layers, norm_f, lm_head, mtp)."""
+    """Every HF tensor of this config, in HF order (embeddings, layers, norm_f, lm_head, mtp; then, for an
+    omni model, whose language model tensors sit under `language_model.`, the vision tower and projector)."""
     specs = param_specs(cfg)
     V, D = cfg.vocab_size, cfg.hidden_size
-    table = [Entry("backbone.embeddings.weight", "embeddings/embedding", (), "id", (V, D))]
-    table += _layer_entries(specs["layers"], cfg.layer_kinds, "backbone.layers", "layers")
-    table.append(Entry("backbone.norm_f.weight", "norm_f/scale", (), "id", (D,)))
-    table.append(Entry("lm_head.weight", "lm_head/kernel", (), "T", (V, D)))
+    lm = "language_model." if cfg.vision is not None else ""
+    table = [Entry(f"{lm}backbone.embeddings.weight", "embeddings/embedding", (), "id", (V, D))]
+    table += _layer_entries(specs["layers"], cfg.layer_kinds, f"{lm}backbone.layers", "layers")
+    table.append(Entry(f"{lm}backbone.norm_f.weight", "norm_f/scale", (), "id", (D,)))
+    table.append(Entry(f"{lm}lm_head.weight", "lm_head/kernel", (), "T", (V, D)))
     n = len(cfg.mtp_layer_kinds)
     for d in range(cfg.num_nextn_predict_layers):
-        first, last = f"mtp.layers.{d * n}.", f"mtp.layers.{d * n + n - 1}."
+        first, last = f"{lm}mtp.layers.{d * n}.", f"{lm}mtp.layers.{d * n + n - 1}."
         table.append(Entry(first + "enorm.weight", f"mtp/{d}/enorm/scale", (), "id", (D,)))
         table.append(Entry(first + "hnorm.weight", f"mtp/{d}/hnorm/scale", (), "id", (D,)))
         table.append(Entry(first + "eh_proj.weight", f"mtp/{d}/eh_proj/kernel", (), "T", (D, 2 * D)))
-        table += _layer_entries(specs["mtp"][d]["layers"], cfg.mtp_layer_kinds, "mtp.layers", f"mtp/{d}/layers", d * n)
+        table += _layer_entries(specs["mtp"][d]["layers"], cfg.mtp_layer_kinds, f"{lm}mtp.layers", f"mtp/{d}/layers",
+                                d * n)
         table.append(Entry(last + "final_layernorm.weight", f"mtp/{d}/final_layernorm/scale", (), "id", (D,)))
+    if cfg.vision is not None:
+        table += _vision_entries(specs)
     return table
+
+
+# the vision tower's HF names (transformers' save_pretrained writes the original RADIO names)
+_RADIO = "vision_model.radio_model."
+_VISION_NAMES = {
+    "vision/embeddings/patch_projection/kernel": "model.patch_generator.embedder.weight",
+    "vision/embeddings/video_patch_projection/kernel": "model.patch_generator.video_embedder.weight",
+    "vision/embeddings/position_embedding": "model.patch_generator.pos_embed",
+    "vision/embeddings/cls_register_token": "model.patch_generator.cls_token.token",
+}
+_OMNI_NAMES = {"vision/final_layernorm": "vision_final_layernorm", "projector/norm": "mlp1.0",
+               "projector/linear_1": "mlp1.1", "projector/linear_2": "mlp1.3"}
+
+
+def _vision_entries(specs: dict) -> list[Entry]:
+    out = []
+    flat = jax.tree_util.tree_flatten_with_path({"vision": specs["vision"], "projector": specs["projector"]},
+                                                is_leaf=lambda x: isinstance(x, ParamSpec))[0]
+    for p, spec in flat:
+        ours = path_str(p)
+        if ours in _VISION_NAMES:
+            tr = "T" if ours.endswith("kernel") else "id"
+            out.append(Entry(_RADIO + _VISION_NAMES[ours], ours, (), tr, _hf_shape(spec.shape, tr)))
+        elif ours.startswith("vision/layers/"):
+            suffix, tr = _hf_leaf_name(ours[len("vision/layers/"):])
+            for i in range(spec.shape[0]):
+                out.append(Entry(f"{_RADIO}model.blocks.{i}.{suffix}", ours, (i,), tr, _hf_shape(spec.shape[1:], tr)))
+        else:
+            module, leaf = ours.rsplit("/", 1)
+            suffix, tr = _hf_leaf_name(leaf if leaf != "scale" else "norm/scale")
+            out.append(Entry(f"{_OMNI_NAMES[module]}.{suffix.rsplit('.', 1)[-1]}", ours, (), tr,
+                             _hf_shape(spec.shape, tr)))
+    return out
+
+
+def hf_constants(cfg) -> dict[str, np.ndarray]:
+    """Non-parameter tensors an HF checkpoint of this config carries (buffers), written on export and
+    checked on import: the RADIO summary token indices."""
+    if cfg.vision is None:
+        return {}
+    return {_RADIO + "summary_idxs": np.asarray(cfg.vision.summary_idxs, np.int64)}
+
+
+def hf_ignored(name: str) -> bool:
+    """HF tensors that are not ours to read: the RADIO input conditioner (the image processor normalises)
+    and an omni checkpoint's audio tower (not supported)."""
+    return name.startswith((_RADIO + "input_conditioner.", "sound_encoder.", "sound_projection.", "audio_tower.",
+                            "embed_audio."))
 
 
 def leaf_specs(cfg) -> dict[str, ParamSpec]:

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nemo_jax.model import attention as attn_lib
-from nemo_jax.model import mamba2, moe as moe_lib
+from nemo_jax.model import mamba2, moe as moe_lib, vision as vision_lib
 from nemo_jax.model.cache import DecodeState
 from nemo_jax.parallel.mesh import BATCH_AXES, context_shards, gather_shards, pin_batch
 from nemo_jax.model.layers import embed, linear, logits_from_hidden, mlp, rms_norm
@@ -370,37 +370,68 @@ def _run_unrolled(stacks, h, kinds, ctx, caches, layer=None):
 
 
 # --------------------------------------------------------------------------- public entry points
-def hidden_states(params: dict, tokens: jax.Array, cfg, segment_ids=None, *, opts: Options = Options()):
-    """tokens [B, T] -> (final-normed hidden [B, T, D] in opts.dtype, aux)."""
+def input_embeddings(params: dict, tokens: jax.Array, cfg, *, opts: Options = Options(), images: dict | None = None):
+    """tokens [B, T] -> [B, T, D] in opts.dtype; with `images` (see `nemo_jax.model.vision.pack_inputs`) each
+    row's image-placeholder tokens take that row's image features."""
+    h = embed_tokens(params["embeddings"], tokens, opts.dtype, opts.mesh)
+    return pin_batch(_with_images(params, h, tokens, cfg, opts, images), opts.mesh)
+
+
+def _with_images(params: dict, h: jax.Array, tokens: jax.Array, cfg, opts: Options, images: dict | None):
+    if images is None:
+        return h
+    if cfg.vision is None:
+        raise ValueError("images given but the model config has no vision tower (not a nemotron_h_omni model)")
+    feats = vision_lib.encode(params, images, cfg, opts.dtype, scan=opts.scan)
+    return vision_lib.insert(h, tokens, feats, cfg.vision.image_token_id)
+
+
+def hidden_states(params: dict, tokens: jax.Array, cfg, segment_ids=None, *, opts: Options = Options(),
+                  images: dict | None = None, embeddings: jax.Array | None = None):
+    """tokens [B, T] -> (final-normed hidden [B, T, D] in opts.dtype, aux). `embeddings` (from
+    `input_embeddings`) skips the lookup."""
     ctx = _Ctx(cfg, opts, segment_ids=segment_ids)
-    h = pin_batch(embed_tokens(params["embeddings"], tokens, opts.dtype, opts.mesh), opts.mesh)
+    h = input_embeddings(params, tokens, cfg, opts=opts, images=images) if embeddings is None else embeddings
     h, _, aux = run_layers(params["layers"], h, cfg.layer_kinds, ctx)
     return rms_norm(h, params["norm_f"]["scale"], cfg.layer_norm_epsilon), _summarise_aux(aux)
 
 
-def forward(params: dict, tokens: jax.Array, cfg, segment_ids=None, *, opts: Options = Options(), mtp: bool = True):
+def forward(params: dict, tokens: jax.Array, cfg, segment_ids=None, *, opts: Options = Options(), mtp: bool = True,
+            images: dict | None = None, pixel_values=None, image_grid_hw=None):
     """tokens [B, T] int -> (logits [B, T, V] fp32, aux).
 
     aux: `aux_loss` (MoE balance loss, mean over MoE layers), `load` [n_moe, E] token-slot counts,
     `dropped`, and `mtp_logits` (list over MTP depths of [B, T, V]; depth d at t predicts t+2+d) when the
     config has MTP layers and `mtp` is set.
+    Images: `images`, a per-row image batch (`vision.pack_inputs` / the data loader), or transformers-style
+    `pixel_values [patches, C*p*p]` + `image_grid_hw [n, 2]` (host arrays: laid out here, so not under jit).
     """
-    h, aux = hidden_states(params, tokens, cfg, segment_ids, opts=opts)
+    if pixel_values is not None:
+        images = vision_lib.pack_inputs(cfg.vision, np.asarray(tokens), pixel_values, image_grid_hw)
+    emb = None if images is None else input_embeddings(params, tokens, cfg, opts=opts, images=images)
+    h, aux = hidden_states(params, tokens, cfg, segment_ids, opts=opts, embeddings=emb)
     logits = logits_from_hidden(h, params["lm_head"])
     if mtp and cfg.num_nextn_predict_layers and "mtp" in params:
         aux["mtp_logits"] = [logits_from_hidden(m, params["lm_head"])
-                             for m in mtp_hidden(params, h, tokens, cfg, segment_ids, opts=opts)]
+                             for m in mtp_hidden(params, h, tokens, cfg, segment_ids, opts=opts, embeddings=emb)]
     return logits, aux
 
 
-def mtp_hidden(params: dict, h: jax.Array, tokens: jax.Array, cfg, segment_ids=None, *, opts: Options = Options()):
+def mtp_hidden(params: dict, h: jax.Array, tokens: jax.Array, cfg, segment_ids=None, *, opts: Options = Options(),
+               embeddings: jax.Array | None = None):
     """Multi-token prediction: for depth d, eh_proj(concat(enorm(embed(t+1+d)), hnorm(h_t))) -> MTP layers ->
-    final_layernorm. h is the main model's final-normed hidden state. Returns a list of [B, T, D]."""
+    final_layernorm. h is the main model's final-normed hidden state. Returns a list of [B, T, D].
+    `embeddings` (the main model's input embeddings, with image features) are shifted instead of
+    looking the next tokens up."""
     ctx = _Ctx(cfg, dataclasses.replace(opts, scan=False), segment_ids=segment_ids)
     outs, prev = [], h
     for d, p in enumerate(params["mtp"]):
-        nxt = jnp.pad(tokens[:, 1 + d:], ((0, 0), (0, 1 + d)))
-        e = rms_norm(embed_tokens(params["embeddings"], nxt, opts.dtype, opts.mesh), p["enorm"]["scale"], cfg.layer_norm_epsilon)
+        if embeddings is None:
+            nxt = jnp.pad(tokens[:, 1 + d:], ((0, 0), (0, 1 + d)))
+            e = embed_tokens(params["embeddings"], nxt, opts.dtype, opts.mesh)
+        else:
+            e = jnp.pad(embeddings[:, 1 + d:], ((0, 0), (0, 1 + d), (0, 0)))
+        e = rms_norm(e, p["enorm"]["scale"], cfg.layer_norm_epsilon)
         hh = rms_norm(prev, p["hnorm"]["scale"], cfg.layer_norm_epsilon)
         x = linear(jnp.concatenate([e, hh], axis=-1), p["eh_proj"], opts.dtype)
         x, _, _ = run_layers(p["layers"], x, cfg.mtp_layer_kinds, ctx)
@@ -420,7 +451,7 @@ def _summarise_aux(aux: dict) -> dict:
 
 
 def forward_cached(params: dict, tokens: jax.Array, valid: jax.Array, state: DecodeState, cfg, *,
-                   opts: Options = Options(), positions=None):
+                   opts: Options = Options(), positions=None, images: dict | None = None):
     """Append a chunk to a decode state. tokens/valid [b, l] (padding only on the left of the chunk).
 
     positions: None -> logits at every position [b, l, V] fp32 (the reference); "last" -> [b, 1, V] for the
@@ -428,7 +459,7 @@ def forward_cached(params: dict, tokens: jax.Array, valid: jax.Array, state: Dec
     logits are returned, so a long prefill never holds [b, l, V]. Returns (logits, new state).
     Prefill = this on an empty state; decode = l == 1.
     """
-    h, new = hidden_cached(params, tokens, valid, state, cfg, opts=opts)
+    h, new = hidden_cached(params, tokens, valid, state, cfg, opts=opts, images=images)
     if isinstance(positions, str):
         if positions != "last":
             raise ValueError(f"positions: {positions!r} is not 'last', None or an index array")
@@ -439,13 +470,14 @@ def forward_cached(params: dict, tokens: jax.Array, valid: jax.Array, state: Dec
 
 
 def hidden_cached(params: dict, tokens: jax.Array, valid: jax.Array, state: DecodeState, cfg, *,
-                  opts: Options = Options()):
-    """`forward_cached` without the lm_head: -> (final-normed hidden [b, l, D] in opts.dtype, new state)."""
+                  opts: Options = Options(), images: dict | None = None):
+    """`forward_cached` without the lm_head: -> (final-normed hidden [b, l, D] in opts.dtype, new state).
+    `images`: the chunk's images (a prefill holding all of a row's image placeholders)."""
     l = tokens.shape[1]
     valid = valid.astype(bool)
     valid_cache = jax.lax.dynamic_update_slice(state.valid, valid, (0, state.pos))
     ctx = _Ctx(cfg, opts, valid=valid, valid_cache=valid_cache, pos=state.pos)
-    h = embed(params["embeddings"], tokens, opts.dtype)
+    h = _with_images(params, embed(params["embeddings"], tokens, opts.dtype), tokens, cfg, opts, images)
     h, caches, _ = run_layers(params["layers"], h, cfg.layer_kinds, ctx, state.layer_caches())
     h = rms_norm(h, params["norm_f"]["scale"], cfg.layer_norm_epsilon)
     return h, DecodeState(caches.get("mamba"), caches.get("attention"), valid_cache, state.pos + l)

@@ -18,6 +18,7 @@ layer order, so `layers/moe/mixer/experts/up_proj/kernel` is `[n_moe, E, in, I]`
                                       fc1_latent_proj [D, Din], fc2_latent_proj [Din, D]  (latent only)
     norm_f/scale [D], lm_head/kernel [D, V]
     mtp/...                           enorm, hnorm, eh_proj [2D, D], layers/{kind}/..., final_layernorm
+    vision/..., projector/...         the RADIO tower and projector of omni models (`nemo_jax.model.vision`)
 """
 
 from __future__ import annotations
@@ -173,6 +174,10 @@ def param_specs(cfg: NemotronHConfig) -> dict:
     }
     if cfg.num_nextn_predict_layers:
         specs["mtp"] = [mtp_specs(cfg) for _ in range(cfg.num_nextn_predict_layers)]
+    if cfg.vision is not None:
+        from nemo_jax.model.vision import vision_specs
+
+        specs.update(vision_specs(cfg))
     return specs
 
 

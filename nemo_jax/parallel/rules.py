@@ -31,6 +31,16 @@ DEFAULT_RULES = {
     "expert_mlp": "tensor",
     "expert_in": ("fsdp", "context"),  # routed experts' D (or latent) dim: without it latent experts were split only E-ways
     "latent": None,
+    # the vision tower (small next to the LM): weights split over the FSDP group on Dv, replicated over tensor
+    # (the fused q|k|v output would not split at head boundaries)
+    "vision_embed": ("fsdp", "context"),
+    "vision_qkv": None,
+    "vision_mlp": "tensor",
+    "vision_norm": None,
+    "vision_patch": None,
+    "vision_positions": None,
+    "vision_merged": ("fsdp", "context"),
+    "projector": "tensor",
     # activations
     "batch": ("data", "fsdp", "expert"),
     "seq": "context",  # context parallelism: each device holds a contiguous part of every row

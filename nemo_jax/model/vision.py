@@ -1,0 +1,307 @@
+"""The RADIO vision tower, pixel shuffle and projector of `nemotron_h_omni` models, as pure functions.
+
+    x = patch_projection(pixel patches) + pos(each image's grid)      # cls + register tokens before each image
+    for each layer: x = x + ls1 * attn(ln1(x)); x = x + ls2 * mlp(ln2(x))   # attention within each image only
+    f = final_layernorm(x)                                             # only with MTP layers in the LM
+    t = projector(pixel_shuffle(f))                                    # merge x merge patches -> one token
+    embeddings[tokens == image_token_id] = t                           # in order, per row
+
+Images arrive as transformers' image processor emits them (`pixel_values [patches, C*p*p]`, normalised,
+each patch channel-major; `image_grid_hw [n, 2]`). Everything that depends on the grids (where each patch
+and prefix token sits, the bilinear taps of the position table, which patches merge into which token) is
+computed on the host by `layout` into fixed-size index arrays, so a jitted step sees one shape for any mix
+of image sizes within a row's patch budget. Rows are independent: `encode` takes [B, ...] arrays and each
+row's images become that row's tokens, so images shard with their rows over the batch axes.
+
+Parameter tree (leaf paths read like the HF names, see `nemo_jax.hf.mapping`):
+
+    vision/embeddings/patch_projection/kernel    [C*p*p, Dv]
+    vision/embeddings/video_patch_projection/kernel [T*C*p*p, Dv]   (carried for the round trip; unused)
+    vision/embeddings/position_embedding         [1, G*G, Dv]        (G = max_img_size / patch_size)
+    vision/embeddings/cls_register_token         [n_prefix, Dv]
+    vision/layers/{norm1,norm2}/{scale,bias}     [L, Dv]
+    vision/layers/attn/qkv/{kernel,bias}         [L, Dv, 3*Dv], [L, 3*Dv]   (q | k | v)
+    vision/layers/attn/proj/{kernel,bias}        [L, Dv, Dv], [L, Dv]
+    vision/layers/layer_scale{1,2}/lambda1       [L, Dv]
+    vision/layers/mlp/fc1, fc2                   (or gate_proj / up_proj / down_proj with use_swiglu_ffn)
+    vision/final_layernorm/{scale,bias}          [Dv]                (LMs with MTP layers)
+    projector/norm/scale [m*m*Dv]; projector/linear_1/kernel [m*m*Dv, P]; projector/linear_2/kernel [P, D]
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nemo_jax.config.vision import VisionConfig
+from nemo_jax.model.layers import linear, relu2, rms_norm
+
+PROJECTOR_EPS = 1e-5  # the projector's RMSNorm (transformers' default; not in config.json)
+LAYOUT_KEYS = ("kind", "patch_src", "prefix_src", "pos_idx", "pos_w", "segment", "shuffle", "token_valid")
+
+
+# --------------------------------------------------------------------------- parameters
+def vision_specs(cfg) -> dict:
+    """ParamSpecs of the vision tower and projector of `cfg` (a NemotronHConfig with `.vision`):
+    {"vision": ..., "projector": ...}."""
+    from nemo_jax.model.spec import ParamSpec, _const, _normal, _stack_tree
+
+    v: VisionConfig = cfg.vision
+    Dv, std = v.hidden_size, 0.02
+    zeros, ones = _const(0.0), _const(1.0)
+
+    def dense(d_in, d_out, in_axis, out_axis, bias=True):
+        out = {"kernel": ParamSpec((d_in, d_out), (in_axis, out_axis), _normal(std))}
+        if bias:
+            out["bias"] = ParamSpec((d_out,), (out_axis,), zeros)
+        return out
+
+    def layer_norm():
+        return {"scale": ParamSpec((Dv,), ("vision_norm",), ones), "bias": ParamSpec((Dv,), ("vision_norm",), zeros)}
+
+    qkv = dense(Dv, 3 * Dv, "vision_embed", "vision_qkv", bias=v.qkv_bias)
+    if v.use_swiglu_ffn:
+        mlp = {"gate_proj": dense(Dv, v.mlp_size, "vision_embed", "vision_mlp"),
+               "up_proj": dense(Dv, v.mlp_size, "vision_embed", "vision_mlp"),
+               "down_proj": dense(v.mlp_size, Dv, "vision_mlp", "vision_embed")}
+    else:
+        mlp = {"fc1": dense(Dv, v.mlp_size, "vision_embed", "vision_mlp"),
+               "fc2": dense(v.mlp_size, Dv, "vision_mlp", "vision_embed")}
+    layer = {
+        "norm1": layer_norm(),
+        "attn": {"qkv": qkv, "proj": dense(Dv, Dv, "vision_qkv", "vision_embed")},
+        "layer_scale1": {"lambda1": ParamSpec((Dv,), ("vision_norm",), _const(v.layerscale_value))},
+        "norm2": layer_norm(),
+        "mlp": mlp,
+        "layer_scale2": {"lambda1": ParamSpec((Dv,), ("vision_norm",), _const(v.layerscale_value))},
+    }
+    emb = {
+        "patch_projection": dense(v.patch_dim, Dv, "vision_patch", "vision_embed", bias=False),
+        "position_embedding": ParamSpec((1, v.max_grid ** 2, Dv), (None, "vision_positions", "vision_embed"),
+                                        _normal(std)),
+        "cls_register_token": ParamSpec((v.n_prefix, Dv), (None, "vision_embed"), _normal(std)),
+    }
+    if v.video_temporal_patch_size:
+        emb["video_patch_projection"] = dense(v.video_temporal_patch_size * v.patch_dim, Dv, "vision_patch",
+                                              "vision_embed", bias=False)
+    tower = {"embeddings": emb, "layers": _stack_tree(layer, v.num_hidden_layers)}
+    if cfg.num_nextn_predict_layers:
+        tower["final_layernorm"] = layer_norm()
+    merged = v.merge ** 2 * Dv
+    projector = {
+        "norm": {"scale": ParamSpec((merged,), ("vision_merged",), ones)},
+        "linear_1": dense(merged, v.projector_hidden_size, "vision_merged", "projector", bias=False),
+        "linear_2": dense(v.projector_hidden_size, cfg.hidden_size, "projector", "embed", bias=False),
+    }
+    return {"vision": tower, "projector": projector}
+
+
+# --------------------------------------------------------------------------- host-side layout
+def bilinear_taps(n_in: int, n_out: int) -> tuple[np.ndarray, np.ndarray]:
+    """torch's `F.interpolate(mode="bilinear", align_corners=False)` along one axis, n_in -> n_out:
+    (indices [n_out, 2], weights [n_out, 2]) of the two source rows of each output row."""
+    scale = n_in / n_out
+    src = np.maximum((np.arange(n_out) + 0.5) * scale - 0.5, 0.0)
+    i0 = np.minimum(np.floor(src).astype(np.int64), n_in - 1)
+    i1 = np.minimum(i0 + 1, n_in - 1)
+    frac = (src - i0).astype(np.float64)
+    return np.stack([i0, i1], -1), np.stack([1 - frac, frac], -1)
+
+
+def position_taps(v: VisionConfig, h: int, w: int) -> tuple[np.ndarray, np.ndarray]:
+    """The position embedding of an h x w grid as 4 taps into the flattened [G*G] table per patch (row-major):
+    RADIO resizes the G x G table to max(h, w) square (bilinear) and crops it to h x w."""
+    g, side = v.max_grid, max(h, w)
+    ri, rw = bilinear_taps(g, side)
+    ci, cw = bilinear_taps(g, side)
+    ri, rw, ci, cw = ri[:h], rw[:h], ci[:w], cw[:w]
+    idx = ri[:, None, :, None] * g + ci[None, :, None, :]  # [h, w, 2, 2]
+    wt = rw[:, None, :, None] * cw[None, :, None, :]
+    return idx.reshape(h * w, 4).astype(np.int32), wt.reshape(h * w, 4).astype(np.float32)
+
+
+def tokens_per_image(v: VisionConfig, grid_hw) -> list[int]:
+    """Language tokens each image becomes (h * w / merge^2)."""
+    return [int(h) * int(w) // v.merge ** 2 for h, w in np.asarray(grid_hw).reshape(-1, 2)]
+
+
+def layout(v: VisionConfig, grid_hw, max_patches: int, max_images: int) -> dict[str, np.ndarray]:
+    """Index arrays for one row holding images of `grid_hw` [n, 2] (their patches concatenated in
+    `pixel_values`), padded to `max_patches` patches and `max_images` images:
+
+    kind [S] (0 pad, 1 prefix token, 2 patch), patch_src [S], prefix_src [S], pos_idx / pos_w [S, 4],
+    segment [S] (image number from 1; 0 pad), shuffle [N, merge^2] (the sequence slots merged into each
+    language token, in transformers' pixel-shuffle order), token_valid [N];
+    S = max_patches + max_images * n_prefix, N = max_patches // merge^2."""
+    grid_hw = np.asarray(grid_hw, np.int64).reshape(-1, 2)
+    m, npre = v.merge, v.n_prefix
+    n_patches = int(grid_hw.prod(-1).sum()) if len(grid_hw) else 0
+    if n_patches > max_patches or len(grid_hw) > max_images:
+        raise ValueError(f"{len(grid_hw)} images of {n_patches} patches exceed the row budget of {max_images} images "
+                         f"and {max_patches} patches")
+    S, N = max_patches + max_images * npre, max_patches // m ** 2
+    out = {"kind": np.zeros(S, np.int32), "patch_src": np.zeros(S, np.int32), "prefix_src": np.zeros(S, np.int32),
+           "pos_idx": np.zeros((S, 4), np.int32), "pos_w": np.zeros((S, 4), np.float32),
+           "segment": np.zeros(S, np.int32), "shuffle": np.zeros((N, m * m), np.int32),
+           "token_valid": np.zeros(N, bool)}
+    s = p = t = 0
+    for i, (h, w) in enumerate(grid_hw.tolist()):
+        if h % m or w % m:
+            raise ValueError(f"image {i}: grid {h}x{w} is not a multiple of the pixel-shuffle merge {m}")
+        if max(h, w) > v.max_grid:
+            raise ValueError(f"image {i}: grid {h}x{w} exceeds max_img_size / patch_size = {v.max_grid}")
+        out["kind"][s:s + npre] = 1
+        out["prefix_src"][s:s + npre] = np.arange(npre)
+        out["segment"][s:s + npre + h * w] = i + 1
+        s += npre
+        sl = slice(s, s + h * w)
+        out["kind"][sl] = 2
+        out["patch_src"][sl] = p + np.arange(h * w)
+        out["pos_idx"][sl], out["pos_w"][sl] = position_taps(v, h, w)
+        grid = (s + np.arange(h * w)).reshape(h // m, m, w // m, m)  # [y2, a, x2, b]
+        n = h * w // m ** 2
+        out["shuffle"][t:t + n] = grid.transpose(0, 2, 1, 3).reshape(n, m * m)
+        out["token_valid"][t:t + n] = True
+        s, p, t = s + h * w, p + h * w, t + n
+    return out
+
+
+def batch_layout(v: VisionConfig, rows_grid_hw: list, max_patches: int, max_images: int) -> dict[str, np.ndarray]:
+    """`layout` for each row, stacked [B, ...]."""
+    lays = [layout(v, g, max_patches, max_images) for g in rows_grid_hw]
+    return {k: np.stack([lay[k] for lay in lays]) for k in LAYOUT_KEYS}
+
+
+def pack_inputs(v: VisionConfig, tokens: np.ndarray, pixel_values, image_grid_hw, *, max_patches: int | None = None,
+                max_images: int | None = None) -> dict[str, np.ndarray]:
+    """transformers-style inputs (all images of the batch, in order: `pixel_values [P, C*p*p]`,
+    `image_grid_hw [n, 2]`) -> the per-row image batch `encode` takes: {"pixel_values" [B, max_patches, C*p*p],
+    **layout}. Images go to rows in order, each row taking as many as it has placeholder tokens for."""
+    tokens = np.asarray(tokens)
+    grid = np.asarray(image_grid_hw, np.int64).reshape(-1, 2)
+    pix = np.asarray(pixel_values, np.float32)
+    if pix.shape != (int(grid.prod(-1).sum()), v.patch_dim):
+        raise ValueError(f"pixel_values has shape {pix.shape}; image_grid_hw describes "
+                         f"{int(grid.prod(-1).sum())} patches of {v.patch_dim} values")
+    per_image = tokens_per_image(v, grid)
+    rows, img = [], 0
+    for b, row in enumerate(tokens.reshape(tokens.shape[0], -1)):
+        need, got = int((row == v.image_token_id).sum()), 0
+        first = img
+        while got < need and img < len(per_image):
+            got += per_image[img]
+            img += 1
+        if got != need:
+            raise ValueError(f"row {b}: {need} image placeholder tokens (id {v.image_token_id}) but the images "
+                             f"given to it make {got}")
+        rows.append((first, img))
+    if img != len(per_image):
+        raise ValueError(f"{len(per_image)} images given but the placeholders take {img}")
+    offsets = np.concatenate([[0], np.cumsum(grid.prod(-1))])
+    counts = [int(offsets[b] - offsets[a]) for a, b in rows]
+    max_patches = max_patches or max(max(counts, default=0), v.merge ** 2)
+    max_images = max_images or max(max((b - a for a, b in rows), default=0), 1)
+    out = np.zeros((len(rows), max_patches, v.patch_dim), np.float32)
+    for r, (a, b) in enumerate(rows):
+        out[r, :counts[r]] = pix[offsets[a]:offsets[b]]
+    lay = batch_layout(v, [grid[a:b] for a, b in rows], max_patches, max_images)
+    return {"pixel_values": out, **lay}
+
+
+# --------------------------------------------------------------------------- the tower
+def _act(name: str):
+    return {"gelu": lambda x: jax.nn.gelu(x, approximate=False), "gelu_new": jax.nn.gelu,
+            "gelu_pytorch_tanh": jax.nn.gelu, "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),
+            "relu": jax.nn.relu, "silu": jax.nn.silu}[name]
+
+
+def _dense(x, p: dict, dtype):
+    y = linear(x, p, dtype)
+    return y + p["bias"].astype(dtype) if "bias" in p else y
+
+
+def layer_norm(x, p: dict, eps: float):
+    """LayerNorm in fp32, result in x's dtype."""
+    x32 = x.astype(jnp.float32)
+    mu = jnp.mean(x32, -1, keepdims=True)
+    var = jnp.mean(jnp.square(x32 - mu), -1, keepdims=True)
+    y = (x32 - mu) * jax.lax.rsqrt(var + eps) * p["scale"].astype(jnp.float32) + p["bias"].astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
+def _block(p: dict, x, segment, v: VisionConfig, dtype):
+    """One ViT layer over [B, S, Dv]; each slot attends to the slots of its own image (segment)."""
+    B, S, Dv = x.shape
+    H = v.num_attention_heads
+    hd = Dv // H
+    u = layer_norm(x, p["norm1"], v.layer_norm_eps)
+    qkv = _dense(u, p["attn"]["qkv"], dtype).reshape(B, S, 3, H, hd)
+    q, k, val = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * hd ** -0.5
+    same = segment[:, :, None] == segment[:, None, :]  # [B, S, S]
+    s = jnp.where(same[:, None], s, -jnp.inf)
+    a = jax.nn.softmax(s, axis=-1).astype(dtype)
+    o = jnp.einsum("bhqk,bkhd->bqhd", a, val, preferred_element_type=jnp.float32).astype(dtype).reshape(B, S, Dv)
+    x = x + (_dense(o, p["attn"]["proj"], dtype) * p["layer_scale1"]["lambda1"].astype(dtype)).astype(x.dtype)
+    u = layer_norm(x, p["norm2"], v.layer_norm_eps)
+    if v.use_swiglu_ffn:
+        m = p["mlp"]
+        y = _dense(jax.nn.silu(_dense(u, m["gate_proj"], dtype)) * _dense(u, m["up_proj"], dtype), m["down_proj"], dtype)
+    else:
+        y = _dense(_act(v.hidden_act)(_dense(u, p["mlp"]["fc1"], dtype)), p["mlp"]["fc2"], dtype)
+    return x + (y * p["layer_scale2"]["lambda1"].astype(dtype)).astype(x.dtype)
+
+
+def tower(p: dict, pixel_values, lay: dict, v: VisionConfig, dtype=jnp.float32, *, scan: bool = True):
+    """The ViT: pixel_values [B, P, C*p*p] + layout arrays [B, ...] -> last hidden state [B, S, Dv]."""
+    e = p["embeddings"]
+    x = linear(pixel_values, e["patch_projection"], dtype)  # [B, P, Dv]
+    x = jnp.take_along_axis(x, lay["patch_src"][..., None], axis=1)  # [B, S, Dv]
+    table = e["position_embedding"][0].astype(jnp.float32)  # [G*G, Dv]
+    pos = jnp.einsum("bsk,bskd->bsd", lay["pos_w"], jnp.take(table, lay["pos_idx"], axis=0))
+    prefix = jnp.take(e["cls_register_token"], lay["prefix_src"], axis=0).astype(dtype)
+    kind = lay["kind"][..., None]
+    x = jnp.where(kind == 2, x + pos.astype(dtype), jnp.where(kind == 1, prefix, jnp.zeros_like(x)))
+    block = jax.checkpoint(lambda x, lp: _block(lp, x, lay["segment"], v, dtype))
+    if scan:
+        x, _ = jax.lax.scan(lambda x, lp: (block(x, lp), None), x, p["layers"])
+    else:
+        for i in range(v.num_hidden_layers):
+            x = _block(jax.tree.map(lambda a: a[i], p["layers"]), x, lay["segment"], v, dtype)
+    return x
+
+
+def encode(params: dict, images: dict, cfg, dtype=jnp.float32, *, scan: bool = True):
+    """Image batch {"pixel_values" [B, P, C*p*p], **layout} -> language tokens [B, N, D] in `dtype`
+    (rows of `token_valid` false are padding)."""
+    v: VisionConfig = cfg.vision
+    lay = {k: images[k] for k in LAYOUT_KEYS}
+    x = tower(params["vision"], images["pixel_values"].astype(dtype), lay, v, dtype, scan=scan)
+    if "final_layernorm" in params["vision"]:
+        x = layer_norm(x, params["vision"]["final_layernorm"], v.layer_norm_eps)
+    B, N, mm = lay["shuffle"].shape
+    f = jnp.take_along_axis(x, lay["shuffle"].reshape(B, N * mm)[..., None], axis=1).reshape(B, N, mm * x.shape[-1])
+    pj = params["projector"]
+    f = rms_norm(f, pj["norm"]["scale"], PROJECTOR_EPS)
+    return linear(relu2(linear(f, pj["linear_1"], dtype)), pj["linear_2"], dtype)
+
+
+def insert(h, tokens, feats, image_token_id: int):
+    """h [B, T, D] token embeddings: the k-th placeholder of each row takes that row's k-th image token."""
+    mask = tokens == image_token_id
+    k = jnp.clip(jnp.cumsum(mask, axis=1) - 1, 0, feats.shape[1] - 1)
+    return jnp.where(mask[..., None], jnp.take_along_axis(feats, k[..., None], axis=1).astype(h.dtype), h)
+
+
+def check_images(images: dict, cfg) -> None:
+    """Clear errors for an image batch that does not fit the config (host-side, concrete arrays only)."""
+    v = cfg.vision
+    if v is None:
+        raise ValueError("images given but the model config has no vision tower (not a nemotron_h_omni model)")
+    missing = [k for k in ("pixel_values",) + LAYOUT_KEYS if k not in images]
+    if missing:
+        raise ValueError(f"image batch lacks {missing} (build it with nemo_jax.model.vision.pack_inputs or layout)")
+    if images["pixel_values"].shape[-1] != v.patch_dim:
+        raise ValueError(f"pixel_values: last dim {images['pixel_values'].shape[-1]}, the vision tower takes "
+                         f"{v.patch_dim} = channels x patch_size^2 (video and audio inputs are not supported)")

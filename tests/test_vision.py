@@ -1,0 +1,157 @@
+"""The vision tower against transformers' `nemotron_h_omni` (the pinned oracle): logits with images, the
+checkpoint round trip, and the host-side layout."""
+
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="parity tests need torch (pip install -e '.[test]')")
+transformers = pytest.importorskip("transformers", reason="parity tests need transformers (pip install -e '.[test]')")
+from safetensors import safe_open  # noqa: E402
+from safetensors.numpy import save_file  # noqa: E402
+
+from nemo_jax import model as M  # noqa: E402
+from nemo_jax.config.model import NemotronHConfig  # noqa: E402
+from nemo_jax.hf.io import load_pretrained, save_pretrained  # noqa: E402
+from nemo_jax.hf.mapping import build_table  # noqa: E402
+from nemo_jax.model import vision  # noqa: E402
+
+IMAGE_TOKEN = 90
+TEXT = dict(vocab_size=97, hidden_size=32, layers_block_type=["mamba", "moe", "attention", "moe"],
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48, mamba_num_heads=4,
+            mamba_head_dim=8, ssm_state_size=8, n_groups=2, chunk_size=8, n_routed_experts=8, num_experts_per_tok=2,
+            moe_intermediate_size=16, moe_shared_expert_intermediate_size=24)
+VISION = dict(hidden_size=24, num_hidden_layers=2, num_attention_heads=2, patch_size=4, max_img_size=64,
+              num_cls_tokens=2, num_registers=1, video_temporal_patch_size=2)
+
+
+def tensors(path):
+    out = {}
+    for f in sorted(os.listdir(path)):
+        if f.endswith(".safetensors"):
+            with safe_open(os.path.join(path, f), framework="np") as st:
+                out.update({k: st.get_tensor(k) for k in st.keys()})
+    return out
+
+
+def make_omni(path, mtp: int, seed: int = 0):
+    """A tiny random transformers omni model saved at `path` (with MTP tensors added when mtp > 0:
+    transformers drops them, our loader wants them)."""
+    from transformers.models.nemotron_h_omni import NemotronH_Omni_Reasoning_V3, NemotronH_Omni_Reasoning_V3_Config
+
+    torch.manual_seed(seed)
+    conf = NemotronH_Omni_Reasoning_V3_Config(text_config=dict(TEXT, num_nextn_predict_layers=mtp), vision_config=VISION,
+                                              projector_hidden_size=40, vision_hidden_size=24,
+                                              image_token_id=IMAGE_TOKEN)
+    model = NemotronH_Omni_Reasoning_V3(conf).eval()
+    with torch.no_grad():  # biases, norms and layer scales off their constant initial values
+        for name, p in model.named_parameters():
+            if not name.startswith("language_model") or name.endswith(("A_log", ".D", "dt_bias")) or "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(path)
+    if mtp:
+        cfg = NemotronHConfig.from_file(path)
+        rng = np.random.RandomState(seed)
+        extra = {e.hf_name: rng.randn(*e.hf_shape).astype(np.float32) for e in build_table(cfg)
+                 if e.hf_name.startswith("language_model.mtp.")}
+        save_file({**tensors(path), **extra}, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    return model
+
+
+@pytest.fixture(scope="module", params=[0, 1], ids=["no_mtp", "mtp"])
+def omni(request, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp(f"omni{request.param}"))
+    model = make_omni(path, request.param)
+    cfg, params = load_pretrained(path, config_overrides={"clamp_dt": True})
+    return path, model, cfg, params
+
+
+def prompt(rng, grids, merge=2, text=5):
+    """Token ids: text, then per image <img> placeholders </img> text."""
+    ids = list(rng.randint(3, 80, text))
+    for h, w in grids:
+        ids += [81] + [IMAGE_TOKEN] * (h * w // merge ** 2) + [82] + list(rng.randint(3, 80, 3))
+    return np.asarray(ids)[None]
+
+
+@pytest.mark.parametrize("grids", [[], [(4, 6)], [(8, 4), (2, 2)], [(6, 10), (4, 4), (2, 8)]],
+                         ids=["text", "one", "two", "three"])
+def test_logits_match_transformers(omni, grids):
+    path, model, cfg, params = omni
+    assert cfg.vision is not None and ("final_layernorm" in params["vision"]) == bool(cfg.num_nextn_predict_layers)
+    rng = np.random.RandomState(len(grids))
+    toks = prompt(rng, grids)
+    kw = {}
+    if grids:
+        grid = np.asarray(grids)
+        pix = rng.randn(int(grid.prod(-1).sum()), cfg.vision.patch_dim).astype(np.float32)
+        kw = dict(pixel_values=pix, image_grid_hw=grid)
+    with torch.no_grad():
+        want = model(input_ids=torch.tensor(toks), **{k: torch.tensor(v) for k, v in kw.items()}).logits.numpy()
+    got, _ = M.forward(params, jnp.asarray(toks), cfg, mtp=False, **kw)
+    assert np.max(np.abs(np.asarray(got) - want)) <= 1e-4
+
+
+def test_round_trip_bit_exact_and_reloads_in_transformers(omni, tmp_path):
+    path, model, cfg, params = omni
+    save_pretrained(cfg, params, tmp_path / "out")
+    original, back = tensors(path), tensors(tmp_path / "out")
+    assert original.keys() == back.keys()
+    assert all(back[k].tobytes() == a.tobytes() and back[k].dtype == a.dtype for k, a in original.items())
+    with open(tmp_path / "out" / "config.json") as f:
+        assert NemotronHConfig.from_hf_dict(json.load(f)) == NemotronHConfig.from_file(path)
+    from transformers.models.nemotron_h_omni import NemotronH_Omni_Reasoning_V3
+
+    again = NemotronH_Omni_Reasoning_V3.from_pretrained(tmp_path / "out").eval()
+    want = model.state_dict()
+    for k, v in again.state_dict().items():
+        assert torch.equal(v, want[k]), k
+    # and through the native streaming path (import-hf / export-hf)
+    from nemo_jax.cli import main
+
+    main(["import-hf", path, str(tmp_path / "native")])
+    main(["export-hf", str(tmp_path / "native"), str(tmp_path / "back")])
+    back = tensors(tmp_path / "back")
+    assert all(back[k].tobytes() == a.tobytes() for k, a in original.items())
+
+
+def test_layout_pixel_shuffle_and_positions():
+    """The layout's merge order is transformers' pixel_shuffle, its taps torch's bilinear resize + crop."""
+    cfg = NemotronHConfig.from_hf_dict({"model_type": "nemotron_h_omni", "text_config": dict(TEXT),
+                                        "vision_config": VISION, "image_token_id": IMAGE_TOKEN})
+    v = cfg.vision
+    from transformers.models.nemotron_h_omni.modeling_nemotron_h_omni import NemotronH_Omni_Reasoning_V3
+
+    h, w, C = 6, 10, 3
+    lay = vision.layout(v, [(h, w)], max_patches=80, max_images=2)
+    feats = np.arange(h * w * C, dtype=np.float32).reshape(h, w, C)
+    seq = np.zeros((lay["kind"].shape[0], C), np.float32)
+    seq[lay["kind"] == 2] = feats.reshape(-1, C)
+    ours = seq[lay["shuffle"][lay["token_valid"]]].reshape(-1, 4 * C)
+    shuffled = NemotronH_Omni_Reasoning_V3.pixel_shuffle(None, torch.tensor(feats)[None])
+    want = shuffled.reshape(-1, 4 * C).numpy()
+    np.testing.assert_array_equal(ours, want)
+    table = np.random.RandomState(0).randn(v.max_grid, v.max_grid, 5).astype(np.float32)
+    t = torch.tensor(table).permute(2, 0, 1)[None]
+    ref = torch.nn.functional.interpolate(t, size=(w, w), mode="bilinear", align_corners=False)[0, :, :h, :w]
+    idx, wt = vision.position_taps(v, h, w)
+    got = (table.reshape(-1, 5)[idx] * wt[..., None]).sum(1)
+    np.testing.assert_allclose(got, ref.permute(1, 2, 0).reshape(-1, 5).numpy(), atol=1e-5)
+
+
+def test_bad_image_inputs_are_named():
+    cfg = NemotronHConfig.from_hf_dict({"model_type": "nemotron_h_omni", "text_config": dict(TEXT),
+                                        "vision_config": VISION, "image_token_id": IMAGE_TOKEN})
+    v = cfg.vision
+    toks = prompt(np.random.RandomState(0), [(4, 4)])
+    with pytest.raises(ValueError, match="placeholder"):
+        vision.pack_inputs(v, toks, np.zeros((32, v.patch_dim)), [[4, 8]])
+    with pytest.raises(ValueError, match="pixel_values"):
+        vision.pack_inputs(v, toks, np.zeros((16, 7)), [[4, 4]])
+    with pytest.raises(ValueError, match="multiple of the pixel-shuffle"):
+        vision.layout(v, [(3, 4)], 64, 1)
+    with pytest.raises(ValueError, match="budget"):
+        vision.layout(v, [(4, 4), (4, 4)], 64, 1)
