@@ -155,3 +155,61 @@ def test_bad_image_inputs_are_named():
         vision.layout(v, [(3, 4)], 64, 1)
     with pytest.raises(ValueError, match="budget"):
         vision.layout(v, [(4, 4), (4, 4)], 64, 1)
+
+
+def _hf_image_processing():
+    """transformers' nemotron_h_omni image-processing module. Its processor class needs torchvision, which has
+    no build for the pinned CPU torch; without it the module's pure functions (grid choice, patch cutting)
+    are imported past a stub, and the resize is the call torchvision makes for float images
+    (`F.interpolate(mode="bicubic", antialias=True)`)."""
+    import importlib
+    import sys
+    import types
+
+    name = "transformers.models.nemotron_h_omni.image_processing_nemotron_h_omni"
+    try:
+        import torchvision  # noqa: F401
+        return importlib.import_module(name), True
+    except ImportError:
+        pass
+    stubs = {m: types.ModuleType(m) for m in ("torchvision", "torchvision.transforms", "torchvision.transforms.v2")}
+    stubs["torchvision.transforms.v2"].functional = types.ModuleType("torchvision.transforms.v2.functional")
+    saved = {m: sys.modules.get(m) for m in stubs}
+    sys.modules.update(stubs)
+    try:
+        return importlib.import_module(name), False
+    finally:
+        for m, mod in saved.items():
+            if mod is None:
+                sys.modules.pop(m, None)
+            else:
+                sys.modules[m] = mod
+
+
+@pytest.mark.parametrize("hw", [(50, 80), (33, 120), (200, 64), (64, 64), (17, 300)])
+def test_preprocess_matches_transformers(hw):
+    from PIL import Image
+
+    from nemo_jax.config.vision import VisionConfig
+    from nemo_jax.data.images import patch_budget, preprocess
+
+    v = VisionConfig(patch_size=16, min_num_patches=16, max_num_patches=64)
+    img = np.random.RandomState(hw[0]).randint(0, 256, (*hw, 3)).astype(np.uint8)
+    pix, grid = preprocess([Image.fromarray(img)], v)
+    hf, real = _hf_image_processing()
+    if real:
+        proc = hf.NemotronH_Omni_Reasoning_V3ImageProcessor(patch_size=16, min_num_patches=16, max_num_patches=64)
+        out = proc(images=[Image.fromarray(img)], return_tensors="np")
+        want, want_grid = out["pixel_values"], out["image_grid_hw"]
+    else:
+        gh, gw = hf.get_patch_grid_size(*hw, 16, 2, 16, patch_budget(v, 1))
+        t = torch.tensor(img).permute(2, 0, 1)[None].float()
+        if (gh * 16, gw * 16) != hw:
+            t = torch.nn.functional.interpolate(t, size=(gh * 16, gw * 16), mode="bicubic", align_corners=False,
+                                                antialias=True)
+        mean = torch.tensor(v.norm_mean).view(1, 3, 1, 1) * 255
+        std = torch.tensor(v.norm_std).view(1, 3, 1, 1) * 255
+        want = hf.convert_image_to_patches((t - mean) / std, 16)[0].numpy()
+        want_grid = np.array([[gh, gw]])
+    np.testing.assert_array_equal(grid, want_grid)
+    np.testing.assert_allclose(pix, want, atol=2e-4)

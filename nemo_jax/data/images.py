@@ -1,0 +1,102 @@
+"""Image loading and preprocessing for the vision tower, in numpy and Pillow (no torch at run time).
+
+Does what transformers' `NemotronH_Omni_Reasoning_V3ImageProcessor` does: pick a patch grid near the
+image's own (scaled into [min_num_patches, max_num_patches], both sides multiples of the pixel-shuffle
+merge), resize to it with antialiased bicubic on float pixels (Pillow's "F" mode resampler is the one
+torchvision's antialiased bicubic was written to match), rescale by 1/255 and normalise with the CLIP
+mean/std, and cut row-major patches, each laid out channel-major `(C, p, p)`.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import math
+import os
+
+import numpy as np
+
+from nemo_jax.config.vision import VisionConfig
+
+
+class ImageError(ValueError):
+    """An image that cannot be read (names the file or the data URL)."""
+
+
+def grid_size(height: int, width: int, patch_size: int, merge: int, min_patches: int, max_patches: int):
+    """The (rows, cols) patch grid an image of height x width pixels is resized to."""
+    gh, gw = round(height / patch_size + 0.5), round(width / patch_size + 0.5)
+    factor = min(math.sqrt(max_patches / (gh * gw)), 1.0)
+    gh, gw = math.floor(factor * gh), math.floor(factor * gw)
+    if max_patches > min_patches and gh * gw < min_patches:
+        factor = math.sqrt(min_patches / (gh * gw))
+        gh, gw = math.ceil(factor * gh), math.ceil(factor * gw)
+    if r := gh % merge:
+        gh = gh + merge - r if (gh + merge - r) * gw <= max_patches else max(merge, gh - r)
+    if r := gw % merge:
+        gw = gw + merge - r if gh * (gw + merge - r) <= max_patches else max(merge, gw - r)
+    return gh, gw
+
+
+def patch_budget(v: VisionConfig, n_images: int, max_model_len: int = 16384) -> int:
+    """The per-image patch cap the processor uses for a call with n_images images."""
+    n = max((max_model_len - 4) * v.merge ** 2, v.min_num_patches * n_images)
+    if v.max_num_patches:
+        n = min(n, v.max_num_patches)
+    return max(n, v.min_num_patches)
+
+
+def load_image(src: str, base_dir: str | None = None):
+    """A path (relative to base_dir), `file://` URL or `data:image/...;base64,` URL -> RGB PIL image."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        if src.startswith("data:"):
+            head, _, payload = src.partition(",")
+            if ";base64" not in head:
+                raise ImageError(f"{head}: only base64 data URLs are supported")
+            img = Image.open(io.BytesIO(base64.b64decode(payload, validate=True)))
+            where = head
+        else:
+            path = src[len("file://"):] if src.startswith("file://") else src
+            if "://" in path:
+                raise ImageError(f"{src}: remote images are not fetched; download them and give a local path")
+            where = path if os.path.isabs(path) or base_dir is None else os.path.join(base_dir, path)
+            img = Image.open(where)
+        img.load()
+    except ImageError:
+        raise
+    except (OSError, UnidentifiedImageError, ValueError) as e:  # missing, unreadable or corrupt
+        raise ImageError(f"{src[:80]}: cannot read image ({e})") from None
+    return img.convert("RGB")
+
+
+def _resize(x: np.ndarray, height: int, width: int) -> np.ndarray:
+    """[H, W, C] float32 -> [height, width, C], antialiased bicubic per channel (Pillow, 32-bit float)."""
+    from PIL import Image
+
+    return np.stack([np.asarray(Image.fromarray(np.ascontiguousarray(x[..., c]), mode="F").resize(
+        (width, height), Image.Resampling.BICUBIC)) for c in range(x.shape[-1])], -1)
+
+
+def preprocess(images, v: VisionConfig, max_model_len: int = 16384) -> tuple[np.ndarray, np.ndarray]:
+    """PIL images (or [H, W, C] uint8 arrays) -> (pixel_values [patches, C*p*p] float32, image_grid_hw [n, 2])."""
+    p = v.patch_size
+    budget = patch_budget(v, len(images), max_model_len)
+    mean = np.asarray(v.norm_mean, np.float32) * 255.0
+    std = np.asarray(v.norm_std, np.float32) * 255.0
+    out, grids = [], []
+    for img in images:
+        x = np.asarray(img.convert("RGB") if hasattr(img, "convert") else img, np.float32)
+        if x.ndim != 3 or x.shape[-1] != v.num_channels:
+            raise ImageError(f"image of shape {x.shape}: expected [H, W, {v.num_channels}]")
+        gh, gw = grid_size(x.shape[0], x.shape[1], p, v.merge, v.min_num_patches, budget)
+        if x.shape[:2] != (gh * p, gw * p):
+            x = _resize(x, gh * p, gw * p)
+        x = (x - mean) / std
+        patches = x.reshape(gh, p, gw, p, -1).transpose(0, 2, 4, 1, 3).reshape(gh * gw, -1)
+        out.append(patches.astype(np.float32))
+        grids.append((gh, gw))
+    if not out:
+        return np.zeros((0, v.patch_dim), np.float32), np.zeros((0, 2), np.int64)
+    return np.concatenate(out), np.asarray(grids, np.int64)
