@@ -16,6 +16,7 @@ class ModelSection:
     capacity_factor: float = 1.25
     ep_capacity: float = 0.0  # expert parallel: per-device expert buffer = this x the even share (0: dropless, ep x)
     attention: str = "blocked"  # blocked | ring (context-parallel K/V passed around the ring) | full (reference)
+    freeze_vision: bool = False  # vision-language models: the vision tower gets no gradient or update (projector trains)
     seed: int = 0
 
 
@@ -29,7 +30,10 @@ class DataSection:
     seq_len: int = 256
     batch_size: int = 8  # global rows per optimizer step (all micro-batches together)
     seed: int = 0
-    on_error: str = "raise"  # raise | skip  (malformed lines)
+    on_error: str = "raise"  # raise | skip  (malformed lines, missing or corrupt images)
+    # vision-language models: each row's images within a budget (documents are packed to fit it)
+    max_image_patches: int = 0  # patches of all images in a row (0: what the row's tokens could hold, seq_len x 4)
+    max_images: int = 4  # images in a row
     max_eval_batches: int = 4
     packing: str = "ffd"  # ffd (first-fit decreasing in windows of pack_window documents) | greedy (next-fit, in order)
     pack_window: int = 1024

@@ -115,11 +115,13 @@ class Document:
     ids: np.ndarray
     mask: np.ndarray
     source: int = 0  # index of the mixture source it came from (data.sources)
-    images: list = field(default_factory=list)  # image references of a multimodal record (its "images" list)
+    images: list = field(default_factory=list)  # image references: the image parts (or a record's "images" list)
+    image_hw: list = field(default_factory=list)  # [height, width] in pixels of each image part, in token order
 
 
 def read_chat_jsonl(path: str, tok: ChatTokenizer, vocab_size: int, on_error: str = "raise"):
-    """-> (documents, skipped count). Malformed lines raise naming file:line, or are skipped and counted."""
+    """-> (documents, skipped count). Malformed lines raise naming file:line, or are skipped and counted.
+    Relative image paths are relative to the file's directory."""
     path = resolve(path)
     if on_error not in ("raise", "skip"):
         raise ValueError(f"data.on_error: {on_error!r} (expected raise or skip)")
@@ -133,7 +135,7 @@ def read_chat_jsonl(path: str, tok: ChatTokenizer, vocab_size: int, on_error: st
             if not line.strip():
                 continue
             try:
-                doc = parse_record(line, tok, vocab_size)
+                doc = parse_record(line, tok, vocab_size, base_dir=os.path.dirname(os.path.abspath(path)))
             except DataError as e:
                 if on_error == "raise":
                     raise DataError(f"{path}:{lineno}: {e}") from None
@@ -145,10 +147,10 @@ def read_chat_jsonl(path: str, tok: ChatTokenizer, vocab_size: int, on_error: st
     return docs, skipped
 
 
-def parse_record(raw, tok: ChatTokenizer, vocab_size: int) -> Document:
+def parse_record(raw, tok: ChatTokenizer, vocab_size: int, base_dir: str | None = None) -> Document:
     """A JSON line (or an already parsed record, e.g. a Parquet row) -> Document; DataError says what is wrong."""
     try:
-        return _parse(json.loads(raw) if isinstance(raw, (str, bytes)) else raw, tok, vocab_size)
+        return _parse(json.loads(raw) if isinstance(raw, (str, bytes)) else raw, tok, vocab_size, base_dir)
     except json.JSONDecodeError as e:
         raise DataError(f"not valid JSON ({e.msg})") from None
     except (ValueError, KeyError, TypeError, jinja2.TemplateError) as e:
@@ -157,22 +159,90 @@ def parse_record(raw, tok: ChatTokenizer, vocab_size: int) -> Document:
         raise DataError(f"{type(e).__name__}: {e}") from None
 
 
-def _parse(obj, tok: ChatTokenizer, vocab_size: int) -> Document:
+IMAGE_TOKEN, IMAGE_START, IMAGE_END = "<image>", "<img>", "</img>"  # as transformers' nemotron_h_omni processor
+
+
+def _image_ref(part: dict, where: str) -> str:
+    """The path or URL of an image content part: {"type": "image", "path"|"image"|"url": ...} or
+    {"type": "image_url", "image_url": {"url": ...} or "..."}."""
+    if part["type"] == "image":
+        ref = next((part[k] for k in ("path", "image", "url") if k in part), None)
+    else:
+        ref = part.get("image_url")
+        ref = ref.get("url") if isinstance(ref, dict) else ref
+    if not isinstance(ref, str) or not ref:
+        raise DataError(f"{where}: an image part needs a path or URL string")
+    return ref
+
+
+def _content_text(content, where: str, refs: list) -> str:
+    """A message's content (a string, or a list of text / image parts) -> its text, each image part as an
+    `<img><image></img>` marker (the loader widens `<image>` to the image's tokens); image refs appended."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise DataError(f'{where} needs string "content" or a list of content parts')
+    out = []
+    for j, part in enumerate(content):
+        w = f"{where}.content[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            out.append(part["text"])
+        elif kind in ("image", "image_url"):
+            refs.append(_image_ref(part, w))
+            out.append(IMAGE_START + IMAGE_TOKEN + IMAGE_END)
+        elif kind in ("audio", "input_audio", "audio_url", "video", "video_url"):
+            raise DataError(f"{w}: {kind} parts are not supported (images and text only)")
+        else:
+            raise DataError(f'{w}: expected {{"type": "text", "text": ...}} or an image part, got {part!r:.80}')
+    return "".join(out)
+
+
+def _parse(obj, tok: ChatTokenizer, vocab_size: int, base_dir: str | None = None) -> Document:
     if not isinstance(obj, dict) or not isinstance(obj.get("messages"), list) or not obj["messages"]:
         raise DataError('expected an object with a non-empty "messages" list')
+    refs: list[str] = []
+    messages = []
     for i, m in enumerate(obj["messages"]):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
             raise DataError(f'messages[{i}] needs string "role" and "content"')
-    ids, mask = tok.encode_chat(obj["messages"], obj.get("tools"))
+        messages.append(dict(m, content=_content_text(m["content"], f"messages[{i}]", refs)))
+    ids, mask = tok.encode_chat(messages, obj.get("tools"))
     if len(ids) and (ids.max() >= vocab_size or ids.min() < 0):
         bad = int(ids[(ids >= vocab_size) | (ids < 0)][0])
         raise DataError(f"token id {bad} outside the model vocabulary ({vocab_size})")
     if not mask.any():
         raise DataError("no assistant tokens to train on")
-    images = obj.get("images") or []
+    if refs:
+        return Document(ids, mask, 0, *_check_images(refs, ids, tok, base_dir))
+    images = obj.get("images") or []  # a record's own image list is carried as it is (not loaded here)
     if not isinstance(images, list) or not all(isinstance(x, str) for x in images):
         raise DataError('"images" must be a list of image paths or URLs')
     return Document(ids, mask, 0, images)
+
+
+def _check_images(refs: list[str], ids: np.ndarray, tok: ChatTokenizer, base_dir: str | None):
+    """Each image opened and decoded once (a missing or corrupt file is an error naming it); -> (refs with
+    paths made absolute, [height, width] of each)."""
+    from nemo_jax.data.images import ImageError, load_image
+
+    image_id = tok.tokenizer.token_to_id(IMAGE_TOKEN)
+    if image_id is None:
+        raise DataError(f"the tokenizer ({tok.path}) has no {IMAGE_TOKEN} token: it cannot hold images")
+    if int(np.sum(ids == image_id)) != len(refs):
+        raise DataError(f"{len(refs)} image parts but {int(np.sum(ids == image_id))} {IMAGE_TOKEN} tokens after the "
+                        f"chat template (is {IMAGE_TOKEN} written in the text?)")
+    out, hw = [], []
+    for ref in refs:
+        if not ref.startswith("data:") and "://" not in ref and not os.path.isabs(ref) and base_dir:
+            ref = os.path.join(base_dir, ref)
+        try:
+            img = load_image(ref)
+        except ImageError as e:
+            raise DataError(str(e)) from None
+        out.append(ref)
+        hw.append([img.height, img.width])
+    return out, hw
 
 
 # --------------------------------------------------------------------------- packing
@@ -208,15 +278,23 @@ def split_long(doc: Document, seq_len: int) -> list[Document]:
             for s in range(0, n - 1, seq_len)]
 
 
-def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
-    """Bins of item indices: items taken longest first (ties in order), each into the first bin it fits."""
+def first_fit_decreasing(lengths: list, capacity) -> list[list[int]]:
+    """Bins of item indices: items taken longest first (ties in order), each into the first bin it fits.
+    An item's size may be a tuple (tokens, then e.g. image patches and images) against a tuple capacity: it
+    fits where every part fits; items are ordered by their first part."""
+    sizes = [tuple(x) if isinstance(x, (tuple, list)) else (x,) for x in lengths]
+    cap = tuple(capacity) if isinstance(capacity, (tuple, list)) else (capacity,)
     bins: list[list[int]] = []
-    room: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        j = next((j for j, r in enumerate(room) if r >= lengths[i]), len(bins))
+    room: list[list[int]] = []
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i][0]):
+        s = sizes[i]
+        if len(cap) == 1:
+            j = next((j for j, r in enumerate(room) if r[0] >= s[0]), len(bins))
+        else:
+            j = next((j for j, r in enumerate(room) if all(a >= b for a, b in zip(r, s))), len(bins))
         if j == len(bins):
             bins.append([])
-            room.append(capacity)
+            room.append(list(cap))
         bins[j].append(i)
-        room[j] -= lengths[i]
+        room[j] = [a - b for a, b in zip(room[j], s)]
     return bins

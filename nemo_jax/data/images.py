@@ -46,6 +46,11 @@ def patch_budget(v: VisionConfig, n_images: int, max_model_len: int = 16384) -> 
     return max(n, v.min_num_patches)
 
 
+def image_grid(v: VisionConfig, height: int, width: int, n_images: int = 1) -> tuple[int, int]:
+    """The patch grid of one of `n_images` images processed together (the processor's budget depends on n)."""
+    return grid_size(height, width, v.patch_size, v.merge, v.min_num_patches, patch_budget(v, n_images))
+
+
 def load_image(src: str, base_dir: str | None = None):
     """A path (relative to base_dir), `file://` URL or `data:image/...;base64,` URL -> RGB PIL image."""
     from PIL import Image, UnidentifiedImageError
@@ -83,9 +88,9 @@ def preprocess(images, v: VisionConfig, max_model_len: int = 16384) -> tuple[np.
     """PIL images (or [H, W, C] uint8 arrays) -> (pixel_values [patches, C*p*p] float32, image_grid_hw [n, 2])."""
     p = v.patch_size
     budget = patch_budget(v, len(images), max_model_len)
+    out, grids = [], []
     mean = np.asarray(v.norm_mean, np.float32) * 255.0
     std = np.asarray(v.norm_std, np.float32) * 255.0
-    out, grids = [], []
     for img in images:
         x = np.asarray(img.convert("RGB") if hasattr(img, "convert") else img, np.float32)
         if x.ndim != 3 or x.shape[-1] != v.num_channels:
@@ -100,3 +105,70 @@ def preprocess(images, v: VisionConfig, max_model_len: int = 16384) -> tuple[np.
     if not out:
         return np.zeros((0, v.patch_dim), np.float32), np.zeros((0, 2), np.int64)
     return np.concatenate(out), np.asarray(grids, np.int64)
+
+
+class RowImages:
+    """What the data loader does with images (picklable, for its worker processes): widen each document's
+    `<image>` tokens to its images' token counts, and give each packed row its pixel patches and vision layout
+    (`nemo_jax.model.vision.layout`) within a budget of `max_patches` patches and `max_images` images per row.
+    An image that cannot be read raises naming it, or (`on_error: skip`) drops its document."""
+
+    def __init__(self, v: VisionConfig, image_token_id: int, max_patches: int, max_images: int, on_error: str = "raise"):
+        if max_patches < v.merge ** 2 or max_images < 1:
+            raise ValueError(f"data.max_image_patches ({max_patches}) / data.max_images ({max_images}) leave no room "
+                             "for an image")
+        self.v, self.image_id, self.max_patches, self.max_images = v, image_token_id, max_patches, max_images
+        self.on_error = on_error
+
+    def grids(self, doc) -> list[tuple[int, int]]:
+        n = len(doc.image_hw)
+        return [image_grid(self.v, h, w, n) for h, w in doc.image_hw]
+
+    def expand(self, doc):
+        """The document with each `<image>` token repeated to its image's token count (loss mask off)."""
+        if not doc.image_hw:
+            return doc
+        from nemo_jax.data.chat import Document
+
+        where = np.flatnonzero(doc.ids == self.image_id)
+        reps = np.ones(len(doc.ids), np.int64)
+        reps[where] = [h * w // self.v.merge ** 2 for h, w in self.grids(doc)]
+        return Document(np.repeat(doc.ids, reps), np.repeat(doc.mask, reps) & (np.repeat(doc.ids, reps) != self.image_id),
+                        doc.source, doc.images, doc.image_hw)
+
+    def size(self, doc) -> tuple[int, int]:
+        """(patches, images) a document puts in its row."""
+        return sum(h * w for h, w in self.grids(doc)), len(doc.image_hw)
+
+    def fits(self, doc) -> bool:
+        patches, n = self.size(doc)
+        return patches <= self.max_patches and n <= self.max_images
+
+    def load(self, doc) -> tuple[np.ndarray, list] | None:
+        """(pixel patches, grids) of a document's images, or None when one cannot be read and errors are skipped."""
+        try:
+            pix, grid = preprocess([load_image(r) for r in doc.images], self.v)
+        except ImageError as e:
+            if self.on_error == "skip":
+                return None
+            from nemo_jax.data.chat import DataError
+
+            raise DataError(f"data: {e}") from None
+        if [tuple(g) for g in grid.tolist()] != self.grids(doc):
+            from nemo_jax.data.chat import DataError
+
+            raise DataError(f"data: {doc.images[0][:80]}...: an image changed size since the data was prepared")
+        return pix, grid.tolist()
+
+    def row(self, loaded: list) -> dict[str, np.ndarray]:
+        """The row arrays for the (pixels, grids) of its documents, in row order."""
+        from nemo_jax.model.vision import layout
+
+        pix = np.zeros((self.max_patches, self.v.patch_dim), np.float32)
+        grids, n = [], 0
+        for p, g in loaded:
+            pix[n:n + len(p)] = p
+            n += len(p)
+            grids += g
+        return {"pixel_values": pix, **layout(self.v, np.asarray(grids, np.int64).reshape(-1, 2), self.max_patches,
+                                             self.max_images)}

@@ -126,9 +126,10 @@ class _Window:
     """Window index -> its packed rows (each with the statistics of what it holds). Picklable for workers."""
 
     def __init__(self, docs, order: DocumentOrder, seq_len: int, window: int, packing: str, long_documents: str,
-                 n_sources: int):
+                 n_sources: int, images=None):
         self.docs, self.order, self.seq_len, self.window = docs, order, seq_len, window
         self.packing, self.long_documents, self.n_sources = packing, long_documents, n_sources
+        self.images = images  # data.images.RowImages, or None: a text-only model
         self.per_epoch = max(1, -(-order.length // window))
 
     def __call__(self, i: int) -> list[dict]:
@@ -136,14 +137,21 @@ class _Window:
         docs = _read(self.docs, self.order.indices(epoch, w * self.window, (w + 1) * self.window))
         cap = self.seq_len + 1
         split = dropped = truncated = 0
+        if self.images is not None:  # image documents are widened, never cut, and fit the row's image budget
+            docs = [self.images.expand(d) for d in docs]
+            keep = [not d.image_hw or (len(d.ids) <= cap and self.images.fits(d)) for d in docs]
+            dropped += keep.count(False)
+            docs = [d for d, k in zip(docs, keep) if k]
+        sizes = lambda d: (len(d.ids),) + (self.images.size(d) if self.images is not None else ())
+        caps = (cap,) + ((self.images.max_patches, self.images.max_images) if self.images is not None else ())
         if self.packing == "greedy":
-            bins, pieces, used = [], docs, cap
+            bins, pieces, used = [], docs, caps
             for j, d in enumerate(docs):
-                if not bins or used + len(d.ids) > cap:
+                if not bins or any(u + x > c for u, x, c in zip(used, sizes(d), caps)):
                     bins.append([])
-                    used = 0
+                    used = (0,) * len(caps)
                 bins[-1].append(j)
-                used += len(d.ids)
+                used = tuple(u + x for u, x in zip(used, sizes(d)))
                 truncated += len(d.ids) > cap
         else:
             pieces = []
@@ -154,18 +162,35 @@ class _Window:
                         continue
                     split += 1
                 pieces += split_long(d, self.seq_len)
-            bins = first_fit_decreasing([len(p.ids) for p in pieces], cap)
+            bins = first_fit_decreasing([sizes(p) for p in pieces], caps)
         rows = []
         for b in bins:
-            row = pack([pieces[j] for j in b], self.seq_len)
-            row["source_tokens"] = np.bincount([pieces[j].source for j in b], [min(len(pieces[j].ids), cap)
-                                                                               for j in b],
+            docs_b = [pieces[j] for j in b]
+            if self.images is not None:  # each row's images are read here, in the process that packs it
+                loaded = {k: self.images.load(d) for k, d in enumerate(docs_b) if d.image_hw}
+                failed = {k for k, x in loaded.items() if x is None}
+                dropped += len(failed)
+                docs_b = [d for k, d in enumerate(docs_b) if k not in failed]
+                if not docs_b:
+                    continue
+            row = pack(docs_b, self.seq_len)
+            if self.images is not None:
+                row.update(self.images.row([x for x in loaded.values() if x is not None]))
+            row["source_tokens"] = np.bincount([d.source for d in docs_b], [min(len(d.ids), cap) for d in docs_b],
                                                minlength=self.n_sources).astype(np.int64)
-            first = not rows
-            row.update(documents_split=np.int64(split * first), documents_dropped=np.int64(dropped * first),
-                       documents_truncated=np.int64(truncated * first))
             rows.append(row)
+        if rows:
+            rows[0].update(documents_split=np.int64(split), documents_dropped=np.int64(dropped),
+                           documents_truncated=np.int64(truncated))
+            for r in rows[1:]:
+                r.update(documents_split=np.int64(0), documents_dropped=np.int64(0), documents_truncated=np.int64(0))
         return rows
+
+    def empty_row(self) -> dict[str, np.ndarray]:
+        row = pack([], self.seq_len)
+        if self.images is not None:
+            row.update(self.images.row([]))
+        return row
 
 
 class PackedIterator:
@@ -175,7 +200,8 @@ class PackedIterator:
 
     def __init__(self, docs, seq_len: int, rows: int, seed: int, *, process_index: int = 0, process_count: int = 1,
                  shuffle: bool = True, repeat: bool = True, packing: str = "ffd", long_documents: str = "split",
-                 window: int = 1024, weights: list[float] | None = None, workers: int = 0, prefetch: int = 2):
+                 window: int = 1024, weights: list[float] | None = None, workers: int = 0, prefetch: int = 2,
+                 images=None):
         import grain
         from grain import experimental as gx
 
@@ -197,7 +223,7 @@ class PackedIterator:
         self.rows, self.seq_len, self.workers = rows, seq_len, workers
         order = DocumentOrder(len(docs), seed, shuffle=shuffle, weights=weights, bounds=bounds,
                               share=process_index, shares=process_count)
-        win = _Window(docs, order, seq_len, window, packing, long_documents, len(bounds) - 1)
+        win = self._window = _Window(docs, order, seq_len, window, packing, long_documents, len(bounds) - 1, images)
         total = win.per_epoch if not repeat else 2 ** 62  # windows (lazy: nothing per window is materialised)
         if not order.length:
             total = 0
@@ -248,7 +274,7 @@ class PackedIterator:
         out = {k: v for k, v in b.items() if k not in STATS}
         short = self.rows - len(out["tokens"])
         if short:  # the final partial batch (no repeat): empty rows
-            empty = pack([], self.seq_len)
+            empty = self._window.empty_row()
             out = {k: np.concatenate([v, np.repeat(empty[k][None], short, 0)]) for k, v in out.items()}
         return out
 

@@ -46,7 +46,7 @@ def decode_record(b: bytes, source: int = 0) -> Document:
     ids = np.frombuffer(b, "<i4", n, o).astype(np.int32)
     mask = np.frombuffer(b, np.uint8, n, o + 4 * n).astype(bool)
     meta = json.loads(b[o + 5 * n:o + 5 * n + nm]) if nm else {}
-    return Document(ids, mask, source, meta.get("images", []))
+    return Document(ids, mask, source, meta.get("images", []), meta.get("image_hw", []))
 
 
 # --------------------------------------------------------------------------- preparing
@@ -151,7 +151,8 @@ class ShardWriter:
         self.w = ArrayRecordWriter(self.base + ".array_record.tmp", "group_size:1")
 
     def add(self, doc: Document):
-        self.w.write(encode_record(doc.ids, doc.mask, {"images": doc.images} if doc.images else None))
+        meta = {"images": doc.images, **({"image_hw": doc.image_hw} if doc.image_hw else {})} if doc.images else None
+        self.w.write(encode_record(doc.ids, doc.mask, meta))
         st, n = self.stats, len(doc.ids)
         st["documents"] += 1
         st["tokens"] += n
@@ -189,7 +190,7 @@ def _shard_job(args) -> dict:
     try:
         for line, raw in _records(chunk):
             try:
-                doc = parse_record(raw, tok, vocab)
+                doc = parse_record(raw, tok, vocab, base_dir=os.path.dirname(os.path.abspath(chunk.path)))
             except DataError as e:
                 where = line if chunk.kind == "jsonl" else f"row group {chunk.start} row {line}"
                 if on_error == "raise":

@@ -34,12 +34,19 @@ def schedule(o, total_steps: int):
     return optax.join_schedules([optax.linear_schedule(0.0, peak, warm), after], [warm])
 
 
-def make_optimizer(o, params, total_steps: int):
+def make_optimizer(o, params, total_steps: int, frozen: str | None = None):
+    """AdamW (+ clipping) over `params`; leaves whose path matches the regex `frozen` get no update and hold no
+    optimiser state."""
     sched = schedule(o, total_steps)
     tx = optax.chain(
         optax.clip_by_global_norm(o.clip_norm) if o.clip_norm > 0 else optax.identity(),
         optax.adamw(sched, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask(params)),
     )
+    if frozen:
+        pat = re.compile(frozen)
+        labels = jax.tree_util.tree_map_with_path(lambda p, _: "frozen" if pat.search(path_str(p)) else "train",
+                                                  params)
+        tx = optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()}, labels)
     return tx, sched
 
 

@@ -73,6 +73,22 @@ def initial_params(c: SFTConfig, mesh, rules):
     return cfg, params
 
 
+def row_images(cfg, data, tok: ChatTokenizer | None):
+    """The loader's image handling for a vision-language model (None for a text-only one). The tokenizer's
+    `<image>` token must be the model's image_token_id."""
+    if cfg.vision is None:
+        return None
+    from nemo_jax.data.chat import IMAGE_TOKEN
+    from nemo_jax.data.images import RowImages
+
+    v = cfg.vision
+    if tok is not None and tok.tokenizer.token_to_id(IMAGE_TOKEN) != v.image_token_id:
+        raise ValueError(f"data.tokenizer ({tok.path}): {IMAGE_TOKEN} is token {tok.tokenizer.token_to_id(IMAGE_TOKEN)}, "
+                         f"the model's image_token_id is {v.image_token_id}")
+    return RowImages(v, v.image_token_id, data.max_image_patches or data.seq_len * v.merge ** 2, data.max_images,
+                     data.on_error)
+
+
 def packing_args(data) -> dict:
     """PackedIterator keywords from the config's data section."""
     return {"packing": data.packing, "long_documents": data.long_documents, "window": data.pack_window,
@@ -97,6 +113,7 @@ class StepProgram:
     step: Any  # jitted step(state, batch, frozen) -> (state, metrics); the state is donated
     eval_step: Any  # jitted ev(params, batch, frozen) -> (summed NLL, tokens)
     combine: Any
+    data: Any = None  # the config's data section (the image budget of a row)
 
     def abstract_trainable(self):
         if self.lora_cfg is None:
@@ -114,6 +131,10 @@ class StepProgram:
         b = lambda dt: jax.ShapeDtypeStruct((batch_rows, seq_len), dt, sharding=self.batch_sharding)
         batch = {"tokens": b(jnp.int32), "targets": b(jnp.int32), "loss_mask": b(jnp.bool_),
                  "segment_ids": b(jnp.int32)}
+        if self.cfg.vision is not None:  # each row's image budget (data.max_image_patches / max_images)
+            row = row_images(self.cfg, self.data, None).row([])
+            batch.update({k: jax.ShapeDtypeStruct((batch_rows, *v.shape), v.dtype, sharding=self.batch_sharding)
+                          for k, v in row.items()})
         frozen = None
         if self.base_dtype is not None:
             frozen = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, self.base_dtype, sharding=s),
@@ -140,12 +161,18 @@ def step_program(c: SFTConfig, cfg, mesh, rules) -> StepProgram:
                          f"micro-batches whose rows divide over {shards} batch shards (data*fsdp*expert)")
     trainable = (abstract_params(cfg) if lora_cfg is None
                  else jax.eval_shape(lambda: init_adapters(cfg, lora_cfg)))
-    tx, sched = make_optimizer(o, trainable, c.steps)
+    frozen = None
+    if c.model.freeze_vision and lora_cfg is None:
+        if cfg.vision is None:
+            raise ValueError("model.freeze_vision: the model has no vision tower")
+        frozen = "^vision/"  # no update, no Adam moments; and no gradient computed through the tower:
+        combine = lambda params, _: {**params, "vision": jax.lax.stop_gradient(params["vision"])}  # noqa: E731
+    tx, sched = make_optimizer(o, trainable, c.steps, frozen)
     state_sh = train_state_shardings(tx, trainable, trainable_sh, mesh)  # Adam moments sharded like params
     step = make_train_step(cfg, opts, tx, sched, o, o.grad_accum, combine)
     return StepProgram(cfg, mesh, opts, lora_cfg, base_dtype, model_sh, trainable_sh, tx, sched, state_sh,
                        batch_sharding(mesh), jax.jit(step, donate_argnums=0, out_shardings=(state_sh, None)),
-                       jax.jit(make_eval_step(cfg, opts, combine, o.grad_accum)), combine)
+                       jax.jit(make_eval_step(cfg, opts, combine, o.grad_accum)), combine, c.data)
 
 
 class Trainer:
@@ -186,8 +213,9 @@ class Trainer:
         spans = _process_rows(self.batch_sharding, c.data.batch_size, c.data.seq_len)
         self.local_rows = lo, hi = spans[jax.process_index()]
         self.data_shards = c.data.shards or len(set(spans.values()))
+        self.images = row_images(self.cfg, c.data, self.tok)
         self.it = ShardedBatches(docs, c.data.seq_len, c.data.batch_size, self.data_shards, lo, hi, c.data.seed,
-                                 weights=weights, workers=c.data.workers, **packing_args(c.data))
+                                 weights=weights, workers=c.data.workers, images=self.images, **packing_args(c.data))
         per = c.data.batch_size // self.data_shards  # the shards whose counters this process reports: those
         self.counted_shards = [k for k in self.it.mine  # whose first row no lower-numbered process holds
                                if min(p for p, (a, b) in spans.items() if a < (k + 1) * per and b > k * per)
@@ -233,7 +261,7 @@ class Trainer:
         # the same global batches on every process (each takes its rows), so all processes run the collective
         # eval step the same number of times; rows past the end of the eval set are empty (loss_mask 0)
         it = PackedIterator(self.eval_docs, self.c.data.seq_len, self.c.data.batch_size, 0, shuffle=False,
-                            repeat=False, **packing_args(self.c.data))
+                            repeat=False, images=self.images, **packing_args(self.c.data))
         total = count = 0.0
         try:
             for i, b in enumerate(it):

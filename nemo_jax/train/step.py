@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import optax
 
 from nemo_jax.model.layers import chunked_cross_entropy
-from nemo_jax.model.model import Options, hidden_states, mtp_hidden
+from nemo_jax.model.model import Options, hidden_states, input_embeddings, mtp_hidden
+from nemo_jax.model.vision import LAYOUT_KEYS
 from nemo_jax.parallel.mesh import context_shards, row_shards
 
 
@@ -67,22 +68,35 @@ def token_nll(params, batch, cfg, opts: Options, temperature: float = 1.0):
     loss on batch tokens/targets/segment_ids [b, T], the vocabulary projected in chunks (never all logits)."""
     params = compute_weights(params, opts.dtype)
     head = whole_head(params["lm_head"], opts.mesh)
-    h, aux = hidden_states(params, batch["tokens"], cfg, batch["segment_ids"], opts=opts)
+    emb = batch_embeddings(params, batch, cfg, opts)
+    h, aux = hidden_states(params, batch["tokens"], cfg, batch["segment_ids"], opts=opts, embeddings=emb)
+    if emb is not None:
+        aux["embeddings"] = emb
     nll = chunked_cross_entropy(h, head, batch["targets"], row_shards=row_shards(opts.mesh, h.shape[0]),
                                 temperature=temperature, seq_shards=context_shards(opts.mesh, h.shape[1]))
     return nll, h, head, aux
+
+
+def batch_embeddings(params, batch, cfg, opts: Options):
+    """The input embeddings of a batch with images (`pixel_values` + the layout arrays of
+    `nemo_jax.model.vision.layout`, per row), else None (the model looks the tokens up itself)."""
+    if "pixel_values" not in batch:
+        return None
+    images = {k: batch[k] for k in ("pixel_values",) + LAYOUT_KEYS}
+    return input_embeddings(params, batch["tokens"], cfg, opts=opts, images=images)
 
 
 def token_loss(params, batch, cfg, opts: Options, mtp_coef: float = 0.0):
     """-> (sum of masked NLL, aux). batch: tokens/targets/loss_mask/segment_ids [b, T]."""
     params = compute_weights(params, opts.dtype)  # once (token_nll's cast is then a no-op)
     nll, h, head, aux = token_nll(params, batch, cfg, opts)
+    emb = aux.pop("embeddings", None)  # image features at their placeholders: the MTP heads see them too
     rows = row_shards(opts.mesh, h.shape[0])
     mask = batch["loss_mask"].astype(jnp.float32)
     total = jnp.sum(nll * mask)
     if mtp_coef and cfg.num_nextn_predict_layers and "mtp" in params:
         seg = batch["segment_ids"]
-        for d, hm in enumerate(mtp_hidden(params, h, batch["tokens"], cfg, seg, opts=opts)):
+        for d, hm in enumerate(mtp_hidden(params, h, batch["tokens"], cfg, seg, opts=opts, embeddings=emb)):
             # depth d at position t predicts targets[t + 1 + d], only inside one document
             tgt = jnp.pad(batch["targets"][:, 1 + d:], ((0, 0), (0, 1 + d)))
             m = jnp.pad(batch["loss_mask"][:, 1 + d:], ((0, 0), (0, 1 + d))) & (
