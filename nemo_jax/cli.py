@@ -254,6 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--top-p", type=float, default=1.0)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--no-chat-template", action="store_true")
+    s.add_argument("--image", action="append", default=[], metavar="FILE",
+                   help="a picture shown before the prompt (vision-language models; repeat for several)")
     s.add_argument("--mesh", default=None, help="mesh preset YAML (configs/mesh/*.yaml): params and the decode "
                    "state are sharded over it")
     s.set_defaults(fn=cmd_generate)

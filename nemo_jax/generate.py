@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -27,6 +28,7 @@ import numpy as np
 from nemo_jax.lora import attach
 from nemo_jax.model import model as M
 from nemo_jax.model.cache import DecodeState, init_decode_state, state_shardings
+from nemo_jax.model.vision import check_images
 from nemo_jax.model.mamba2 import MambaState
 
 
@@ -120,16 +122,18 @@ def _rows_on(x, mesh):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "opts", "mesh"), donate_argnames=("state",))
-def _append(params, tokens, valid, state, cfg, opts, mesh=None):
-    """-> (logits [b, V] at the chunk's last position, new state). `state` is donated (updated in place)."""
-    logits, state = M.forward_cached(params, tokens, valid, state, cfg, opts=opts, positions="last")
+def _append(params, tokens, valid, state, cfg, opts, mesh=None, images=None):
+    """-> (logits [b, V] at the chunk's last position, new state). `state` is donated (updated in place).
+    `images`: the chunk's per-row image batch (`nemo_jax.model.vision.pack_inputs`)."""
+    logits, state = M.forward_cached(params, tokens, valid, state, cfg, opts=opts, positions="last", images=images)
     return logits[:, 0], _keep_sharded(state, cfg, mesh)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "opts", "mesh"), donate_argnames=("state",))
-def _append_at(params, tokens, valid, state, positions, cfg, opts, mesh=None):
+def _append_at(params, tokens, valid, state, positions, cfg, opts, mesh=None, images=None):
     """-> (logits [b, n, V] at chunk positions [b, n], new state). `state` is donated."""
-    logits, state = M.forward_cached(params, tokens, valid, state, cfg, opts=opts, positions=positions)
+    logits, state = M.forward_cached(params, tokens, valid, state, cfg, opts=opts, positions=positions,
+                                     images=images)
     return logits, _keep_sharded(state, cfg, mesh)
 
 
@@ -144,24 +148,29 @@ def _padded_positions(rows: list[list[int]], width: int, positions) -> jax.Array
     return jnp.asarray(pos + (width - np.asarray([len(r) for r in rows], np.int32))[:, None])
 
 
-def _run_chunk(params, rows, state, cfg, opts, positions, pad_id, width=None):
+def _run_chunk(params, rows, state, cfg, opts, positions, pad_id, width=None, images=None):
     mesh = _mesh_of(params)
     toks, valid = left_pad(rows, pad_id, width)
     toks, valid = _rows_on(toks, mesh), _rows_on(valid, mesh)
+    if images is not None:
+        check_images(images, cfg)
+        images = {k: _rows_on(jnp.asarray(v), mesh) for k, v in images.items()}
     if positions is None:
-        return _append(params, toks, valid, state, cfg, opts, mesh)
+        return _append(params, toks, valid, state, cfg, opts, mesh, images)
     at = _rows_on(_padded_positions(rows, toks.shape[1], positions), mesh)
-    return _append_at(params, toks, valid, state, at, cfg, opts, mesh)
+    return _append_at(params, toks, valid, state, at, cfg, opts, mesh, images)
 
 
 def prefill(params, prompts: list[list[int]], cfg, max_len: int, *, opts: M.Options = M.Options(),
-            adapters=None, pad_id: int = 0, positions=None, width: int | None = None):
+            adapters=None, pad_id: int = 0, positions=None, width: int | None = None, images: dict | None = None):
     """Left-pad prompts (to `width` tokens, default the longest prompt), run them through an empty state of
     capacity `max_len`.
 
     -> (last logits [b, V], state); with `positions` ([b, n], indices into each prompt's own tokens, e.g. to
     score a given continuation) -> (logits [b, n, V] there, state). The lm_head runs only at those positions.
     On sharded params the state is created in its `state_shardings` on their mesh.
+    `images`: the prompts' images as a per-row image batch (`prompt_images`, or `vision.pack_inputs` of
+    transformers-style pixel_values / image_grid_hw); decoding afterwards is unchanged.
     """
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
@@ -170,7 +179,28 @@ def prefill(params, prompts: list[list[int]], cfg, max_len: int, *, opts: M.Opti
         raise ValueError(f"prompt length {n} exceeds max_len {max_len}")
     p = attach(params, adapters)
     state = init_decode_state(cfg, len(prompts), max_len, opts.dtype, mesh=_mesh_of(p))
-    return _run_chunk(p, prompts, state, cfg, opts, positions, pad_id, n)
+    return _run_chunk(p, prompts, state, cfg, opts, positions, pad_id, n, images)
+
+
+def prompt_images(tok, cfg, prompt: str, images: list[str], *, chat_template: bool = True):
+    """A user prompt with pictures (paths or data URLs, shown before the text, as the data's image parts) ->
+    (token ids with each picture's placeholder tokens, its per-row image batch [1, ...] for `prefill`)."""
+    from nemo_jax.data.chat import Document, read_image_parts, content_text
+    from nemo_jax.data.images import load_image, preprocess, widen_image_tokens
+    from nemo_jax.model.vision import pack_inputs
+
+    if cfg.vision is None:
+        raise ValueError("--image: the model has no vision tower (not a nemotron_h_omni model)")
+    refs: list[str] = []
+    content = content_text([{"type": "image", "path": x} for x in images] + [{"type": "text", "text": prompt}],
+                            "prompt", refs)
+    text = tok.render([{"role": "user", "content": content}], add_generation_prompt=True) if chat_template else content
+    ids = np.asarray(tok.tokenizer.encode(text, add_special_tokens=False).ids, np.int32)
+    refs, hw = read_image_parts(refs, ids, tok, os.getcwd())
+    v = cfg.vision
+    doc = widen_image_tokens(v, Document(ids, np.zeros(len(ids), bool), 0, refs, hw))
+    pix, grid = preprocess([load_image(r) for r in refs], v)
+    return doc.ids.tolist(), pack_inputs(v, doc.ids[None], pix, grid)
 
 
 def append(params, state: DecodeState, rows: list[list[int]], cfg, *, opts: M.Options = M.Options(), adapters=None,
@@ -203,14 +233,15 @@ def decode_step(params, token, state, cfg, *, opts: M.Options = M.Options(), act
 
 def generate(params, prompts: list[list[int]], cfg, sp: SamplingParams = SamplingParams(), *, key=None,
              opts: M.Options = M.Options(), adapters=None, state: DecodeState | None = None, last_logits=None,
-             max_len: int | None = None, on_token=None, bucket: int = 1) -> Generation:
+             max_len: int | None = None, on_token=None, bucket: int = 1, images: dict | None = None) -> Generation:
     """Sample continuations. With `state` (+ `last_logits`) continue it instead of prefilling `prompts`
     (the state is donated: use `Generation.state` afterwards). `bucket`: prompts are left-padded to a multiple
     of it, so batches of prompts of varied lengths reuse a few compiled shapes (a sampler serving many requests
     passes e.g. 32). On sharded params (a mesh) the decode state is
     sharded too (rows over the batch axes, KV heads over `tensor`) and every step updates it in place.
 
-    on_token(step, tokens [b], done [b]) is called as tokens come (for streaming).
+    on_token(step, tokens [b], done [b]) is called as tokens come (for streaming). `images`: the prompts'
+    pictures (see `prefill`).
     """
     key = jax.random.key(0) if key is None else key
     p = attach(params, adapters)
@@ -218,7 +249,7 @@ def generate(params, prompts: list[list[int]], cfg, sp: SamplingParams = Samplin
     if state is None:
         width = -(-max(len(x) for x in prompts) // bucket) * bucket
         max_len = max_len or (width + sp.max_new_tokens)
-        last_logits, state = prefill(p, prompts, cfg, max_len, opts=opts, width=width)
+        last_logits, state = prefill(p, prompts, cfg, max_len, opts=opts, width=width, images=images)
     elif last_logits is None:
         raise ValueError("continuing a state needs its last_logits")
     b = last_logits.shape[0]
@@ -442,11 +473,13 @@ def cli_generate(a):
         mesh = make_mesh(sizes, devices_per_node=sizes.pop("devices_per_node", 0))
     cfg, params, tok_dir = load_for_generation(a.ckpt, mesh=mesh, dtype=jnp.float32)
     tok = ChatTokenizer.load(a.tokenizer or tok_dir)
-    if a.no_chat_template:
-        text = a.prompt
+    images = None
+    if a.image:
+        ids, images = prompt_images(tok, cfg, a.prompt, a.image, chat_template=not a.no_chat_template)
     else:
-        text = tok.render([{"role": "user", "content": a.prompt}], add_generation_prompt=True)
-    ids = tok.tokenizer.encode(text, add_special_tokens=False).ids
+        text = a.prompt if a.no_chat_template else tok.render([{"role": "user", "content": a.prompt}],
+                                                              add_generation_prompt=True)
+        ids = tok.tokenizer.encode(text, add_special_tokens=False).ids
     eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id]
     stop = tuple(sorted({*(x for x in eos if x is not None), *tok.eos_ids()}))
     sp = SamplingParams(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
@@ -463,7 +496,7 @@ def cli_generate(a):
         sys.stdout.flush()
         shown[0] = s
 
-    g = generate(params, [ids], cfg, sp, key=jax.random.key(a.seed), on_token=on_token)
+    g = generate(params, [ids], cfg, sp, key=jax.random.key(a.seed), on_token=on_token, images=images)
     sys.stdout.write("\n")
     print(f"[{len(g.tokens[0])} tokens, finish: {g.finish_reason[0]}, "
           f"mean logprob {np.mean(g.logprobs[0]) if g.logprobs[0] else 0.0:.3f}]", file=sys.stderr)

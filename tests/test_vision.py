@@ -1,9 +1,11 @@
 """The vision tower against transformers' `nemotron_h_omni` (the pinned oracle): logits with images, the
 checkpoint round trip, and the host-side layout."""
 
+import functools
 import json
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -26,6 +28,11 @@ TEXT = dict(vocab_size=97, hidden_size=32, layers_block_type=["mamba", "moe", "a
             moe_intermediate_size=16, moe_shared_expert_intermediate_size=24)
 VISION = dict(hidden_size=24, num_hidden_layers=2, num_attention_heads=2, patch_size=4, max_img_size=64,
               num_cls_tokens=2, num_registers=1, video_temporal_patch_size=2)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def logits_of(params, tokens, cfg, segment_ids=None, images=None):
+    return M.forward(params, tokens, cfg, segment_ids, images=images, mtp=False)[0]
 
 
 def tensors(path):
@@ -91,7 +98,8 @@ def test_logits_match_transformers(omni, grids):
         kw = dict(pixel_values=pix, image_grid_hw=grid)
     with torch.no_grad():
         want = model(input_ids=torch.tensor(toks), **{k: torch.tensor(v) for k, v in kw.items()}).logits.numpy()
-    got, _ = M.forward(params, jnp.asarray(toks), cfg, mtp=False, **kw)
+    images = vision.pack_inputs(cfg.vision, toks, kw["pixel_values"], kw["image_grid_hw"]) if grids else None
+    got = logits_of(params, jnp.asarray(toks), cfg, images=images)
     assert np.max(np.abs(np.asarray(got) - want)) <= 1e-4
 
 
@@ -213,3 +221,183 @@ def test_preprocess_matches_transformers(hw):
         want_grid = np.array([[gh, gw]])
     np.testing.assert_array_equal(grid, want_grid)
     np.testing.assert_allclose(pix, want, atol=2e-4)
+
+
+# --------------------------------------------------------------------------- data: image parts, packing, loader
+VL_TOKENIZER = "builtin:tiny_vl"
+
+
+@pytest.fixture(scope="module")
+def vl():
+    """The shipped tiny vision-language model config, random params and its tokenizer."""
+    from nemo_jax.data.chat import ChatTokenizer
+    from nemo_jax.model.spec import init
+    from nemo_jax.train.sft import model_config_path
+
+    cfg = NemotronHConfig.from_file(model_config_path("tiny-vl"))
+    return cfg, jax.jit(init, static_argnums=0)(cfg, jax.random.key(0)), ChatTokenizer.load(VL_TOKENIZER)
+
+
+def _pictures(tmp_path, sizes):
+    from PIL import Image
+
+    rng = np.random.RandomState(0)
+    paths = []
+    for i, (h, w) in enumerate(sizes):
+        p = tmp_path / f"p{i}.png"
+        Image.fromarray(rng.randint(0, 256, (h, w, 3)).astype(np.uint8)).save(p)
+        paths.append(str(p))
+    return paths
+
+
+def _conv(images, q="What is it?", a="A red square."):
+    parts = [{"type": "image", "path": p} for p in images]
+    return {"messages": [{"role": "user", "content": parts + [{"type": "text", "text": q}]},
+                         {"role": "assistant", "content": a}]}
+
+
+def test_image_parts_parse_and_bad_images_are_named(vl, tmp_path):
+    import base64
+
+    from nemo_jax.data.chat import DataError, parse_record, read_chat_jsonl
+
+    cfg, _, tok = vl
+    pics = _pictures(tmp_path, [(40, 64), (64, 64)])
+    data_url = "data:image/png;base64," + base64.b64encode(open(pics[1], "rb").read()).decode()
+    rec = {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url}}, {"type": "text", "text": "and"},
+        {"type": "image", "path": os.path.basename(pics[0])}]}, {"role": "assistant", "content": "Two."}]}
+    doc = parse_record(json.dumps(rec), tok, cfg.vocab_size, base_dir=str(tmp_path))
+    assert doc.images == [data_url, pics[0]] and doc.image_hw == [[64, 64], [40, 64]]
+    assert int(np.sum(doc.ids == cfg.vision.image_token_id)) == 2 and not doc.mask[doc.ids == 502].any()
+    (tmp_path / "corrupt.png").write_bytes(b"\x89PNG not really")
+    lines = [json.dumps(_conv([pics[0]])), json.dumps(_conv(["missing.png"])), json.dumps(_conv(["corrupt.png"])),
+             json.dumps({"messages": [{"role": "user", "content": [{"type": "audio", "path": "a.wav"}]},
+                                      {"role": "assistant", "content": "x"}]})]
+    (tmp_path / "d.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(DataError, match=r"d.jsonl:2: .*missing.png"):
+        read_chat_jsonl(str(tmp_path / "d.jsonl"), tok, cfg.vocab_size)
+    docs, skipped = read_chat_jsonl(str(tmp_path / "d.jsonl"), tok, cfg.vocab_size, on_error="skip")
+    assert len(docs) == 1 and skipped == 3
+    (tmp_path / "e.jsonl").write_text(lines[2] + "\n")
+    with pytest.raises(DataError, match=r"e.jsonl:1: .*corrupt.png: cannot read image"):
+        read_chat_jsonl(str(tmp_path / "e.jsonl"), tok, cfg.vocab_size)
+    (tmp_path / "f.jsonl").write_text(lines[3] + "\n")
+    with pytest.raises(DataError, match=r"f.jsonl:1: .*audio parts are not supported"):
+        read_chat_jsonl(str(tmp_path / "f.jsonl"), tok, cfg.vocab_size)
+    from nemo_jax.data.chat import ChatTokenizer
+
+    with pytest.raises(DataError, match="no <image> token"):
+        parse_record(json.dumps(_conv([pics[0]])), ChatTokenizer.load("builtin:tiny"), cfg.vocab_size)
+
+
+def test_packed_image_document_matches_alone(vl, tmp_path):
+    """Rows of the data loader: an image document packed among others gets the logits it gets alone."""
+    from nemo_jax.data.chat import pack, parse_record
+    from nemo_jax.data.images import RowImages
+
+    cfg, params, tok = vl
+    pics = _pictures(tmp_path, [(48, 64), (64, 40), (64, 64)])
+    docs = [parse_record(json.dumps(c), tok, cfg.vocab_size) for c in (
+        {"messages": [{"role": "user", "content": "Hi there."}, {"role": "assistant", "content": "Hello."}]},
+        _conv(pics[:2], "Compare them."), _conv(pics[2:], "And this one?"))]
+    ri = RowImages(cfg.vision, max_patches=256, max_images=4)
+    docs = [ri.expand(d) for d in docs]
+
+    def run(ds):
+        row = pack(ds, 200)
+        row.update(ri.row([ri.load(d) for d in ds if d.image_hw]))
+        b = jax.tree.map(lambda x: jnp.asarray(x)[None], row)
+        images = {k: b[k] for k in ("pixel_values",) + vision.LAYOUT_KEYS}
+        return np.asarray(logits_of(params, b["tokens"], cfg, b["segment_ids"], images)[0])
+
+    packed, off = run(docs), len(docs[0].ids)
+    for d in docs[1:]:
+        alone = run([d])
+        n = len(d.ids)
+        np.testing.assert_allclose(packed[off:off + n], alone[:n], atol=2e-5)
+        off += n
+
+
+def test_loader_rows_hold_their_documents_images_within_budget(vl, tmp_path):
+    from nemo_jax.data.chat import parse_record
+    from nemo_jax.data.images import RowImages
+    from nemo_jax.data.loader import PackedIterator
+
+    cfg, _, tok = vl
+    pics = _pictures(tmp_path, [(48, 64), (64, 40), (64, 64), (80, 80)])
+    convs = [_conv(pics[i % 4: i % 4 + 1 + i % 2]) for i in range(24)]
+    convs += [{"messages": [{"role": "user", "content": "Text only."}, {"role": "assistant", "content": "Yes."}]}] * 8
+    docs = [parse_record(json.dumps(c), tok, cfg.vocab_size) for c in convs]
+    ri = RowImages(cfg.vision, max_patches=160, max_images=3)
+    it = PackedIterator(docs, 128, 4, seed=0, images=ri, repeat=False)
+    v, n_rows = cfg.vision, 0
+    for b in it:
+        assert b["pixel_values"].shape == (4, 160, v.patch_dim) and b["kind"].shape == (4, 160 + 3 * v.n_prefix)
+        for r in range(4):
+            placeholders = int(np.sum(b["tokens"][r] == v.image_token_id))
+            assert placeholders == int(b["token_valid"][r].sum())  # every placeholder has its image token
+            assert int(np.sum(b["kind"][r] == 2)) <= 160 and len(set(b["segment"][r]) - {0}) <= 3
+            n_rows += bool(b["segment_ids"][r].any())
+    assert n_rows >= 4 and it.dropped == 0
+
+
+def test_generate_with_images_prefill_matches_forward(vl, tmp_path):
+    from nemo_jax.generate import SamplingParams, generate, prefill, prompt_images
+
+    cfg, params, tok = vl
+    pics = _pictures(tmp_path, [(48, 64), (64, 64)])
+    ids, images = prompt_images(tok, cfg, "What are these?", pics)
+    assert ids.count(cfg.vision.image_token_id) == int(images["token_valid"].sum())
+    logits = logits_of(params, jnp.asarray([ids]), cfg, images=images)
+    last, _ = prefill(params, [ids], cfg, len(ids) + 4, images=images)
+    np.testing.assert_allclose(np.asarray(last[0]), np.asarray(logits[0, -1]), atol=2e-5)
+    g = generate(params, [ids], cfg, SamplingParams(max_new_tokens=4, temperature=0.0), images=images)
+    assert len(g.tokens[0]) == 4 and all(lp <= 0 for lp in g.logprobs[0])
+
+
+# --------------------------------------------------------------------------- SFT with images on a mesh
+VL_SFT = ["model.config=tiny-vl", "data.train=builtin:tiny_vl_chat/train.jsonl", "data.eval=null",
+          f"data.tokenizer={VL_TOKENIZER}", "data.seq_len=128", "data.batch_size=8", "data.max_image_patches=192",
+          "data.max_images=3", "log_every=1", "eval_every=0", "checkpoint.async_save=false", "optim.warmup_steps=2"]
+
+
+def _trainer(run_dir, *extra, devices=None):
+    from nemo_jax.config.load import load_config
+    from nemo_jax.config.train import SFTConfig
+    from nemo_jax.train.sft import Trainer
+
+    return Trainer(load_config(SFTConfig, None, VL_SFT + [f"run_dir={run_dir}", *extra]), quiet=True, devices=devices)
+
+
+def _losses(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [r["loss"] for r in map(json.loads, f) if "loss" in r]
+
+
+@pytest.mark.slow
+def test_vl_sft_one_and_eight_devices_agree_and_the_tower_shards(tmp_path):
+    a = _trainer(tmp_path / "one", "steps=4", devices=jax.devices()[:1])
+    a.run()
+    b = _trainer(tmp_path / "eight", "steps=4", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
+    fc1 = b.state.params["vision"]["layers"]["mlp"]["fc1"]["kernel"]
+    assert fc1.sharding.spec[1:] == ("fsdp", "tensor")
+    assert fc1.addressable_shards[0].data.size * 4 == fc1.size  # split 4 ways (fsdp x tensor), like its Adam moments
+    mu = b.state.opt_state[1][0].mu["vision"]["layers"]["mlp"]["fc1"]["kernel"]
+    assert mu.sharding.spec == fc1.sharding.spec
+    b.run()
+    la, lb = _losses(tmp_path / "one"), _losses(tmp_path / "eight")
+    assert len(la) == 4 and la[-1] < la[0]
+    np.testing.assert_allclose(la, lb, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_vl_sft_freeze_vision(tmp_path):
+    t = _trainer(tmp_path / "frozen", "steps=3", "model.freeze_vision=true", devices=jax.devices()[:1])
+    before = jax.tree.map(np.asarray, t.state.params)
+    assert not any("vision" in jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(t.state.opt_state)[0])
+    t.run()
+    after = jax.tree.map(np.asarray, t.state.params)
+    for x, y in zip(jax.tree.leaves(before["vision"]), jax.tree.leaves(after["vision"])):
+        np.testing.assert_array_equal(x, y)
+    assert not np.array_equal(before["projector"]["linear_1"]["kernel"], after["projector"]["linear_1"]["kernel"])

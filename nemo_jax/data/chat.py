@@ -175,7 +175,7 @@ def _image_ref(part: dict, where: str) -> str:
     return ref
 
 
-def _content_text(content, where: str, refs: list) -> str:
+def content_text(content, where: str, refs: list) -> str:
     """A message's content (a string, or a list of text / image parts) -> its text, each image part as an
     `<img><image></img>` marker (the loader widens `<image>` to the image's tokens); image refs appended."""
     if isinstance(content, str):
@@ -206,7 +206,7 @@ def _parse(obj, tok: ChatTokenizer, vocab_size: int, base_dir: str | None = None
     for i, m in enumerate(obj["messages"]):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
             raise DataError(f'messages[{i}] needs string "role" and "content"')
-        messages.append(dict(m, content=_content_text(m["content"], f"messages[{i}]", refs)))
+        messages.append(dict(m, content=content_text(m["content"], f"messages[{i}]", refs)))
     ids, mask = tok.encode_chat(messages, obj.get("tools"))
     if len(ids) and (ids.max() >= vocab_size or ids.min() < 0):
         bad = int(ids[(ids >= vocab_size) | (ids < 0)][0])
@@ -214,14 +214,14 @@ def _parse(obj, tok: ChatTokenizer, vocab_size: int, base_dir: str | None = None
     if not mask.any():
         raise DataError("no assistant tokens to train on")
     if refs:
-        return Document(ids, mask, 0, *_check_images(refs, ids, tok, base_dir))
+        return Document(ids, mask, 0, *read_image_parts(refs, ids, tok, base_dir))
     images = obj.get("images") or []  # a record's own image list is carried as it is (not loaded here)
     if not isinstance(images, list) or not all(isinstance(x, str) for x in images):
         raise DataError('"images" must be a list of image paths or URLs')
     return Document(ids, mask, 0, images)
 
 
-def _check_images(refs: list[str], ids: np.ndarray, tok: ChatTokenizer, base_dir: str | None):
+def read_image_parts(refs: list[str], ids: np.ndarray, tok: ChatTokenizer, base_dir: str | None):
     """Each image opened and decoded once (a missing or corrupt file is an error naming it); -> (refs with
     paths made absolute, [height, width] of each)."""
     from nemo_jax.data.images import ImageError, load_image

@@ -107,34 +107,43 @@ def preprocess(images, v: VisionConfig, max_model_len: int = 16384) -> tuple[np.
     return np.concatenate(out), np.asarray(grids, np.int64)
 
 
+def doc_grids(v: VisionConfig, doc) -> list[tuple[int, int]]:
+    """The patch grid of each of a document's images (from their sizes in pixels)."""
+    n = len(doc.image_hw)
+    return [image_grid(v, h, w, n) for h, w in doc.image_hw]
+
+
+def widen_image_tokens(v: VisionConfig, doc):
+    """The document with each `<image>` token (v.image_token_id) repeated to its image's token count, loss
+    mask off there."""
+    if not doc.image_hw:
+        return doc
+    from nemo_jax.data.chat import Document
+
+    reps = np.ones(len(doc.ids), np.int64)
+    reps[np.flatnonzero(doc.ids == v.image_token_id)] = [h * w // v.merge ** 2 for h, w in doc_grids(v, doc)]
+    ids = np.repeat(doc.ids, reps)
+    return Document(ids, np.repeat(doc.mask, reps) & (ids != v.image_token_id), doc.source, doc.images, doc.image_hw)
+
+
 class RowImages:
     """What the data loader does with images (picklable, for its worker processes): widen each document's
     `<image>` tokens to its images' token counts, and give each packed row its pixel patches and vision layout
     (`nemo_jax.model.vision.layout`) within a budget of `max_patches` patches and `max_images` images per row.
     An image that cannot be read raises naming it, or (`on_error: skip`) drops its document."""
 
-    def __init__(self, v: VisionConfig, image_token_id: int, max_patches: int, max_images: int, on_error: str = "raise"):
+    def __init__(self, v: VisionConfig, max_patches: int, max_images: int, on_error: str = "raise"):
         if max_patches < v.merge ** 2 or max_images < 1:
             raise ValueError(f"data.max_image_patches ({max_patches}) / data.max_images ({max_images}) leave no room "
                              "for an image")
-        self.v, self.image_id, self.max_patches, self.max_images = v, image_token_id, max_patches, max_images
+        self.v, self.max_patches, self.max_images = v, max_patches, max_images
         self.on_error = on_error
 
     def grids(self, doc) -> list[tuple[int, int]]:
-        n = len(doc.image_hw)
-        return [image_grid(self.v, h, w, n) for h, w in doc.image_hw]
+        return doc_grids(self.v, doc)
 
     def expand(self, doc):
-        """The document with each `<image>` token repeated to its image's token count (loss mask off)."""
-        if not doc.image_hw:
-            return doc
-        from nemo_jax.data.chat import Document
-
-        where = np.flatnonzero(doc.ids == self.image_id)
-        reps = np.ones(len(doc.ids), np.int64)
-        reps[where] = [h * w // self.v.merge ** 2 for h, w in self.grids(doc)]
-        return Document(np.repeat(doc.ids, reps), np.repeat(doc.mask, reps) & (np.repeat(doc.ids, reps) != self.image_id),
-                        doc.source, doc.images, doc.image_hw)
+        return widen_image_tokens(self.v, doc)
 
     def size(self, doc) -> tuple[int, int]:
         """(patches, images) a document puts in its row."""

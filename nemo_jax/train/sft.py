@@ -85,7 +85,7 @@ def row_images(cfg, data, tok: ChatTokenizer | None):
     if tok is not None and tok.tokenizer.token_to_id(IMAGE_TOKEN) != v.image_token_id:
         raise ValueError(f"data.tokenizer ({tok.path}): {IMAGE_TOKEN} is token {tok.tokenizer.token_to_id(IMAGE_TOKEN)}, "
                          f"the model's image_token_id is {v.image_token_id}")
-    return RowImages(v, v.image_token_id, data.max_image_patches or data.seq_len * v.merge ** 2, data.max_images,
+    return RowImages(v, data.max_image_patches or data.seq_len * v.merge ** 2, data.max_images,
                      data.on_error)
 
 
