@@ -401,3 +401,22 @@ def test_vl_sft_freeze_vision(tmp_path):
     for x, y in zip(jax.tree.leaves(before["vision"]), jax.tree.leaves(after["vision"])):
         np.testing.assert_array_equal(x, y)
     assert not np.array_equal(before["projector"]["linear_1"]["kernel"], after["projector"]["linear_1"]["kernel"])
+
+
+def test_blocked_vit_attention_matches_the_plain_one_in_values_and_gradients():
+    rng = np.random.RandomState(0)
+    B, S, H, hd = 2, 37, 2, 4
+    q, k, v = (jnp.asarray(rng.randn(B, S, H, hd), jnp.float32) for _ in range(3))
+    seg = jnp.asarray(np.stack([np.repeat([1, 2, 3, 0], [10, 12, 9, 6]), np.repeat([1, 2], [30, 7])]), jnp.int32)
+    w = jnp.asarray(rng.randn(B, S, H, hd), jnp.float32)
+
+    def loss(q, k, v, block):
+        return jnp.sum(vision.attention(q, k, v, seg, jnp.float32, block) * w)
+
+    for block in (5, 16):
+        np.testing.assert_allclose(vision.attention(q, k, v, seg, jnp.float32, block),
+                                   vision.attention(q, k, v, seg, jnp.float32, S), atol=1e-6)
+        ga = jax.grad(loss, argnums=(0, 1, 2))(q, k, v, block)
+        gb = jax.grad(loss, argnums=(0, 1, 2))(q, k, v, S)
+        for x, y in zip(ga, gb):
+            np.testing.assert_allclose(x, y, atol=1e-5)

@@ -230,19 +230,41 @@ def layer_norm(x, p: dict, eps: float):
     return y.astype(x.dtype)
 
 
-def _block(p: dict, x, segment, v: VisionConfig, dtype):
+ATTENTION_BLOCK = 1024  # query rows per step of the ViT attention (memory: [B, H, block, S] scores at a time)
+
+
+def _attend(q, k, val, seg_q, seg_k, dtype):
+    """q [B, Q, H, hd], k/val [B, S, H, hd]: softmax attention of each query to the keys of its own image
+    (segment; padding slots, segment 0, attend among themselves) -> [B, Q, H, hd]."""
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * q.shape[-1] ** -0.5
+    s = jnp.where((seg_q[:, :, None] == seg_k[:, None, :])[:, None], s, -1e30)
+    a = jax.nn.softmax(s, axis=-1).astype(dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", a, val, preferred_element_type=jnp.float32).astype(dtype)
+
+
+def attention(q, k, val, segment, dtype, block: int = ATTENTION_BLOCK):
+    """Bidirectional attention within each image over [B, S, H, hd], query block by query block (a scan of
+    checkpointed blocks: [B, H, block, S] scores live at a time, forward and backward). block >= S: one block,
+    the plain reference."""
+    B, S, H, hd = q.shape
+    if block >= S:
+        return _attend(q, k, val, segment, segment, dtype)
+    n = -(-S // block)
+    pad = n * block - S
+    qb = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(B, n, block, H, hd).swapaxes(0, 1)
+    sb = jnp.pad(segment, ((0, 0), (0, pad))).reshape(B, n, block).swapaxes(0, 1)
+    step = jax.checkpoint(lambda _, xs: (None, _attend(xs[0], k, val, xs[1], segment, dtype)))
+    _, o = jax.lax.scan(step, None, (qb, sb))
+    return o.swapaxes(0, 1).reshape(B, n * block, H, hd)[:, :S]
+
+
+def _block(p: dict, x, segment, v: VisionConfig, dtype, block: int = ATTENTION_BLOCK):
     """One ViT layer over [B, S, Dv]; each slot attends to the slots of its own image (segment)."""
     B, S, Dv = x.shape
     H = v.num_attention_heads
-    hd = Dv // H
     u = layer_norm(x, p["norm1"], v.layer_norm_eps)
-    qkv = _dense(u, p["attn"]["qkv"], dtype).reshape(B, S, 3, H, hd)
-    q, k, val = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    s = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * hd ** -0.5
-    same = segment[:, :, None] == segment[:, None, :]  # [B, S, S]
-    s = jnp.where(same[:, None], s, -jnp.inf)
-    a = jax.nn.softmax(s, axis=-1).astype(dtype)
-    o = jnp.einsum("bhqk,bkhd->bqhd", a, val, preferred_element_type=jnp.float32).astype(dtype).reshape(B, S, Dv)
+    qkv = _dense(u, p["attn"]["qkv"], dtype).reshape(B, S, 3, H, Dv // H)
+    o = attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], segment, dtype, block).reshape(B, S, Dv)
     x = x + (_dense(o, p["attn"]["proj"], dtype) * p["layer_scale1"]["lambda1"].astype(dtype)).astype(x.dtype)
     u = layer_norm(x, p["norm2"], v.layer_norm_eps)
     if v.use_swiglu_ffn:
