@@ -382,7 +382,7 @@ def _with_images(params: dict, h: jax.Array, tokens: jax.Array, cfg, opts: Optio
         return h
     if cfg.vision is None:
         raise ValueError("images given but the model config has no vision tower (not a nemotron_h_omni model)")
-    feats = vision_lib.encode(params, images, cfg, opts.dtype, scan=opts.scan)
+    feats = vision_lib.encode(params, images, cfg, opts.dtype, scan=opts.scan, mesh=opts.mesh)
     return vision_lib.insert(h, tokens, feats, cfg.vision.image_token_id)
 
 

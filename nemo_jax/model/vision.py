@@ -36,6 +36,7 @@ import numpy as np
 
 from nemo_jax.config.vision import VisionConfig
 from nemo_jax.model.layers import linear, relu2, rms_norm
+from nemo_jax.parallel.mesh import pin_batch
 
 PROJECTOR_EPS = 1e-5  # the projector's RMSNorm (transformers' default; not in config.json)
 LAYOUT_KEYS = ("kind", "patch_src", "prefix_src", "pos_idx", "pos_w", "segment", "shuffle", "token_valid")
@@ -275,38 +276,51 @@ def _block(p: dict, x, segment, v: VisionConfig, dtype, block: int = ATTENTION_B
     return x + (y * p["layer_scale2"]["lambda1"].astype(dtype)).astype(x.dtype)
 
 
-def tower(p: dict, pixel_values, lay: dict, v: VisionConfig, dtype=jnp.float32, *, scan: bool = True):
-    """The ViT: pixel_values [B, P, C*p*p] + layout arrays [B, ...] -> last hidden state [B, S, Dv]."""
+def _replicated(a, mesh):
+    if mesh is None:
+        return a
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    return jax.lax.with_sharding_constraint(a, NamedSharding(mesh, P()))
+
+
+def tower(p: dict, pixel_values, lay: dict, v: VisionConfig, dtype=jnp.float32, *, scan: bool = True, mesh=None):
+    """The ViT: pixel_values [B, P, C*p*p] + layout arrays [B, ...] -> last hidden state [B, S, Dv]. On a mesh
+    the activations are pinned rows-sharded (each row's images stay on its devices), hidden unsharded."""
     e = p["embeddings"]
     x = linear(pixel_values, e["patch_projection"], dtype)  # [B, P, Dv]
     x = jnp.take_along_axis(x, lay["patch_src"][..., None], axis=1)  # [B, S, Dv]
-    table = e["position_embedding"][0].astype(jnp.float32)  # [G*G, Dv]
+    # the tables are gathered whole before the lookups (indexing an FSDP-sharded table gave Dv-sharded rows
+    # that GSPMD could only re-lay by replicating them)
+    table = _replicated(e["position_embedding"][0].astype(jnp.float32), mesh)  # [G*G, Dv]
     pos = jnp.einsum("bsk,bskd->bsd", lay["pos_w"], jnp.take(table, lay["pos_idx"], axis=0))
-    prefix = jnp.take(e["cls_register_token"], lay["prefix_src"], axis=0).astype(dtype)
+    prefix = jnp.take(_replicated(e["cls_register_token"].astype(dtype), mesh), lay["prefix_src"], axis=0)
     kind = lay["kind"][..., None]
     x = jnp.where(kind == 2, x + pos.astype(dtype), jnp.where(kind == 1, prefix, jnp.zeros_like(x)))
-    block = jax.checkpoint(lambda x, lp: _block(lp, x, lay["segment"], v, dtype))
+    pin = lambda x: pin_batch(x, mesh, seq=False)  # noqa: E731
+    block = jax.checkpoint(lambda x, lp: pin(_block(lp, x, lay["segment"], v, dtype)))
+    x = pin(x)
     if scan:
         x, _ = jax.lax.scan(lambda x, lp: (block(x, lp), None), x, p["layers"])
     else:
         for i in range(v.num_hidden_layers):
-            x = _block(jax.tree.map(lambda a: a[i], p["layers"]), x, lay["segment"], v, dtype)
+            x = pin(_block(jax.tree.map(lambda a: a[i], p["layers"]), x, lay["segment"], v, dtype))
     return x
 
 
-def encode(params: dict, images: dict, cfg, dtype=jnp.float32, *, scan: bool = True):
+def encode(params: dict, images: dict, cfg, dtype=jnp.float32, *, scan: bool = True, mesh=None):
     """Image batch {"pixel_values" [B, P, C*p*p], **layout} -> language tokens [B, N, D] in `dtype`
     (rows of `token_valid` false are padding)."""
     v: VisionConfig = cfg.vision
     lay = {k: images[k] for k in LAYOUT_KEYS}
-    x = tower(params["vision"], images["pixel_values"].astype(dtype), lay, v, dtype, scan=scan)
+    x = tower(params["vision"], images["pixel_values"].astype(dtype), lay, v, dtype, scan=scan, mesh=mesh)
     if "final_layernorm" in params["vision"]:
         x = layer_norm(x, params["vision"]["final_layernorm"], v.layer_norm_eps)
     B, N, mm = lay["shuffle"].shape
     f = jnp.take_along_axis(x, lay["shuffle"].reshape(B, N * mm)[..., None], axis=1).reshape(B, N, mm * x.shape[-1])
     pj = params["projector"]
     f = rms_norm(f, pj["norm"]["scale"], PROJECTOR_EPS)
-    return linear(relu2(linear(f, pj["linear_1"], dtype)), pj["linear_2"], dtype)
+    return pin_batch(linear(relu2(linear(f, pj["linear_1"], dtype)), pj["linear_2"], dtype), mesh, seq=False)
 
 
 def insert(h, tokens, feats, image_token_id: int):

@@ -150,13 +150,14 @@ def token_axes(mesh, tokens: int) -> tuple[str, ...]:
     return axes if tokens % math.prod(mesh.shape[a] for a in axes) == 0 else ()
 
 
-def pin_batch(h, mesh):
+def pin_batch(h, mesh, seq: bool = True):
     """h [B, L, ...] (inside jit): rows over the mesh's batch axes and, for 3-d and larger, the sequence over
-    `context`, everything else unsharded, so GSPMD never picks a layout sharded on the hidden dimension (from
-    an FSDP-sharded embedding table) with global-batch activations, nor gathers the rows for an op it
-    partitions poorly (the router's top_k)."""
+    `context` (unless `seq` is False: e.g. the vision tower's sequence, whose attention spans an image),
+    everything else unsharded, so GSPMD never picks a layout sharded on the hidden dimension (from an
+    FSDP-sharded embedding table) with global-batch activations, nor gathers the rows for an op it partitions
+    poorly (the router's top_k)."""
     rows = row_shards(mesh, h.shape[0]) > 1
-    seq = h.ndim >= 3 and context_shards(mesh, h.shape[1]) > 1
+    seq = seq and h.ndim >= 3 and context_shards(mesh, h.shape[1]) > 1
     if not rows and not seq:
         return h
     axes = tuple(a for a in BATCH_AXES if mesh.shape.get(a, 1) > 1) if rows else None
