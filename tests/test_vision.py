@@ -166,10 +166,12 @@ def test_layout_pixel_shuffle_and_positions():
     np.testing.assert_array_equal(ours, want)
     table = np.random.RandomState(0).randn(v.max_grid, v.max_grid, 5).astype(np.float32)
     t = torch.tensor(table).permute(2, 0, 1)[None]
-    ref = torch.nn.functional.interpolate(t, size=(w, w), mode="bilinear", align_corners=False)[0, :, :h, :w]
-    idx, wt = vision.position_taps(v, h, w)
-    got = (table.reshape(-1, 5)[idx] * wt[..., None]).sum(1)
-    np.testing.assert_allclose(got, ref.permute(1, 2, 0).reshape(-1, 5).numpy(), atol=1e-5)
+    for h, w in ((6, 10), (4, 2 * v.max_grid + 2)):  # the table shrunk, and grown past its own size
+        side = max(h, w)
+        ref = torch.nn.functional.interpolate(t, size=(side, side), mode="bilinear", align_corners=False)
+        idx, wt = vision.position_taps(v, h, w)
+        got = (table.reshape(-1, 5)[idx] * wt[..., None]).sum(1)
+        np.testing.assert_allclose(got, ref[0, :, :h, :w].permute(1, 2, 0).reshape(-1, 5).numpy(), atol=1e-5)
 
 
 def test_bad_image_inputs_are_named():

@@ -112,7 +112,7 @@ def bilinear_taps(n_in: int, n_out: int) -> tuple[np.ndarray, np.ndarray]:
 
 def position_taps(v: VisionConfig, h: int, w: int) -> tuple[np.ndarray, np.ndarray]:
     """The position embedding of an h x w grid as 4 taps into the flattened [G*G] table per patch (row-major):
-    RADIO resizes the G x G table to max(h, w) square (bilinear) and crops it to h x w."""
+    RADIO resizes the G x G table to max(h, w) square (bilinear; up or down) and crops it to h x w."""
     g, side = v.max_grid, max(h, w)
     ri, rw = bilinear_taps(g, side)
     ci, cw = bilinear_taps(g, side)
@@ -150,8 +150,6 @@ def layout(v: VisionConfig, grid_hw, max_patches: int, max_images: int) -> dict[
     for i, (h, w) in enumerate(grid_hw.tolist()):
         if h % m or w % m:
             raise ValueError(f"image {i}: grid {h}x{w} is not a multiple of the pixel-shuffle merge {m}")
-        if max(h, w) > v.max_grid:
-            raise ValueError(f"image {i}: grid {h}x{w} exceeds max_img_size / patch_size = {v.max_grid}")
         out["kind"][s:s + npre] = 1
         out["prefix_src"][s:s + npre] = np.arange(npre)
         out["segment"][s:s + npre + h * w] = i + 1
