@@ -10,22 +10,3 @@ def tiny_cfg(pattern="MEM*E-", **kw) -> NemotronHConfig:
                 moe_intermediate_size=16, moe_shared_expert_intermediate_size=24, routed_scaling_factor=2.5)
     base.update(kw)
     return NemotronHConfig(**base)
-
-
-def _jitted():
-    import functools
-
-    import jax
-
-    from nemo_jax import model as M
-
-    @functools.partial(jax.jit, static_argnames=("cfg", "opts", "mtp"))
-    def forward(params, tokens, cfg, segment_ids=None, opts=M.Options(), mtp=True):
-        return M.forward(params, tokens, cfg, segment_ids, opts=opts, mtp=mtp)
-
-    return forward, jax.jit(M.init, static_argnums=0)
-
-
-# `model.forward` / `model.init` compiled (one program per shape) instead of run op by op: a tiny model's eager
-# forward dispatches thousands of small ops (~5-10 s), its compile takes a fraction of that
-forward, init = _jitted()

@@ -8,7 +8,6 @@ from nemo_jax.generate import (SamplingParams, append, continuous_generate, gene
                                sampling_logprobs)
 from nemo_jax.lora import attach
 
-import helpers
 from helpers import tiny_cfg
 
 PROMPTS = [[5, 17, 3, 44, 9, 1, 2], [8, 2], [60, 61, 62, 63, 64]]
@@ -17,7 +16,7 @@ PROMPTS = [[5, 17, 3, 44, 9, 1, 2], [8, 2], [60, 61, 62, 63, 64]]
 @pytest.fixture(scope="module")
 def setup():
     cfg = tiny_cfg("MEM*E-", n_group=2, topk_group=1, chunk_size=4)
-    params = helpers.init(cfg, jax.random.key(0))
+    params = M.init(cfg, jax.random.key(0))
     return cfg, params
 
 
@@ -120,8 +119,8 @@ def test_unmerged_lora_equals_merged_weights(setup):
     merged = jax.tree.map(lambda x: x, params)
     merged["layers"]["attention"]["mixer"]["q_proj"]["kernel"] = q + 4.0 * jnp.einsum("nir,nro->nio", A, B)
     toks = jnp.asarray([PROMPTS[0]])
-    a, _ = helpers.forward(attach(params, adapters), toks, cfg)
-    b, _ = helpers.forward(merged, toks, cfg)
+    a, _ = M.forward(attach(params, adapters), toks, cfg)
+    b, _ = M.forward(merged, toks, cfg)
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
     g1 = generate(params, PROMPTS, cfg, SamplingParams(max_new_tokens=3, temperature=0.0), adapters=adapters)
     g2 = generate(merged, PROMPTS, cfg, SamplingParams(max_new_tokens=3, temperature=0.0))

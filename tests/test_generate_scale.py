@@ -19,7 +19,6 @@ from nemo_jax.model.spec import param_specs
 from nemo_jax.parallel.mesh import make_mesh
 from nemo_jax.parallel.rules import param_shardings
 
-import helpers
 from helpers import tiny_cfg
 
 PROMPTS = [[5, 17, 3, 44, 9, 1, 2], [8, 2], [60, 61, 62, 63, 64], [3], [9, 9, 9, 9], [1, 2, 3], [40, 41], [7]]
@@ -28,7 +27,7 @@ PROMPTS = [[5, 17, 3, 44, 9, 1, 2], [8, 2], [60, 61, 62, 63, 64], [3], [9, 9, 9,
 @pytest.fixture(scope="module")
 def small():
     cfg = tiny_cfg("M*E", n_group=2, topk_group=1, chunk_size=4)
-    return cfg, helpers.init(cfg, jax.random.key(0))
+    return cfg, M.init(cfg, jax.random.key(0))
 
 
 def _nbytes(tree) -> int:
@@ -66,7 +65,7 @@ def test_prefill_temporaries_linear_and_bounded():
 
 def test_blocked_last_and_positions_equal_reference():
     cfg = tiny_cfg("M*", chunk_size=16)
-    params = helpers.init(cfg, jax.random.key(1))
+    params = M.init(cfg, jax.random.key(1))
     L = BLOCK + 77  # two query blocks, the second partial
     rows = [list(np.random.default_rng(0).integers(1, cfg.vocab_size, L)), [4, 5, 6]]
     from nemo_jax.generate import left_pad

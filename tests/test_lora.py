@@ -12,7 +12,6 @@ from nemo_jax.model.spec import init as init_params, param_specs
 from nemo_jax.parallel.mesh import make_mesh
 from nemo_jax.parallel.rules import Rules, param_shardings
 
-import helpers
 from helpers import tiny_cfg
 
 # every layer kind, a shared expert, latent MoE projections and one MTP block
@@ -74,8 +73,8 @@ def test_rslora_scale():
 def test_fresh_adapters_leave_logits_unchanged(setup):
     params, toks = setup
     a = lora.init_adapters(CFG, ALL)
-    l0, _ = helpers.forward(params, toks, CFG)
-    l1, _ = helpers.forward(lora.attach(params, a), toks, CFG)
+    l0, _ = M.forward(params, toks, CFG)
+    l1, _ = M.forward(lora.attach(params, a), toks, CFG)
     np.testing.assert_array_equal(l0, l1)
 
 

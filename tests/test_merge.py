@@ -10,7 +10,6 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-import helpers
 from helpers import tiny_cfg
 from safetensors import safe_open
 
@@ -229,7 +228,7 @@ def test_lora_delta_merge_equals_unmerged_forward(tmp_path):
     from nemo_jax.model.spec import ParamSpec
 
     cfg = tiny_cfg("M*E")
-    params = helpers.init(cfg, jax.random.key(0))
+    params = M.init(cfg, jax.random.key(0))
     save_pretrained(cfg, params, tmp_path / "base")
     lc = LoraConfig(targets=("attention", r"^layers/mamba/mixer/in_proj/kernel$", r"^layers/moe/mixer/experts/(up|down)_proj$"),
                     rank=2, alpha=4.0)

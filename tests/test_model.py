@@ -5,7 +5,6 @@ import pytest
 
 from nemo_jax import model as M
 
-import helpers
 from helpers import tiny_cfg
 
 # inline units; a period scanned twice; irregular; runs of identical units as inner scans in a repeated period
@@ -15,7 +14,7 @@ RUNS = "MEMEM*EMEMEM*EME"  # with a body of 3: ("ME"x2 inner scan, "M*E") x2, "M
 
 def _setup(pattern="MEM*E-", seed=0, **kw):
     cfg = tiny_cfg(pattern, **kw)
-    params = helpers.init(cfg, jax.random.key(seed))
+    params = M.init(cfg, jax.random.key(seed))
     return cfg, params
 
 
@@ -105,7 +104,7 @@ def test_cached_chunks_match_forward_on_a_repeating_pattern(schedule, pattern, m
     if schedule == "runs":
         monkeypatch.setattr(M.model, "MAX_BODY_UNITS", 3)
     toks = jax.random.randint(jax.random.key(3), (2, 11), 0, cfg.vocab_size)
-    full, _ = helpers.forward(params, toks, cfg)
+    full, _ = M.forward(params, toks, cfg)
     state = init_decode_state(cfg, 2, 16)
     step = jax.jit(lambda t, s: M.forward_cached(params, t, jnp.ones(t.shape, bool), s, cfg))
     got, state = step(toks[:, :8], state)
@@ -137,7 +136,7 @@ def test_packing_equivalence():
     logits, _ = jax.jit(lambda t, s: M.forward(params, t, cfg, s))(packed, seg)
     off = 0
     for d, n in zip(docs, lens):
-        alone, _ = helpers.forward(params, d, cfg)
+        alone, _ = M.forward(params, d, cfg)
         np.testing.assert_allclose(logits[:, off:off + n], alone, rtol=1e-4, atol=1e-5)
         off += n
 
@@ -154,8 +153,8 @@ def test_jit_and_eager_agree():
 def test_bf16_close_to_fp32():
     cfg, params = _setup()
     toks = jax.random.randint(jax.random.key(1), (2, 33), 0, cfg.vocab_size)
-    f32, _ = helpers.forward(params, toks, cfg)
-    b16, _ = helpers.forward(params, toks, cfg, opts=M.Options(dtype=jnp.bfloat16))
+    f32, _ = M.forward(params, toks, cfg)
+    b16, _ = M.forward(params, toks, cfg, opts=M.Options(dtype=jnp.bfloat16))
     assert b16.dtype == jnp.float32
     p32, p16 = jax.nn.softmax(f32), jax.nn.softmax(b16)
     assert float(jnp.max(jnp.abs(p32 - p16))) < 2e-2
@@ -165,11 +164,11 @@ def test_bf16_close_to_fp32():
 def test_mtp_forward_shapes_and_dependence():
     cfg, params = _setup(num_nextn_predict_layers=2)
     toks = jax.random.randint(jax.random.key(1), (2, 10), 0, cfg.vocab_size)
-    logits, aux = helpers.forward(params, toks, cfg)
+    logits, aux = M.forward(params, toks, cfg)
     assert len(aux["mtp_logits"]) == 2 and aux["mtp_logits"][0].shape == logits.shape
     # depth 0 at position t reads token t+1: changing it moves position t's MTP logits but not t+1's main logits before
     changed = toks.at[:, 5].set((toks[:, 5] + 1) % cfg.vocab_size)
-    _, aux2 = helpers.forward(params, changed, cfg)
+    _, aux2 = M.forward(params, changed, cfg)
     assert not np.allclose(aux["mtp_logits"][0][:, 4], aux2["mtp_logits"][0][:, 4])
     np.testing.assert_allclose(aux["mtp_logits"][0][:, :4], aux2["mtp_logits"][0][:, :4], rtol=1e-6, atol=1e-6)
 

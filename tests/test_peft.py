@@ -12,7 +12,6 @@ import pytest
 torch = pytest.importorskip("torch", reason="PEFT tests need torch (pip install -e '.[test]')")
 transformers = pytest.importorskip("transformers", reason="PEFT tests need transformers (pip install -e '.[test]')")
 peft = pytest.importorskip("peft", reason="PEFT tests need peft (pip install -e '.[test]')")
-import helpers
 from helpers import tiny_cfg  # noqa: E402
 from safetensors.numpy import load_file, save_file  # noqa: E402
 from test_hf import hf_logits, make_hf_model, tensors  # noqa: E402
@@ -61,7 +60,7 @@ def hf_model(tmp_path_factory):
 
 
 def ours(params, adapters, toks, cfg):
-    return np.asarray(helpers.forward(attach(params, adapters), jnp.asarray(toks), cfg)[0])
+    return np.asarray(M.forward(attach(params, adapters), jnp.asarray(toks), cfg)[0])
 
 
 # --------------------------------------------------------------------------- round trips

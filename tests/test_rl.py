@@ -12,7 +12,7 @@ import optax
 import pytest
 
 from nemo_jax.lora import LoraConfig, adapter_shardings, attach, init_adapters
-from nemo_jax.model import Options
+from nemo_jax.model import Options, init
 from nemo_jax.model.spec import param_specs
 from nemo_jax.parallel.mesh import batch_sharding, make_mesh
 from nemo_jax.parallel.rules import Rules, param_shardings
@@ -20,7 +20,6 @@ from nemo_jax.rl.learner import PolicyLossConfig, make_learner_step, token_logpr
 from nemo_jax.rl.loss import group_advantages, loss_weights, policy_loss
 from nemo_jax.train.step import TrainState
 
-import helpers
 from helpers import tiny_cfg
 
 
@@ -139,7 +138,7 @@ def _rl_batch(cfg, rows=8, T=16, seed=0):
 
 def _run(mesh, accum, loss_cfg=PolicyLossConfig(), steps=2):
     """Two SGD steps (a plain optimiser keeps the gradient's exactness visible in the params)."""
-    base = helpers.init(CFG, jax.random.key(0))
+    base = init(CFG, jax.random.key(0))
     ad_sh = None
     if mesh is not None:
         base = jax.device_put(base, param_shardings(param_specs(CFG), mesh, Rules()))
@@ -187,7 +186,7 @@ def test_learner_logprobs_use_the_sampling_temperature():
     """token_logprobs at T equals log_softmax(logits / T) of the full forward."""
     from nemo_jax.model import forward
 
-    params = helpers.init(CFG, jax.random.key(0))
+    params = init(CFG, jax.random.key(0))
     b = _rl_batch(CFG, rows=2)
     logits = jax.jit(lambda p, t, s: forward(p, t, CFG, s)[0])(params, jnp.asarray(b["tokens"]),
                                                               jnp.asarray(b["segment_ids"]))

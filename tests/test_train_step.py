@@ -6,11 +6,10 @@ import numpy as np
 import pytest
 
 from nemo_jax.config.train import OptimSection
-from nemo_jax.model import Options
+from nemo_jax.model import Options, init
 from nemo_jax.train.optimizer import make_optimizer
 from nemo_jax.train.step import TrainState, make_train_step, token_loss
 
-import helpers
 from helpers import tiny_cfg
 
 
@@ -25,7 +24,7 @@ def _batch(cfg, rows=4, T=24, seed=0):
 
 
 def _state(cfg, o, steps=10):
-    params = helpers.init(cfg, jax.random.key(0))
+    params = init(cfg, jax.random.key(0))
     tx, sched = make_optimizer(o, params, steps)
     z = lambda: jnp.zeros((), jnp.int32)
     return TrainState(params, tx.init(params), z(), z(), z(), jax.random.key_data(jax.random.key(1))), tx, sched
@@ -52,7 +51,7 @@ def test_gradient_accumulation_is_exact():
 @pytest.mark.parametrize("remat", ["layer", "save_matmuls"])
 def test_remat_policies_do_not_change_gradients(remat):
     cfg = tiny_cfg("M*E")
-    params = helpers.init(cfg, jax.random.key(0))
+    params = init(cfg, jax.random.key(0))
     batch = _batch(cfg)
     g = lambda o: jax.jit(jax.grad(lambda p: token_loss(p, batch, cfg, o)[0]))(params)
     for a, b in zip(jax.tree.leaves(g(Options())), jax.tree.leaves(g(Options(remat=remat)))):
@@ -61,7 +60,7 @@ def test_remat_policies_do_not_change_gradients(remat):
 
 def test_mtp_loss_term():
     cfg = tiny_cfg("ME", num_nextn_predict_layers=1)
-    params = helpers.init(cfg, jax.random.key(0))
+    params = init(cfg, jax.random.key(0))
     batch = _batch(cfg)
     loss = jax.jit(lambda p, c: token_loss(p, batch, cfg, Options(), c), static_argnums=1)
     base, _ = loss(params, 0.0)
@@ -93,7 +92,7 @@ def test_eval_in_micro_batches_is_exact_and_smaller():
     from nemo_jax.train.step import make_eval_step
 
     cfg = tiny_cfg("ME*", vocab_size=4096)
-    params = helpers.init(cfg, jax.random.key(0))
+    params = init(cfg, jax.random.key(0))
     batch = _batch(cfg, rows=8, T=64)
     out, temps = {}, {}
     for micro in (1, 4):
@@ -134,7 +133,7 @@ def test_compute_weights_cast_changes_nothing_but_the_bytes(monkeypatch):
     import nemo_jax.train.step as S
 
     cfg = tiny_cfg("MEM*E-")
-    params = helpers.init(cfg, jax.random.key(0))
+    params = init(cfg, jax.random.key(0))
     batch = _batch(cfg)
     opts = Options(dtype=jnp.bfloat16)
     cast = S.compute_weights(params, jnp.bfloat16)

@@ -85,8 +85,7 @@ def prompt(rng, grids, merge=2, text=5):
     return np.asarray(ids)[None]
 
 
-@pytest.mark.parametrize("grids", [[], [(4, 6)], [(8, 4), (2, 2)], [(6, 10), (4, 4), (2, 8)]],
-                         ids=["text", "one", "two", "three"])
+@pytest.mark.parametrize("grids", [[], [(4, 6)], [(6, 10), (4, 4), (2, 8)]], ids=["text", "one", "three"])
 def test_logits_match_transformers(omni, grids):
     path, model, cfg, params = omni
     assert cfg.vision is not None and ("final_layernorm" in params["vision"]) == bool(cfg.num_nextn_predict_layers)
