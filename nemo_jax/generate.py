@@ -256,7 +256,9 @@ def generate(params, prompts: list[list[int]], cfg, sp: SamplingParams = Samplin
     if int(state.pos) + sp.max_new_tokens > state.max_len:
         raise ValueError(f"max_new_tokens={sp.max_new_tokens} does not fit the state ({state.max_len} positions, "
                          f"{int(state.pos)} used)")
-    done = _rows_on(jnp.zeros((b,), bool), mesh)
+    # derived from last_logits (not a fresh host array): placed as the step's own outputs are, so the loop's
+    # first call and the later ones share one compiled program
+    done = jnp.zeros_like(last_logits[:, 0], bool)
     toks, lps, stops = [], [], []
     for i in range(sp.max_new_tokens):
         key, sub = jax.random.split(key)

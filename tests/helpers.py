@@ -1,6 +1,10 @@
-"""Small configs shared by the tests."""
+"""Small configs shared by the tests. (conftest imports this before jax: nothing here may import jax at module
+level, or XLA_FLAGS would be read before conftest sets the fake device count.)"""
 
 from nemo_jax.config.model import NemotronHConfig, parse_pattern
+
+# XLA flag for test processes (conftest, and the subprocesses tests start): no LLVM optimisation of CPU code
+FAST_COMPILE = "--xla_backend_optimization_level=0"
 
 
 def tiny_cfg(pattern="MEM*E-", **kw) -> NemotronHConfig:

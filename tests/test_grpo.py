@@ -25,7 +25,7 @@ from nemo_jax.rl.learner import make_learner_step
 from nemo_jax.rl.producer import sample_rollouts
 from nemo_jax.rl.rollout import learner_batch
 
-from helpers import tiny_cfg
+from helpers import FAST_COMPILE, tiny_cfg
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -207,7 +207,7 @@ def _grpo_cmd(run_dir, steps):
 @pytest.mark.slow
 def test_grpo_reward_rises_and_a_killed_run_resumes(tmp_path):
     (tmp_path / "bandit_env.py").write_text(BANDIT)
-    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}", XLA_FLAGS="", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}", XLA_FLAGS=FAST_COMPILE, JAX_PLATFORMS="cpu")
     run = tmp_path / "run"
     steps = 15  # a multiple of checkpoint.every: the last periodic checkpoint is also the final one
     p = subprocess.Popen(_grpo_cmd(run, steps), env=env, cwd=tmp_path, stdout=subprocess.PIPE,

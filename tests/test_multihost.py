@@ -13,6 +13,7 @@ import time
 import pytest
 import yaml
 
+from helpers import FAST_COMPILE
 from nemo_jax.config.load import load_config
 from nemo_jax.config.train import DistributedSection, SFTConfig
 from nemo_jax.parallel.distributed import Layout, parse_nodelist, resolve
@@ -157,7 +158,7 @@ def test_local_run_sh_fails_fast_and_kills_the_rest(tmp_path):
     assert r.returncode == 7 and time.time() - t0 < 20, (r.returncode, r.stdout, r.stderr)
     assert "process 1 exited with status 7" in r.stderr
     lines = sorted(r.stdout.splitlines())
-    assert len(lines) == 2 and all(re.fullmatch(r"\[[02]\] 127\.0\.0\.1:\d+ 3 cpu --xla_force_host_platform_device_count=2",
+    assert len(lines) == 2 and all(re.fullmatch(r"\[[02]\] 127\.0\.0\.1:\d+ 3 cpu --xla_force_host_platform_device_count=2( --[\w=.-]+)*",
                                                  ln) for ln in lines), lines
     ok = subprocess.run([RUN_SH, "--processes", "2", "--", "bash", "-c", "exit 0"], capture_output=True, timeout=60)
     assert ok.returncode == 0
@@ -278,7 +279,7 @@ def test_two_processes_match_one_and_checkpoints_move_between_process_counts(tmp
 
 
 def _spawn(pid, n, port, run_dir, args, cache):
-    env = _env(cache, XLA_FLAGS="--xla_force_host_platform_device_count=4", NEMO_JAX_COORDINATOR=f"127.0.0.1:{port}",
+    env = _env(cache, XLA_FLAGS=f"--xla_force_host_platform_device_count=4 {FAST_COMPILE}", NEMO_JAX_COORDINATOR=f"127.0.0.1:{port}",
                NEMO_JAX_NUM_PROCESSES=str(n), NEMO_JAX_PROCESS_ID=str(pid))
     cmd = [sys.executable, "-m", "nemo_jax.cli", "sft", *BASE, f"run_dir={run_dir}", *args]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

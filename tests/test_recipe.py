@@ -9,6 +9,8 @@ import sys
 import pytest
 import yaml
 
+from helpers import FAST_COMPILE
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -29,7 +31,7 @@ def _small_recipe(path):
 
 
 def _run(recipe, run_dir):
-    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    env = dict(os.environ, XLA_FLAGS=FAST_COMPILE, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
     return subprocess.run([sys.executable, "-m", "nemo_jax.cli", "recipe", str(recipe), f"run_dir={run_dir}"],
                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
 

@@ -20,7 +20,7 @@ from nemo_jax.train.optimizer import decay_mask
 from nemo_jax.train.sft import Trainer
 from nemo_jax.train.step import _update_correction_bias
 
-from helpers import tiny_cfg
+from helpers import FAST_COMPILE, tiny_cfg
 
 pytestmark = pytest.mark.slow
 
@@ -57,7 +57,8 @@ def test_one_device_and_eight_devices_agree(tmp_path):
 def _spawn(run_dir, steps, *extra):
     code = ("import sys; from nemo_jax.cli import main; main(sys.argv[1:])")
     args = [sys.executable, "-c", code, "sft", *BASE, f"run_dir={run_dir}", f"steps={steps}", *extra]
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count=1 {FAST_COMPILE}",
+               PYTHONUNBUFFERED="1")
     return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

@@ -44,7 +44,11 @@ class Options:
     attention: str = "blocked"  # "blocked" (causal query blocks over key prefixes) | "ring" | "full" (reference)
     moe_dispatch: str = "sorted"  # see moe.DISPATCHES
     capacity_factor: float = 1.25
-    ep_capacity: float = 0.0  # expert parallel: each device's sorted buffer holds this x its even share (0: dropless)
+    # expert parallelism (an `expert` mesh axis > 1): "all_to_all" sends each slot to its expert's device, at most
+    # ceil(capacity_factor x the even share) slots per peer (overflow dropped, counted); "all_gather" gathers the
+    # expert group's tokens (exact; dropless unless ep_capacity > 0 bounds each device's buffer to that x its share)
+    expert_parallel: str = "all_to_all"
+    ep_capacity: float = 0.0
     remat: str = "none"  # "none" | "layer" | "save_matmuls"
     # a Mesh: activations are pinned batch-sharded (rows over data/fsdp/expert, hidden unsharded) at every layer
     # boundary, and an `expert` axis > 1 turns on expert parallelism for routed experts
@@ -53,6 +57,8 @@ class Options:
     def __post_init__(self):
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"remat: {self.remat!r} not in {REMAT_POLICIES}")
+        if self.expert_parallel not in moe_lib.EXPERT_PARALLEL:
+            raise ValueError(f"expert_parallel: {self.expert_parallel!r} not in {moe_lib.EXPERT_PARALLEL}")
         if self.moe_dispatch not in moe_lib.DISPATCHES:
             raise ValueError(f"moe_dispatch: {self.moe_dispatch!r} not in {moe_lib.DISPATCHES}")
         if self.ssd not in mamba2.SCANS:
@@ -112,7 +118,8 @@ def apply_layer(kind: str, p: dict, h: jax.Array, ctx: _Ctx, cache=None):
         mask = ctx.valid if ctx.valid is not None else (None if ctx.segment_ids is None else ctx.segment_ids > 0)
         y, aux = moe_lib.moe(p["mixer"], u, cfg, dtype, dispatch=ctx.opts.moe_dispatch,
                              capacity_factor=ctx.opts.capacity_factor, token_mask=mask, mesh=ctx.opts.mesh,
-                             ep_capacity=ctx.opts.ep_capacity, unroll=not ctx.opts.scan)
+                             ep_capacity=ctx.opts.ep_capacity, unroll=not ctx.opts.scan,
+                             expert_parallel=ctx.opts.expert_parallel)
     else:
         raise ValueError(f"unknown layer kind {kind!r}")
     return pin_batch((h + y.astype(h.dtype)).astype(h.dtype), ctx.opts.mesh), new, aux

@@ -24,6 +24,7 @@ from nemo_jax.model.layers import linear, mlp, relu2
 from nemo_jax.parallel.mesh import TOKEN_AXES, gather_shards, pin_tokens, token_axes
 
 DISPATCHES = ("sorted", "capacity", "ragged", "dense")
+EXPERT_PARALLEL = ("all_to_all", "all_gather")  # how slots reach their experts' devices (an `expert` axis > 1)
 BLOCK_UP = "moe_block_up"  # checkpoint name of the experts' up-projection output: all their backward saves
 
 
@@ -60,15 +61,18 @@ def _top_k(x: jax.Array, k: int, mesh=None):
                          check_vma=False)(x)
 
 
-def block_size(n_slots: int, n_experts: int) -> int:
-    return max(1, n_slots // (2 * n_experts))
+def block_size(n_slots: int, n_experts: int, per_expert: int = 2) -> int:
+    """Sorted-dispatch block: n_slots / (per_expert * E), so padding stays <= n_slots / per_expert."""
+    return max(1, n_slots // (per_expert * n_experts))
 
 
-def _slot_layout(flat_e, E: int, dispatch: str, capacity_factor: float, valid=None, max_slots: int | None = None):
+def _slot_layout(flat_e, E: int, dispatch: str, capacity_factor: float, valid=None, max_slots: int | None = None,
+                 blocks_per_expert: int = 2):
     """Where each token-slot goes in the expert buffer.
 
     flat_e [n] expert of each slot (in [0, E)); valid [n] (optional) marks slots this buffer serves; max_slots
     (sorted dispatch) bounds the slots the buffer holds (else n, the worst case): the overflow is dropped.
+    blocks_per_expert sets the sorted block size (`block_size`): finer blocks pad less and take more steps.
     Returns dest [n] (slot index, out of range = dropped), keep [n], block_expert [nb], nb, bs.
     """
     n = flat_e.shape[0]
@@ -85,7 +89,7 @@ def _slot_layout(flat_e, E: int, dispatch: str, capacity_factor: float, valid=No
         keep = ok & (rank < bs)
         return jnp.where(keep, flat_e * bs + rank, E * bs), keep, jnp.arange(E), E, bs
     cap = n if max_slots is None else max(1, min(n, max_slots))
-    bs = block_size(cap, E)
+    bs = block_size(cap, E, blocks_per_expert)
     nb = min(n, (cap + E * (bs - 1)) // bs)
     padded = (counts + bs - 1) // bs * bs
     pend = jnp.cumsum(padded)
@@ -146,14 +150,15 @@ def _block_steps(xb, pe: dict, dtype, block_expert, unroll: bool = False):
 
 
 def _buffered_experts(pe, x, w, idx, E: int, dtype, dispatch: str, capacity_factor: float, valid=None,
-                      max_slots: int | None = None, unroll: bool = False):
+                      max_slots: int | None = None, unroll: bool = False, blocks_per_expert: int = 2):
     """Sorted / capacity dispatch over E local experts (pe: up_proj/down_proj [E, ...] in `dtype`, optional
     `*_lora`). -> (y [T, Din] dtype, dropped slots among valid ones)."""
     T, k = idx.shape
     flat_e = idx.reshape(-1)
     fvalid = None if valid is None else valid.reshape(-1)
     tok = jnp.arange(T * k) // k
-    dest, keep, block_expert, nb, bs = _slot_layout(flat_e, E, dispatch, capacity_factor, fvalid, max_slots)
+    dest, keep, block_expert, nb, bs = _slot_layout(flat_e, E, dispatch, capacity_factor, fvalid, max_slots,
+                                                        blocks_per_expert)
     # each buffer slot reads its token (the inverse of dest): never materialises x for every slot of the
     # group, most of which (under expert parallelism) belong to other devices' experts ...
     src = jnp.full((nb * bs,), T, jnp.int32).at[dest].set(tok.astype(jnp.int32), mode="drop")
@@ -172,19 +177,27 @@ def _buffered_experts(pe, x, w, idx, E: int, dtype, dispatch: str, capacity_fact
 
 
 def experts_forward(pe: dict, x: jax.Array, w: jax.Array, idx: jax.Array, cfg, dtype, dispatch: str = "sorted",
-                    capacity_factor: float = 1.25, mesh=None, ep_capacity: float = 0.0, unroll: bool = False):
+                    capacity_factor: float = 1.25, mesh=None, ep_capacity: float = 0.0, unroll: bool = False,
+                    expert_parallel: str = "all_to_all"):
     """Routed experts. x [T, Din], w/idx [T, k] -> (y [T, Din], dropped slots).
 
-    On a mesh a sorted/capacity dispatch runs per device inside `shard_map` (`_expert_parallel`): over the
-    `expert` axis when it is > 1 (`ep_capacity` bounds each device's sorted buffer), else every device runs
-    all experts on its own tokens (GSPMD replicated the dispatch and all-reduced it).
+    On a mesh a sorted/capacity dispatch runs per device inside `shard_map` on that device's tokens. With an
+    `expert` axis > 1 the slots reach their experts' devices by `expert_parallel`: "all_to_all" (a static
+    budget of ceil(capacity_factor x even share) slots per peer, overflow dropped; `_all_to_all_experts`) or
+    "all_gather" (the expert group's tokens gathered, exact and dropless unless `ep_capacity` bounds the
+    buffer; `_expert_parallel`). Without it every device runs all experts on its own tokens.
     """
     T, k = idx.shape
     E = cfg.n_routed_experts
     if dispatch not in DISPATCHES:
         raise ValueError(f"unknown MoE dispatch {dispatch!r}; expected one of {DISPATCHES}")
+    if expert_parallel not in EXPERT_PARALLEL:
+        raise ValueError(f"unknown expert_parallel {expert_parallel!r}; expected one of {EXPERT_PARALLEL}")
     if mesh is not None and mesh.size > 1 and dispatch in ("sorted", "capacity"):
-        out = _expert_parallel(pe, x, w, idx, cfg, dtype, dispatch, capacity_factor, mesh, ep_capacity, unroll)
+        if expert_parallel == "all_to_all" and mesh.shape["expert"] > 1:
+            out = _all_to_all_experts(pe, x, w, idx, cfg, dtype, dispatch, capacity_factor, mesh, unroll)
+        else:
+            out = _expert_parallel(pe, x, w, idx, cfg, dtype, dispatch, capacity_factor, mesh, ep_capacity, unroll)
         if out is not None:
             return out
     pe = _cast_experts(pe, dtype)
@@ -220,41 +233,26 @@ def _ragged_lora(x, w, lora, counts, dtype):
     return y + lora["lora_scale"] * jax.lax.ragged_dot(xa, lora["lora_b"], counts, preferred_element_type=jnp.float32)
 
 
-def _expert_parallel(pe, x, w, idx, cfg, dtype, dispatch, capacity_factor, mesh, ep_capacity: float = 0.0,
-                     unroll: bool = False):
-    """Expert parallelism by all-gather / reduce-scatter inside shard_map.
+def _ep_setup(pe, x, cfg, mesh):
+    """What both expert-parallel paths share: (El local experts, token spec, pe in_specs, gather) or None when
+    the experts or the tokens do not split over the mesh (then the plain path runs under GSPMD).
 
-    Tokens are sharded over the batch axes (data, fsdp, expert); routed experts over `expert`. Each device
-    gathers the routed tokens of its expert group, runs the slots that go to its own E/ep experts (sorted
-    dropless buffers, or per-expert capacity), and a reduce-scatter returns every token's summed output to
-    the device that owns it. Returns None when the token count does not split over the mesh (then the plain
-    path runs under GSPMD).
-
-    The sorted buffer is dropless only when sized for the worst case, every slot of the group on one device
-    (ep x the even share). `ep_capacity` > 0 sizes it for `ep_capacity` x the even share instead (memory and
-    FLOPs / (ep / ep_capacity)); slots past it are dropped and counted in `dropped`.
+    The base expert weights enter in their stored sharding (experts over `expert`, their other dims over
+    fsdp / tensor) and `gather` makes them whole inside, per layer, in the compute dtype: with in_specs of
+    P("expert") GSPMD resharded the whole scanned weight stack before the layer loop (every layer's experts
+    gathered at once, in fp32). Adapter matrices (small) enter split on their expert axis; scales replicated.
     """
     from jax.sharding import PartitionSpec as P
 
-    ep = mesh.shape["expert"]
-    E = cfg.n_routed_experts
-    if E % ep:
-        return None
-    El = E // ep
-    tok_axes = tuple(a for a in TOKEN_AXES if mesh.shape.get(a, 1) > 1)
-    if x.shape[0] % math.prod(mesh.shape[a] for a in tok_axes):
-        return None
-    t_spec = P(tok_axes)
-    # The base expert weights enter in their stored sharding (experts over `expert`, their other dims over
-    # fsdp / tensor) and are gathered inside, per layer, in the compute dtype: with in_specs of P("expert")
-    # GSPMD resharded the whole scanned weight stack before the layer loop (every layer's experts gathered at
-    # once, in fp32). Adapter matrices (small) enter split on their expert axis; adapter scales replicated.
     from nemo_jax.model.spec import mixer_specs
     from nemo_jax.parallel.rules import Rules
 
+    ep, E = mesh.shape["expert"], cfg.n_routed_experts
+    tok_axes = tuple(a for a in TOKEN_AXES if mesh.shape.get(a, 1) > 1)
+    if E % ep or x.shape[0] % math.prod(mesh.shape[a] for a in tok_axes):
+        return None
     base = mixer_specs(cfg, "moe")["experts"]
     stored = {k: Rules().spec(base[k].axes, pe[k].shape, mesh) for k in ("up_proj", "down_proj")}
-
     keys = lambda path: tuple(getattr(q, "key", None) for q in path)  # noqa: E731
 
     def spec_of(path, a):
@@ -263,15 +261,37 @@ def _expert_parallel(pe, x, w, idx, cfg, dtype, dispatch, capacity_factor, mesh,
             return P()
         return stored[k[0]] if len(k) == 1 and k[0] in stored else P("expert")
 
-    pe_specs = jax.tree_util.tree_map_with_path(spec_of, pe)
-
     def gather(path, a):  # a stored base weight -> its local experts whole, in the compute dtype
         if len(keys(path)) != 1 or keys(path)[0] not in stored:
             return a
-        return gather_shards(a.astype(dtype), stored[keys(path)[0]], first_dim=1)
+        return gather_shards(a, stored[keys(path)[0]], first_dim=1)
+
+    return E // ep, P(tok_axes), jax.tree_util.tree_map_with_path(spec_of, pe), gather, tok_axes
+
+
+def _expert_parallel(pe, x, w, idx, cfg, dtype, dispatch, capacity_factor, mesh, ep_capacity: float = 0.0,
+                     unroll: bool = False):
+    """Expert parallelism by all-gather / reduce-scatter inside shard_map (the exact, dropless option).
+
+    Tokens are sharded over the batch axes (data, fsdp, expert); routed experts over `expert`. Each device
+    gathers the routed tokens of its expert group, runs the slots that go to its own E/ep experts (sorted
+    dropless buffers, or per-expert capacity), and a reduce-scatter returns every token's summed output to
+    the device that owns it. Returns None when the token count does not split over the mesh.
+
+    The sorted buffer is dropless only when sized for the worst case, every slot of the group on one device
+    (ep x the even share). `ep_capacity` > 0 sizes it for `ep_capacity` x the even share instead (memory and
+    FLOPs / (ep / ep_capacity)); slots past it are dropped and counted in `dropped`.
+    """
+    from jax.sharding import PartitionSpec as P
+
+    setup = _ep_setup(pe, x, cfg, mesh)
+    if setup is None:
+        return None
+    El, t_spec, pe_specs, gather, tok_axes = setup
+    ep, E = mesh.shape["expert"], cfg.n_routed_experts
 
     def local(pe, x, w, idx):
-        pe = jax.tree_util.tree_map_with_path(gather, pe)
+        pe = jax.tree_util.tree_map_with_path(gather, _cast_experts(pe, dtype))
         xg = jax.lax.all_gather(x, "expert", axis=0, tiled=True)
         wg = jax.lax.all_gather(w, "expert", axis=0, tiled=True)
         ig = jax.lax.all_gather(idx, "expert", axis=0, tiled=True)
@@ -281,10 +301,75 @@ def _expert_parallel(pe, x, w, idx, cfg, dtype, dispatch, capacity_factor, mesh,
         cf = capacity_factor * El / E if dispatch == "capacity" else capacity_factor
         n = ig.shape[0] * ig.shape[1]
         cap = math.ceil(ep_capacity * n / ep) if ep_capacity > 0 and dispatch == "sorted" else None
-        y, dropped = _buffered_experts(_cast_experts(pe, dtype), xg.astype(dtype), wg,
-                                       jnp.clip(li, 0, El - 1), El, dtype, dispatch, cf, valid, cap, unroll)
+        y, dropped = _buffered_experts(pe, xg.astype(dtype), wg, jnp.clip(li, 0, El - 1), El, dtype, dispatch, cf,
+                                       valid, cap, unroll)
         y = jax.lax.psum_scatter(y.astype(jnp.float32), "expert", scatter_dimension=0, tiled=True)
-        return y.astype(dtype), jax.lax.psum(dropped, tuple(mesh.axis_names))
+        return y.astype(dtype), jax.lax.psum(dropped, tok_axes)
+
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(pe_specs, t_spec, t_spec, t_spec),
+                       out_specs=(t_spec, P()), check_vma=False)
+    return fn(pe, x, w, idx)
+
+
+def peer_budget(n_slots: int, ep: int, capacity_factor: float) -> int:
+    """Slots each device sends to each peer of its expert group: capacity_factor x the even share of its
+    n_slots (token, choice) pairs, at most all of them (capacity_factor >= ep: nothing can be dropped)."""
+    return max(1, min(n_slots, math.ceil(capacity_factor * n_slots / ep)))
+
+
+def _all_to_all_experts(pe, x, w, idx, cfg, dtype, dispatch, capacity_factor, mesh, unroll: bool = False):
+    """Expert parallelism by all-to-all inside shard_map: each device sends every (token, choice) slot to the
+    peer that owns its expert and gets the expert's output back.
+
+    Per device (Tl tokens, n = Tl*k slots, E/ep local experts):
+      send   [ep, C, D]  slots sorted by destination peer, at most C = `peer_budget(n, ep, cf)` per peer
+                         (the overflow is dropped and counted); with each slot its local expert id
+      recv   [ep, C, D]  all_to_all over `expert`: row block j came from peer j
+      y_recv [ep*C, D]   the sorted (or capacity) dispatch over the local experts
+      back   [ep, C, D]  all_to_all again: every sent slot's output, in the order sent
+      y      [Tl, D]     sum over each token's kept slots of w * back[slot]
+    Memory and FLOPs per device are cf x its own share (the all-gather path holds the expert group's tokens),
+    and the only collectives are the two all-to-alls of ep*C rows. Equal to the single-device path in values
+    and gradients when nothing is dropped.
+    """
+    from jax.sharding import PartitionSpec as P
+
+    setup = _ep_setup(pe, x, cfg, mesh)
+    if setup is None:
+        return None
+    El, t_spec, pe_specs, gather, tok_axes = setup
+    ep = mesh.shape["expert"]
+
+    def local(pe, x, w, idx):
+        pe = jax.tree_util.tree_map_with_path(gather, _cast_experts(pe, dtype))
+        Tl, k = idx.shape
+        n = Tl * k
+        C = peer_budget(n, ep, capacity_factor)
+        flat_e = idx.reshape(-1)
+        peer = flat_e // El
+        order = jnp.argsort(peer, stable=True)  # slots grouped by destination peer
+        counts = jnp.bincount(peer, length=ep)
+        start = jnp.cumsum(counts) - counts
+        # send slot (j, r) holds the r-th slot going to peer j, if there is one
+        q = start[:, None] + jnp.arange(C)[None, :]  # [ep, C] position in `order`
+        filled = jnp.arange(C)[None, :] < jnp.minimum(counts, C)[:, None]
+        pair = jnp.where(filled, jnp.take(order, jnp.minimum(q, n - 1)), n).reshape(-1)  # [ep*C], n = empty
+        send_x = jnp.take(jnp.pad(x.astype(dtype), ((0, 1), (0, 0))), jnp.minimum(pair // k, Tl), axis=0)
+        send_e = jnp.take(jnp.pad(flat_e % El, (0, 1)), pair)
+        a2a = lambda t: jax.lax.all_to_all(t.reshape(ep, C, *t.shape[1:]), "expert", 0, 0).reshape(ep * C, *t.shape[1:])  # noqa: E731
+        recv_x, recv_e, recv_ok = a2a(send_x), a2a(send_e), a2a(filled.reshape(-1))
+        # the received buffer already holds cf x the even share: finer blocks keep its padding to 1/4
+        y_recv, _ = _buffered_experts(pe, recv_x, jnp.ones((ep * C, 1), jnp.float32), recv_e[:, None], El, dtype,
+                                      dispatch, capacity_factor, recv_ok[:, None], None, unroll, blocks_per_expert=4)
+        back = a2a(y_recv)  # [ep*C, D]: the output of each slot this device sent, in send order
+        # each (token, choice) pair reads its slot's output back (dropped pairs read the zero row)
+        rank = jnp.arange(n) - start[peer[order]]
+        slot_sorted = jnp.where(rank < C, peer[order] * C + rank, ep * C)
+        slot = jnp.zeros((n,), jnp.int32).at[order].set(slot_sorted.astype(jnp.int32))
+        out = jnp.take(jnp.pad(back, ((0, 1), (0, 0))), slot, axis=0).astype(jnp.float32)  # [n, D]
+        y = jnp.sum(out.reshape(Tl, k, -1) * w[..., None], axis=1)
+        dropped = jnp.sum(slot == ep * C).astype(jnp.int32)
+        return y.astype(dtype), jax.lax.psum(dropped, tok_axes)
 
     fn = jax.shard_map(local, mesh=mesh, in_specs=(pe_specs, t_spec, t_spec, t_spec),
                        out_specs=(t_spec, P()), check_vma=False)
@@ -292,7 +377,8 @@ def _expert_parallel(pe, x, w, idx, cfg, dtype, dispatch, capacity_factor, mesh,
 
 
 def moe(p: dict, u: jax.Array, cfg, dtype, *, dispatch: str = "sorted", capacity_factor: float = 1.25,
-        token_mask=None, mesh=None, ep_capacity: float = 0.0, unroll: bool = False):
+        token_mask=None, mesh=None, ep_capacity: float = 0.0, unroll: bool = False,
+        expert_parallel: str = "all_to_all"):
     """u [b, l, D] -> (out [b, l, D], aux) with aux = {aux_loss, load [E] (slot counts), dropped}.
 
     `token_mask` [b, l] (optional) excludes padding from the balance statistics; `unroll` runs the sorted
@@ -303,7 +389,7 @@ def moe(p: dict, u: jax.Array, cfg, dtype, *, dispatch: str = "sorted", capacity
     w, idx, scores = route(p["gate"], x, cfg, mesh)
     xin = linear(x, p["fc1_latent_proj"], dtype) if cfg.moe_latent_size else x
     y, dropped = experts_forward(p["experts"], xin, w, idx, cfg, dtype, dispatch, capacity_factor, mesh, ep_capacity,
-                                 unroll)
+                                 unroll, expert_parallel)
     if cfg.moe_latent_size:
         y = linear(y, p["fc2_latent_proj"], dtype)
     if cfg.n_shared_experts:
