@@ -44,13 +44,18 @@ def flat(params):
 def test_one_device_and_eight_devices_agree(tmp_path):
     a = Trainer(cfg_for(tmp_path / "one", "steps=6"), quiet=True, devices=jax.devices()[:1])
     a.run()
-    b = Trainer(cfg_for(tmp_path / "eight", "steps=6", "mesh.fsdp=2", "mesh.tensor=2", "mesh.expert=2"), quiet=True)
+    # expert=2 runs the all-to-all dispatch; a per-peer budget of 2x the even share (= ep) can drop nothing
+    b = Trainer(cfg_for(tmp_path / "eight", "steps=6", "mesh.fsdp=2", "mesh.tensor=2", "mesh.expert=2",
+                        "model.capacity_factor=2.0"), quiet=True)
     assert b.mesh.shape == {"data": 1, "fsdp": 2, "tensor": 2, "expert": 2, "context": 1}
     spec = b.state.params["layers"]["moe"]["mixer"]["experts"]["up_proj"].sharding.spec
     assert "expert" in str(spec) and "tensor" in str(spec)
     b.run()
     la, lb = losses(tmp_path / "one"), losses(tmp_path / "eight")
     assert len(la) == len(lb) == 6 and la[-1] < la[0]
+    with open(tmp_path / "eight" / "metrics.jsonl") as f:
+        frac = [r["moe_dropped_frac"] for r in map(json.loads, f) if "moe_dropped_frac" in r]
+    assert len(frac) == 6 and max(frac) == 0.0
     np.testing.assert_allclose(la, lb, rtol=1e-4)
 
 

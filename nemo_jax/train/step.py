@@ -196,7 +196,10 @@ def make_train_step(cfg, opts: Options, tx, sched, ocfg, grad_accum: int = 1, co
         if n_moe:
             load = st["load"]
             metrics["aux_loss"] = st["aux_loss"] / grad_accum
-            metrics["moe_dropped"] = st["dropped"]  # token-slots dropped (capacity dispatch, or model.ep_capacity)
+            # token-slots dropped (capacity dispatch, the all-to-all's per-peer budget, or all_gather's ep_capacity),
+            # and their share of every routed slot of the step (every token x top-k x MoE layer)
+            metrics["moe_dropped"] = st["dropped"]
+            metrics["moe_dropped_frac"] = st["dropped"] / (batch["tokens"].size * cfg.num_experts_per_tok * n_moe)
             mean = jnp.mean(load, axis=-1)
             metrics["expert_load_max_over_mean"] = jnp.max(jnp.max(load, axis=-1) / jnp.maximum(mean, 1e-9))
             metrics["expert_load_min_over_mean"] = jnp.min(jnp.min(load, axis=-1) / jnp.maximum(mean, 1e-9))
