@@ -125,36 +125,24 @@ def test_expert_parallel_matches_single_device(mesh_shape, dispatch, ep_mode):
         assert "all-gather" in hlo and "reduce-scatter" in hlo
 
 
-def _kept_by_peer_budget(idx, n_shards, ep, El, C):
-    """numpy reference of the all-to-all budget: per token shard, each (token, choice) slot in order, at most C
-    slots to each peer (the expert group member owning the expert). -> keep [T, k] bool."""
-    idx = np.asarray(idx)
-    keep = np.ones(idx.shape, bool)
-    Tl = idx.shape[0] // n_shards
-    for s in range(n_shards):
-        seen = {}
-        for t in range(s * Tl, (s + 1) * Tl):
-            for j in range(idx.shape[1]):
-                peer = idx[t, j] // El
-                seen[peer] = seen.get(peer, 0) + 1
-                keep[t, j] = seen[peer] <= C
-    return keep
-
-
-def test_all_to_all_drops_past_the_peer_budget_and_counts_them():
-    """A tight per-peer budget: exactly the slots past it are dropped (counted), and the output and its
-    gradients equal the dense reference with those slots' weights zeroed."""
+def test_all_to_all_drops_rows_past_the_peer_budget_and_counts_them():
+    """Each device sends at most `peer_rows` tokens to each peer: with every token of a device routed to one
+    peer (both choices), exactly the tokens past that budget are dropped (their slots counted), and the output
+    and its gradients equal the dense reference with those tokens' weights zeroed."""
     from nemo_jax.parallel.mesh import make_mesh
 
     cfg = tiny_cfg(n_shared_experts=0)
     p = _params(cfg)
-    mesh = make_mesh(dict(data=2, expert=4))
-    x = jax.random.normal(jax.random.key(5), (64, cfg.hidden_size))
-    w, idx, _ = moe_lib.route(p["gate"], x, cfg)
-    ep, cf = 4, 1.0
-    n_local = (64 // 8) * cfg.num_experts_per_tok
-    C = moe_lib.peer_budget(n_local, ep, cf)
-    keep = jnp.asarray(_kept_by_peer_budget(idx, 8, ep, cfg.n_routed_experts // ep, C))
+    mesh = make_mesh(dict(data=2, expert=4))  # 8 token shards; shard s is member s % 4 of its expert group
+    ep, El, k, Tl, cf = 4, cfg.n_routed_experts // 4, cfg.num_experts_per_tok, 8, 1.0
+    x = jax.random.normal(jax.random.key(5), (8 * Tl, cfg.hidden_size))
+    w = jax.random.uniform(jax.random.key(6), (8 * Tl, k), minval=0.2, maxval=1.0)
+    shard = np.arange(8 * Tl) // Tl
+    to = (shard % ep + 1) % ep  # every token of a shard goes to the next member of its group, both choices
+    idx = jnp.asarray(np.stack([to * El, to * El + 1], axis=1), jnp.int32)
+    R = moe_lib.peer_rows(Tl, k, ep, cf)
+    assert R < Tl
+    keep = jnp.asarray((np.arange(8 * Tl) % Tl < R)[:, None].repeat(k, 1))
 
     def ours(pe, x, w):
         y, d = moe_lib.experts_forward(pe, x, w, idx, cfg, jnp.float32, "sorted", cf, mesh)
@@ -166,10 +154,30 @@ def test_all_to_all_drops_past_the_peer_budget_and_counts_them():
 
     (_, (y1, d1)), g1 = jax.jit(jax.value_and_grad(ours, argnums=(0, 1, 2), has_aux=True))(p["experts"], x, w)
     (_, y2), g2 = jax.jit(jax.value_and_grad(ref, argnums=(0, 1, 2), has_aux=True))(p["experts"], x, w)
-    assert int(d1) == int(np.sum(~np.asarray(keep))) > 0
+    assert int(d1) == int(np.sum(~np.asarray(keep))) == 8 * (Tl - R) * k
     np.testing.assert_allclose(y1, y2, rtol=1e-5, atol=1e-6)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_all_to_all_sends_a_token_once_per_peer():
+    """top-k above the expert group size (Super: 22 of 512 on 8 peers): a token with several experts on one
+    peer travels there once, so the all-to-all moves ~ep x rows, not k x cf slots, per token."""
+    from nemo_jax.parallel.mesh import make_mesh
+    from nemo_jax.plan.hlo import analyse
+
+    cfg = tiny_cfg("E", n_routed_experts=32, num_experts_per_tok=12, n_shared_experts=0)
+    p = _params(cfg)
+    mesh = make_mesh(dict(expert=4, fsdp=2))
+    T, D = 512, cfg.hidden_size
+    x = jax.random.normal(jax.random.key(0), (T, D))
+    w, idx, _ = moe_lib.route(p["gate"], x, cfg)
+    f = jax.jit(lambda pe, x: moe_lib.experts_forward(pe, x, w, idx, cfg, jnp.float32, "sorted", 1.25, mesh)[0])
+    cost = analyse(f.lower(p["experts"], x).compile().as_text(), 8)
+    a2a = cost.collective_bytes()["all-to-all"]
+    rows = 4 * moe_lib.peer_rows(T // 8, 12, 4, 1.25)  # per device, each way
+    assert a2a <= 2 * rows * D * 4 * 1.01 + 2 * rows * 12 * 8 * 1.01, a2a  # x and back (fp32), + ids and weights
+    assert rows < 1.25 * (T // 8) * 12 / 2  # far below one row per slot
 
 
 def test_expert_parallel_flops_per_device_close_to_its_useful_work():

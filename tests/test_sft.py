@@ -44,7 +44,7 @@ def flat(params):
 def test_one_device_and_eight_devices_agree(tmp_path):
     a = Trainer(cfg_for(tmp_path / "one", "steps=6"), quiet=True, devices=jax.devices()[:1])
     a.run()
-    # expert=2 runs the all-to-all dispatch; a per-peer budget of 2x the even share (= ep) can drop nothing
+    # expert=2 runs the all-to-all dispatch; capacity_factor 2.0 (= ep) lets every token reach every peer: no drops
     b = Trainer(cfg_for(tmp_path / "eight", "steps=6", "mesh.fsdp=2", "mesh.tensor=2", "mesh.expert=2",
                         "model.capacity_factor=2.0"), quiet=True)
     assert b.mesh.shape == {"data": 1, "fsdp": 2, "tensor": 2, "expert": 2, "context": 1}

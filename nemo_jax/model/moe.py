@@ -182,8 +182,9 @@ def experts_forward(pe: dict, x: jax.Array, w: jax.Array, idx: jax.Array, cfg, d
     """Routed experts. x [T, Din], w/idx [T, k] -> (y [T, Din], dropped slots).
 
     On a mesh a sorted/capacity dispatch runs per device inside `shard_map` on that device's tokens. With an
-    `expert` axis > 1 the slots reach their experts' devices by `expert_parallel`: "all_to_all" (a static
-    budget of ceil(capacity_factor x even share) slots per peer, overflow dropped; `_all_to_all_experts`) or
+    `expert` axis > 1 the slots reach their experts' devices by `expert_parallel`: "all_to_all" (each token sent
+    once to each peer owning one of its experts, a static budget of capacity_factor x the even share of rows per
+    peer, overflow dropped; `_all_to_all_experts`) or
     "all_gather" (the expert group's tokens gathered, exact and dropless unless `ep_capacity` bounds the
     buffer; `_expert_parallel`). Without it every device runs all experts on its own tokens.
     """
@@ -311,26 +312,30 @@ def _expert_parallel(pe, x, w, idx, cfg, dtype, dispatch, capacity_factor, mesh,
     return fn(pe, x, w, idx)
 
 
-def peer_budget(n_slots: int, ep: int, capacity_factor: float) -> int:
-    """Slots each device sends to each peer of its expert group: capacity_factor x the even share of its
-    n_slots (token, choice) pairs, at most all of them (capacity_factor >= ep: nothing can be dropped)."""
-    return max(1, min(n_slots, math.ceil(capacity_factor * n_slots / ep)))
+def peer_rows(n_tokens: int, k: int, ep: int, capacity_factor: float) -> int:
+    """Rows each device sends to each peer of its expert group: capacity_factor x the even share of its
+    (token, peer) pairs (a token is sent once to each peer owning one of its experts; under uniform routing a
+    token reaches 1 - (1 - 1/ep)^k of the peers), at most every token (then no row can be dropped)."""
+    share = n_tokens * (1.0 - (1.0 - 1.0 / ep) ** k)
+    return max(1, min(n_tokens, math.ceil(capacity_factor * share)))
 
 
 def _all_to_all_experts(pe, x, w, idx, cfg, dtype, dispatch, capacity_factor, mesh, unroll: bool = False):
-    """Expert parallelism by all-to-all inside shard_map: each device sends every (token, choice) slot to the
-    peer that owns its expert and gets the expert's output back.
+    """Expert parallelism by all-to-all inside shard_map: each device sends each of its tokens once to every
+    peer that owns one of the token's experts (with the token's expert ids and weights there), the peer runs
+    those slots on its experts and sends back one weighted sum per row.
 
-    Per device (Tl tokens, n = Tl*k slots, E/ep local experts):
-      send   [ep, C, D]  slots sorted by destination peer, at most C = `peer_budget(n, ep, cf)` per peer
-                         (the overflow is dropped and counted); with each slot its local expert id
-      recv   [ep, C, D]  all_to_all over `expert`: row block j came from peer j
-      y_recv [ep*C, D]   the sorted (or capacity) dispatch over the local experts
-      back   [ep, C, D]  all_to_all again: every sent slot's output, in the order sent
-      y      [Tl, D]     sum over each token's kept slots of w * back[slot]
-    Memory and FLOPs per device are cf x its own share (the all-gather path holds the expert group's tokens),
-    and the only collectives are the two all-to-alls of ep*C rows. Equal to the single-device path in values
-    and gradients when nothing is dropped.
+    Per device (Tl tokens, top-k, ep peers of E/ep experts each), R = `peer_rows(Tl, k, ep, cf)`:
+      send    [ep, R] rows  row (j, r): the r-th token (in order) with an expert on peer j, its x [D], and per
+                            choice its local expert id (-1: elsewhere) and weight; tokens past R are dropped
+      recv    [ep*R]        all_to_all over `expert`: row block i came from peer i
+      y_recv  [ep*R, D]     the sorted (or capacity) dispatch over the local experts, sum of w x expert(x) per
+                            row, at most ceil(cf x Tl x k) slots (the device's even share of slots x cf)
+      back    [ep*R, D]     all_to_all again, in send order; y = the sum over a token's rows
+    Bytes moved per device and direction: ep x R x D (a token with several experts on one peer travels
+    once), memory and FLOPs about cf x the device's own share of slots. Overflow (rows past R, slots past the
+    receiver's bound) is dropped and counted in slots. Equal to the single-device path in values and
+    gradients when nothing is dropped.
     """
     from jax.sharding import PartitionSpec as P
 
@@ -343,32 +348,31 @@ def _all_to_all_experts(pe, x, w, idx, cfg, dtype, dispatch, capacity_factor, me
     def local(pe, x, w, idx):
         pe = jax.tree_util.tree_map_with_path(gather, _cast_experts(pe, dtype))
         Tl, k = idx.shape
-        n = Tl * k
-        C = peer_budget(n, ep, capacity_factor)
-        flat_e = idx.reshape(-1)
-        peer = flat_e // El
-        order = jnp.argsort(peer, stable=True)  # slots grouped by destination peer
-        counts = jnp.bincount(peer, length=ep)
-        start = jnp.cumsum(counts) - counts
-        # send slot (j, r) holds the r-th slot going to peer j, if there is one
-        q = start[:, None] + jnp.arange(C)[None, :]  # [ep, C] position in `order`
-        filled = jnp.arange(C)[None, :] < jnp.minimum(counts, C)[:, None]
-        pair = jnp.where(filled, jnp.take(order, jnp.minimum(q, n - 1)), n).reshape(-1)  # [ep*C], n = empty
-        send_x = jnp.take(jnp.pad(x.astype(dtype), ((0, 1), (0, 0))), jnp.minimum(pair // k, Tl), axis=0)
-        send_e = jnp.take(jnp.pad(flat_e % El, (0, 1)), pair)
-        a2a = lambda t: jax.lax.all_to_all(t.reshape(ep, C, *t.shape[1:]), "expert", 0, 0).reshape(ep * C, *t.shape[1:])  # noqa: E731
-        recv_x, recv_e, recv_ok = a2a(send_x), a2a(send_e), a2a(filled.reshape(-1))
-        # the received buffer already holds cf x the even share: finer blocks keep its padding to 1/4
-        y_recv, _ = _buffered_experts(pe, recv_x, jnp.ones((ep * C, 1), jnp.float32), recv_e[:, None], El, dtype,
-                                      dispatch, capacity_factor, recv_ok[:, None], None, unroll, blocks_per_expert=4)
-        back = a2a(y_recv)  # [ep*C, D]: the output of each slot this device sent, in send order
-        # each (token, choice) pair reads its slot's output back (dropped pairs read the zero row)
-        rank = jnp.arange(n) - start[peer[order]]
-        slot_sorted = jnp.where(rank < C, peer[order] * C + rank, ep * C)
-        slot = jnp.zeros((n,), jnp.int32).at[order].set(slot_sorted.astype(jnp.int32))
-        out = jnp.take(jnp.pad(back, ((0, 1), (0, 0))), slot, axis=0).astype(jnp.float32)  # [n, D]
-        y = jnp.sum(out.reshape(Tl, k, -1) * w[..., None], axis=1)
-        dropped = jnp.sum(slot == ep * C).astype(jnp.int32)
+        R = peer_rows(Tl, k, ep, capacity_factor)
+        peer = idx // El  # [Tl, k]
+        wants = jnp.any(peer[:, :, None] == jnp.arange(ep), axis=1)  # [Tl, ep]: token t has an expert on peer j
+        rank = jnp.cumsum(wants, axis=0) - 1  # its row among the tokens going to j, in token order
+        sent = wants & (rank < R)
+        dest = jnp.where(sent, jnp.arange(ep) * R + rank, ep * R)  # [Tl, ep], ep*R = not sent
+        src = jnp.full((ep * R + 1,), Tl, jnp.int32).at[dest].set(
+            jnp.broadcast_to(jnp.arange(Tl, dtype=jnp.int32)[:, None], (Tl, ep)))[:ep * R]  # Tl = empty row
+        row_peer = jnp.arange(ep * R) // R
+        src_peer = jnp.take(jnp.pad(peer, ((0, 1), (0, 0)), constant_values=-1), src, axis=0)  # [ep*R, k]
+        mine = src_peer == row_peer[:, None]  # the row's choices served by that peer
+        send_e = jnp.where(mine, jnp.take(jnp.pad(idx % El, ((0, 1), (0, 0))), src, axis=0), -1)
+        send_w = jnp.where(mine, jnp.take(jnp.pad(w, ((0, 1), (0, 0))), src, axis=0), 0.0)
+        send_x = jnp.take(jnp.pad(x.astype(dtype), ((0, 1), (0, 0))), src, axis=0)
+        a2a = lambda t: jax.lax.all_to_all(t.reshape(ep, R, *t.shape[1:]), "expert", 0, 0).reshape(t.shape)  # noqa: E731
+        recv_x, recv_e, recv_w = a2a(send_x), a2a(send_e), a2a(send_w)
+        # the received rows hold ~ its even share of slots, most of ep*R*k entries empty: the buffer is bounded by
+        # cf x that share, in finer blocks (padding <= 1/4)
+        bound = min(ep * R * k, math.ceil(capacity_factor * Tl * k))
+        y_recv, dropped_recv = _buffered_experts(pe, recv_x, recv_w, jnp.maximum(recv_e, 0), El, dtype, dispatch,
+                                                 capacity_factor, recv_e >= 0, bound, unroll, blocks_per_expert=4)
+        back = a2a(y_recv.astype(jnp.float32))
+        y = jnp.zeros((Tl + 1, back.shape[-1]), jnp.float32).at[src].add(back)[:Tl]
+        unsent = jnp.sum((peer[:, :, None] == jnp.arange(ep)) & ~sent[:, None, :])  # slots of rows past R
+        dropped = (unsent + dropped_recv).astype(jnp.int32)
         return y.astype(dtype), jax.lax.psum(dropped, tok_axes)
 
     fn = jax.shard_map(local, mesh=mesh, in_specs=(pe_specs, t_spec, t_spec, t_spec),
