@@ -48,6 +48,31 @@ def test_chunked_matches_sequential_values_and_grads(l, with_segments):
         np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-4)
 
 
+def test_one_token_step_matches_the_scans_values_and_grads():
+    """ssd_step (decode's one-token fast path) == ssd_chunked and ssd_sequential at l = 1, from a given state
+    and from none, in values and gradients (inputs and the state)."""
+    x, dt, A, B, C = _inputs(l=1, seed=3)
+    init = jax.random.normal(jax.random.key(4), (2, 4, 3, 5))
+
+    def loss(fn, x, dt, A, B, C, s):
+        y, final = fn(x, dt, A, B, C, s)
+        return jnp.sum(jnp.sin(y)) + jnp.sum(final ** 2)
+
+    forms = {"step": lambda x, dt, A, B, C, s: mamba2.ssd_step(x, dt, A, B, C, initial_state=s),
+             "chunked": lambda x, dt, A, B, C, s: mamba2.ssd_chunked(x, dt, A, B, C, chunk_size=8, initial_state=s),
+             "sequential": lambda x, dt, A, B, C, s: mamba2.ssd_sequential(x, dt, A, B, C, initial_state=s)}
+    for s in (init, None):
+        out = {k: jax.jit(f)(x, dt, A, B, C, s) for k, f in forms.items()}
+        for ref in ("chunked", "sequential"):
+            for a, b in zip(out["step"], out[ref]):
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    grads = {k: jax.jit(jax.grad(lambda *a, f=f: loss(f, *a), argnums=(0, 1, 2, 3, 4, 5)))(x, dt, A, B, C, init)
+             for k, f in forms.items()}
+    for ref in ("chunked", "sequential"):
+        for a, b in zip(grads["step"], grads[ref]):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
 def test_segments_reset_state():
     """A document packed after another gets the same outputs as alone."""
     x, dt, A, B, C = _inputs(b=1, l=16)

@@ -179,6 +179,23 @@ def ssd_sequential(x, dt, A, B, C, segment_ids=None, initial_state=None):
     return jnp.moveaxis(ys, 0, 1), final
 
 
+def ssd_step(x, dt, A, B, C, initial_state=None):
+    """One token (decode): h = exp(dt A) h0 + dt x B, y = C h, in a handful of ops (the chunked form's
+    machinery dominates a one-token step). Same I/O as ssd_chunked with l = 1 and no segments."""
+    f32 = jnp.float32
+    b, l, h, p = x.shape
+    assert l == 1, l
+    g, n = B.shape[2], B.shape[3]
+    x, dt, B, C = x[:, 0].astype(f32), dt[:, 0].astype(f32), B[:, 0].astype(f32), C[:, 0].astype(f32)
+    s0 = jnp.zeros((b, h, p, n), f32) if initial_state is None else initial_state.astype(f32)
+    s0 = s0.reshape(b, g, h // g, p, n)
+    decay = jnp.exp(dt * A.astype(f32)).reshape(b, g, h // g)
+    xdt = (x * dt[..., None]).reshape(b, g, h // g, p)
+    s = s0 * decay[..., None, None] + jnp.einsum("bgkp,bgn->bgkpn", xdt, B)
+    y = jnp.einsum("bgkpn,bgn->bgkp", s, C)
+    return y.reshape(b, 1, h, p), s.reshape(b, h, p, n)
+
+
 # --------------------------------------------------------------------------- context parallelism
 def _from_previous(a: jax.Array, n: int, axis: str, fill=0) -> jax.Array:
     """Inside shard_map over `axis`: the last n positions (dim 1) of the previous shard's `a`; `fill` on the
@@ -248,7 +265,9 @@ def _scan(xbc_c, dt, A, D, cfg, segment_ids, scan: str, init=None, axis: str | N
     H, P, G, N, Di = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.n_groups, cfg.ssm_state_size, cfg.d_inner
     x, Bm, Cm = jnp.split(xbc_c, [Di, Di + G * N], axis=-1)
     xh, Bm, Cm = x.reshape(b, l, H, P), Bm.reshape(b, l, G, N), Cm.reshape(b, l, G, N)
-    if axis is None:
+    if axis is None and l == 1 and segment_ids is None and scan == "chunked":  # decode: one token
+        y, final = ssd_step(xh, dt, A, Bm, Cm, initial_state=init)
+    elif axis is None:
         y, final = SCANS[scan](xh, dt, A, Bm, Cm, chunk_size=cfg.chunk_size, segment_ids=segment_ids,
                                initial_state=init)
     else:
