@@ -182,11 +182,11 @@ def experts_forward(pe: dict, x: jax.Array, w: jax.Array, idx: jax.Array, cfg, d
     """Routed experts. x [T, Din], w/idx [T, k] -> (y [T, Din], dropped slots).
 
     On a mesh a sorted/capacity dispatch runs per device inside `shard_map` on that device's tokens. With an
-    `expert` axis > 1 the slots reach their experts' devices by `expert_parallel`: "all_to_all" (each token sent
-    once to each peer owning one of its experts, a static budget of capacity_factor x the even share of rows per
-    peer, overflow dropped; `_all_to_all_experts`) or
-    "all_gather" (the expert group's tokens gathered, exact and dropless unless `ep_capacity` bounds the
-    buffer; `_expert_parallel`). Without it every device runs all experts on its own tokens.
+    `expert` axis > 1 the slots reach their experts' devices by `expert_parallel`: "all_to_all" (each token
+    sent once to each peer owning one of its experts, at most capacity_factor x the even share of rows per
+    peer, overflow dropped; `_all_to_all_experts`) or "all_gather" (the expert group's tokens gathered, exact
+    and dropless unless `ep_capacity` bounds the buffer; `_expert_parallel`). Without an `expert` axis every
+    device runs all experts on its own tokens.
     """
     T, k = idx.shape
     E = cfg.n_routed_experts
@@ -235,8 +235,9 @@ def _ragged_lora(x, w, lora, counts, dtype):
 
 
 def _ep_setup(pe, x, cfg, mesh):
-    """What both expert-parallel paths share: (El local experts, token spec, pe in_specs, gather) or None when
-    the experts or the tokens do not split over the mesh (then the plain path runs under GSPMD).
+    """What both expert-parallel paths share: (El local experts, token PartitionSpec, pe in_specs, gather,
+    token mesh axes), or None when the experts or the tokens do not split over the mesh (then the plain path
+    runs under GSPMD).
 
     The base expert weights enter in their stored sharding (experts over `expert`, their other dims over
     fsdp / tensor) and `gather` makes them whole inside, per layer, in the compute dtype: with in_specs of
@@ -367,8 +368,10 @@ def _all_to_all_experts(pe, x, w, idx, cfg, dtype, dispatch, capacity_factor, me
         # the received rows hold ~ its even share of slots, most of ep*R*k entries empty: the buffer is bounded by
         # cf x that share, in finer blocks (padding <= 1/4)
         bound = min(ep * R * k, math.ceil(capacity_factor * Tl * k))
+        # "capacity": cf x the even share per local expert, cf * Tl * k / El (not of the ep*R*k entries)
+        cf = capacity_factor * Tl / (ep * R) if dispatch == "capacity" else capacity_factor
         y_recv, dropped_recv = _buffered_experts(pe, recv_x, recv_w, jnp.maximum(recv_e, 0), El, dtype, dispatch,
-                                                 capacity_factor, recv_e >= 0, bound, unroll, blocks_per_expert=4)
+                                                 cf, recv_e >= 0, bound, unroll, blocks_per_expert=4)
         back = a2a(y_recv.astype(jnp.float32))
         y = jnp.zeros((Tl + 1, back.shape[-1]), jnp.float32).at[src].add(back)[:Tl]
         unsent = jnp.sum((peer[:, :, None] == jnp.arange(ep)) & ~sent[:, None, :])  # slots of rows past R
