@@ -14,8 +14,9 @@ class ModelSection:
     remat: str = "none"  # none | layer | save_matmuls
     moe_dispatch: str = "sorted"
     capacity_factor: float = 1.25
-    # expert parallelism: all_to_all (<= capacity_factor x the even share of slots per peer, overflow dropped and
-    # logged as moe_dropped_frac) | all_gather (exact; dropless unless ep_capacity > 0 bounds the buffer)
+    # expert parallelism: all_to_all (each token sent once per peer owning one of its experts, <= capacity_factor x
+    # the even share of rows per peer, overflow dropped, logged as moe_dropped_frac) | all_gather (exact; dropless
+    # unless ep_capacity > 0 bounds the buffer)
     expert_parallel: str = "all_to_all"
     ep_capacity: float = 0.0  # all_gather: per-device expert buffer = this x the even share (0: dropless, ep x)
     attention: str = "blocked"  # blocked | ring (context-parallel K/V passed around the ring) | full (reference)

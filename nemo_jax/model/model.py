@@ -44,9 +44,9 @@ class Options:
     attention: str = "blocked"  # "blocked" (causal query blocks over key prefixes) | "ring" | "full" (reference)
     moe_dispatch: str = "sorted"  # see moe.DISPATCHES
     capacity_factor: float = 1.25
-    # expert parallelism (an `expert` mesh axis > 1): "all_to_all" sends each slot to its expert's device, at most
-    # ceil(capacity_factor x the even share) slots per peer (overflow dropped, counted); "all_gather" gathers the
-    # expert group's tokens (exact; dropless unless ep_capacity > 0 bounds each device's buffer to that x its share)
+    # expert parallelism (an `expert` mesh axis > 1): "all_to_all" sends each token once to each peer owning one of
+    # its experts, at most capacity_factor x the even share of rows per peer (overflow dropped, counted); "all_gather"
+    # gathers the expert group's tokens (exact; dropless unless ep_capacity > 0 bounds each device's buffer)
     expert_parallel: str = "all_to_all"
     ep_capacity: float = 0.0
     remat: str = "none"  # "none" | "layer" | "save_matmuls"
