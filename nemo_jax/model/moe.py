@@ -234,15 +234,15 @@ def _ragged_lora(x, w, lora, counts, dtype):
     return y + lora["lora_scale"] * jax.lax.ragged_dot(xa, lora["lora_b"], counts, preferred_element_type=jnp.float32)
 
 
-def _ep_setup(pe, x, cfg, mesh):
-    """What both expert-parallel paths share: (El local experts, token PartitionSpec, pe in_specs, gather,
-    token mesh axes), or None when the experts or the tokens do not split over the mesh (then the plain path
-    runs under GSPMD).
+def _ep_shard_map(pe, x, w, idx, cfg, dtype, mesh, body):
+    """What both expert-parallel paths share: run body(pe, x, w, idx, El) -> (y [Tl, D], dropped slots) per
+    device inside shard_map, tokens split over the token axes, and sum the drop counts over them. Returns None
+    when the experts or the tokens do not split over the mesh (then the plain path runs under GSPMD).
 
     The base expert weights enter in their stored sharding (experts over `expert`, their other dims over
-    fsdp / tensor) and `gather` makes them whole inside, per layer, in the compute dtype: with in_specs of
-    P("expert") GSPMD resharded the whole scanned weight stack before the layer loop (every layer's experts
-    gathered at once, in fp32). Adapter matrices (small) enter split on their expert axis; scales replicated.
+    fsdp / tensor) and are made whole inside, per layer, in the compute dtype: with in_specs of P("expert")
+    GSPMD resharded the whole scanned weight stack before the layer loop (every layer's experts gathered at
+    once, in fp32). Adapter matrices (small) enter split on their expert axis; scales replicated.
     """
     from jax.sharding import PartitionSpec as P
 
@@ -263,12 +263,20 @@ def _ep_setup(pe, x, cfg, mesh):
             return P()
         return stored[k[0]] if len(k) == 1 and k[0] in stored else P("expert")
 
-    def gather(path, a):  # a stored base weight -> its local experts whole, in the compute dtype
+    def gather(path, a):  # a stored base weight -> its local experts whole
         if len(keys(path)) != 1 or keys(path)[0] not in stored:
             return a
         return gather_shards(a, stored[keys(path)[0]], first_dim=1)
 
-    return E // ep, P(tok_axes), jax.tree_util.tree_map_with_path(spec_of, pe), gather, tok_axes
+    def local(pe, x, w, idx):
+        pe = jax.tree_util.tree_map_with_path(gather, _cast_experts(pe, dtype))
+        y, dropped = body(pe, x, w, idx, E // ep)
+        return y.astype(dtype), jax.lax.psum(dropped.astype(jnp.int32), tok_axes)
+
+    t_spec = P(tok_axes)
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(jax.tree_util.tree_map_with_path(spec_of, pe), t_spec, t_spec,
+                                                   t_spec), out_specs=(t_spec, P()), check_vma=False)
+    return fn(pe, x, w, idx)
 
 
 def _expert_parallel(pe, x, w, idx, cfg, dtype, dispatch, capacity_factor, mesh, ep_capacity: float = 0.0,
@@ -284,16 +292,9 @@ def _expert_parallel(pe, x, w, idx, cfg, dtype, dispatch, capacity_factor, mesh,
     (ep x the even share). `ep_capacity` > 0 sizes it for `ep_capacity` x the even share instead (memory and
     FLOPs / (ep / ep_capacity)); slots past it are dropped and counted in `dropped`.
     """
-    from jax.sharding import PartitionSpec as P
-
-    setup = _ep_setup(pe, x, cfg, mesh)
-    if setup is None:
-        return None
-    El, t_spec, pe_specs, gather, tok_axes = setup
     ep, E = mesh.shape["expert"], cfg.n_routed_experts
 
-    def local(pe, x, w, idx):
-        pe = jax.tree_util.tree_map_with_path(gather, _cast_experts(pe, dtype))
+    def body(pe, x, w, idx, El):
         xg = jax.lax.all_gather(x, "expert", axis=0, tiled=True)
         wg = jax.lax.all_gather(w, "expert", axis=0, tiled=True)
         ig = jax.lax.all_gather(idx, "expert", axis=0, tiled=True)
@@ -305,12 +306,9 @@ def _expert_parallel(pe, x, w, idx, cfg, dtype, dispatch, capacity_factor, mesh,
         cap = math.ceil(ep_capacity * n / ep) if ep_capacity > 0 and dispatch == "sorted" else None
         y, dropped = _buffered_experts(pe, xg.astype(dtype), wg, jnp.clip(li, 0, El - 1), El, dtype, dispatch, cf,
                                        valid, cap, unroll)
-        y = jax.lax.psum_scatter(y.astype(jnp.float32), "expert", scatter_dimension=0, tiled=True)
-        return y.astype(dtype), jax.lax.psum(dropped, tok_axes)
+        return jax.lax.psum_scatter(y.astype(jnp.float32), "expert", scatter_dimension=0, tiled=True), dropped
 
-    fn = jax.shard_map(local, mesh=mesh, in_specs=(pe_specs, t_spec, t_spec, t_spec),
-                       out_specs=(t_spec, P()), check_vma=False)
-    return fn(pe, x, w, idx)
+    return _ep_shard_map(pe, x, w, idx, cfg, dtype, mesh, body)
 
 
 def peer_rows(n_tokens: int, k: int, ep: int, capacity_factor: float) -> int:
@@ -338,20 +336,14 @@ def _all_to_all_experts(pe, x, w, idx, cfg, dtype, dispatch, capacity_factor, me
     receiver's bound) is dropped and counted in slots. Equal to the single-device path in values and
     gradients when nothing is dropped.
     """
-    from jax.sharding import PartitionSpec as P
-
-    setup = _ep_setup(pe, x, cfg, mesh)
-    if setup is None:
-        return None
-    El, t_spec, pe_specs, gather, tok_axes = setup
     ep = mesh.shape["expert"]
 
-    def local(pe, x, w, idx):
-        pe = jax.tree_util.tree_map_with_path(gather, _cast_experts(pe, dtype))
+    def body(pe, x, w, idx, El):
         Tl, k = idx.shape
         R = peer_rows(Tl, k, ep, capacity_factor)
         peer = idx // El  # [Tl, k]
-        wants = jnp.any(peer[:, :, None] == jnp.arange(ep), axis=1)  # [Tl, ep]: token t has an expert on peer j
+        hits = peer[:, :, None] == jnp.arange(ep)  # [Tl, k, ep]: choice c of token t is on peer j
+        wants = jnp.any(hits, axis=1)  # [Tl, ep]: token t has an expert on peer j
         rank = jnp.cumsum(wants, axis=0) - 1  # its row among the tokens going to j, in token order
         sent = wants & (rank < R)
         dest = jnp.where(sent, jnp.arange(ep) * R + rank, ep * R)  # [Tl, ep], ep*R = not sent
@@ -374,13 +366,10 @@ def _all_to_all_experts(pe, x, w, idx, cfg, dtype, dispatch, capacity_factor, me
                                                  cf, recv_e >= 0, bound, unroll, blocks_per_expert=4)
         back = a2a(y_recv.astype(jnp.float32))
         y = jnp.zeros((Tl + 1, back.shape[-1]), jnp.float32).at[src].add(back)[:Tl]
-        unsent = jnp.sum((peer[:, :, None] == jnp.arange(ep)) & ~sent[:, None, :])  # slots of rows past R
-        dropped = (unsent + dropped_recv).astype(jnp.int32)
-        return y.astype(dtype), jax.lax.psum(dropped, tok_axes)
+        unsent = jnp.sum(hits & ~sent[:, None, :])  # slots of rows past R
+        return y, unsent + dropped_recv
 
-    fn = jax.shard_map(local, mesh=mesh, in_specs=(pe_specs, t_spec, t_spec, t_spec),
-                       out_specs=(t_spec, P()), check_vma=False)
-    return fn(pe, x, w, idx)
+    return _ep_shard_map(pe, x, w, idx, cfg, dtype, mesh, body)
 
 
 def moe(p: dict, u: jax.Array, cfg, dtype, *, dispatch: str = "sorted", capacity_factor: float = 1.25,
