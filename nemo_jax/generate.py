@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import os
-from collections import deque
 from dataclasses import dataclass, field
 
 import jax
@@ -221,8 +220,9 @@ def append(params, state: DecodeState, rows: list[list[int]], cfg, *, opts: M.Op
     `state` is donated: it is updated in place and must not be used afterwards (use the returned one).
     -> (last logits [b, V], state), or with `positions` [b, n] (into each row's new tokens) logits [b, n, V]."""
     n = max(1, max(len(r) for r in rows))
-    if int(state.pos) + n > state.max_len:
-        raise ValueError(f"state holds {state.max_len} positions; {int(state.pos)} used, {n} more asked")
+    used = max((int(p) for p, r in zip(np.asarray(state.pos), rows) if r), default=0)
+    if used + n > state.max_len:
+        raise ValueError(f"state holds {state.max_len} positions per row; {used} used, {n} more asked")
     return _run_chunk(attach(params, adapters), rows, state, cfg, opts, positions, pad_id)
 
 
@@ -264,9 +264,10 @@ def generate(params, prompts: list[list[int]], cfg, sp: SamplingParams = Samplin
     elif last_logits is None:
         raise ValueError("continuing a state needs its last_logits")
     b = last_logits.shape[0]
-    if int(state.pos) + sp.max_new_tokens > state.max_len:
-        raise ValueError(f"max_new_tokens={sp.max_new_tokens} does not fit the state ({state.max_len} positions, "
-                         f"{int(state.pos)} used)")
+    used = int(np.max(np.asarray(state.pos)))
+    if used + sp.max_new_tokens > state.max_len:
+        raise ValueError(f"max_new_tokens={sp.max_new_tokens} does not fit the state ({state.max_len} positions per "
+                         f"row, {used} used)")
     # derived from last_logits (not a fresh host array): placed as the step's own outputs are, so the loop's
     # first call and the later ones share one compiled program
     done = jnp.zeros_like(last_logits[:, 0], bool)
@@ -315,13 +316,15 @@ def _decode_rows(params, logits, state, done, budget, key, cfg, opts, sp, mesh=N
 
 @functools.partial(jax.jit, static_argnames=("cfg", "mesh"), donate_argnames=("state",))
 def _empty_rows(state, rows, cfg, mesh=None):
-    """Forget rows [b] (bool) of a state: zero Mamba conv/SSM state, no valid KV slot (a new sequence starts)."""
+    """Forget rows [b] (bool) of a state: zero Mamba conv/SSM state, no valid KV slot, position 0 (a new
+    sequence starts there)."""
     keep = ~rows
     mamba = state.mamba
     if mamba is not None:
         mamba = MambaState(mamba.conv * keep[None, :, None, None].astype(mamba.conv.dtype),
                            mamba.ssm * keep[None, :, None, None, None].astype(mamba.ssm.dtype))
-    return _keep_sharded(state._replace(mamba=mamba, valid=state.valid & keep[:, None]), cfg, mesh)
+    return _keep_sharded(state._replace(mamba=mamba, valid=state.valid & keep[:, None],
+                                        pos=jnp.where(rows, 0, state.pos)), cfg, mesh)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "opts", "mesh"), donate_argnames=("state",))
@@ -331,11 +334,11 @@ def _append_rows(params, tokens, valid, state, rows, cfg, opts, mesh=None):
     # Mamba conv/SSM and KV leaves hold rows on axis 1 ([layers, b, ...]), `valid` on axis 0
     take = lambda x: jnp.take(x, rows, axis=1)  # noqa: E731
     sub = state._replace(mamba=jax.tree.map(take, state.mamba), kv=jax.tree.map(take, state.kv),
-                         valid=jnp.take(state.valid, rows, axis=0))
+                         valid=jnp.take(state.valid, rows, axis=0), pos=jnp.take(state.pos, rows))
     logits, sub = M.forward_cached(params, tokens, valid, sub, cfg, opts=opts, positions="last")
     put = lambda x, y: x.at[:, rows].set(y)  # noqa: E731
     state = state._replace(mamba=jax.tree.map(put, state.mamba, sub.mamba), kv=jax.tree.map(put, state.kv, sub.kv),
-                           valid=state.valid.at[rows].set(sub.valid), pos=sub.pos)
+                           valid=state.valid.at[rows].set(sub.valid), pos=state.pos.at[rows].set(sub.pos))
     return logits[:, 0], _keep_sharded(state, cfg, mesh)
 
 
@@ -356,102 +359,83 @@ def continuous_generate(params, prompts, cfg, sp: SamplingParams, *, batch: int,
     more tokens (tool results, the next user turn: they are appended to that row and it samples another turn)
     or None: the sequence is finished and the row is refilled with the next prompt (emptied and prefilled in
     place, while the other rows keep their state). Rows are checked every `check_every` steps (a finished row
-    idles at most that long). Rows share one position axis of `max_len` slots: appends and steps consume them,
-    and when the rest cannot hold another turn the rows still going finish their turns and a fresh state
-    starts; a conversation continued then is re-prefilled whole. Tokens and logprobs per turn are exactly
-    those `generate` would give the same sequence on its own (up to the random draws).
+    idles at most that long). Each row holds `max_len` positions of its own sequence (the KV cache size per
+    row): a prompt or a continuation (left-padded to a multiple of `bucket`, the widest of those fed together)
+    must leave room for `max_new_tokens` more; a continuation that does not fit is prefilled afresh with the
+    whole conversation. Tokens and logprobs per turn are exactly those `generate` would give the same sequence
+    on its own (up to the random draws).
     """
     key = jax.random.key(0) if key is None else key
     p = attach(params, adapters)
     mesh = _mesh_of(p)
     todo = iter(enumerate(prompts))
-    again: deque = deque()  # (index, whole sequence so far, turns) of conversations to re-prefill
     item: list[Finished | None] = [None] * batch
-    seq: list[list[int]] = [[] for _ in range(batch)]
-    feed: dict[int, list[int]] = {}  # row -> tokens to append before the next steps
+    seq: list[list[int]] = [[] for _ in range(batch)]  # the tokens each row's state holds
+    feed: dict[int, list[int]] = {}  # row -> a continuation to append before the next steps
     stop_ids = set(sp.stop_token_ids)
     rnd = lambda n: -(-n // bucket) * bucket
+    fits = lambda used, width: used + width + sp.max_new_tokens <= max_len  # noqa: E731
     turn_t: list[list[int]] = [[] for _ in range(batch)]  # the turn each row is sampling
     turn_l: list[list[float]] = [[] for _ in range(batch)]
-    state, pos, logits = None, 0, None
-    done = budget = None
+    used = np.zeros(batch, np.int64)  # positions each row holds (the state's `pos`, read back every check)
+    state = init_decode_state(cfg, batch, max_len, opts.dtype, mesh=mesh)
+    logits = _rows_on(jnp.zeros((batch, cfg.vocab_size), jnp.float32), mesh)
+    done = _rows_on(jnp.ones((batch,), bool), mesh)
+    budget = _rows_on(jnp.zeros((batch,), jnp.int32), mesh)
     while True:
-        # ---- admit: continuations into their rows, then new (or re-prefilled) sequences into empty rows
-        if state is None or all(x is None for x in item) and not feed:
-            state, pos = None, 0  # nothing running: start from a fresh state
-        width = rnd(max((len(t) for t in feed.values()), default=0))
-        if state is not None and pos + width + sp.max_new_tokens > max_len:
-            for r, toks in feed.items():  # no room to continue here: re-prefill the whole conversation later
-                again.append((item[r].index, seq[r] + toks, item[r].turns))
-                item[r] = None
-            feed, width = {}, 0
-        fresh = []
+        # ---- admit: new sequences into empty rows, continuations in place (or afresh when they do not fit)
+        fresh: dict[int, list[int]] = {}  # row -> a whole sequence to prefill from position 0
         for r in range(batch):
-            if item[r] is not None or r in feed:
-                continue
-            got = again[0] if again else None
-            if got is None:
+            if item[r] is None:
                 nxt = next(todo, None)
                 if nxt is None:
                     break
-                got = (nxt[0], list(nxt[1]), [])
-                again.appendleft(got)
-            if not got[1]:
-                raise ValueError(f"prompt {got[0]} is empty")
-            if rnd(len(got[1])) + sp.max_new_tokens > max_len:
-                raise ValueError(f"prompt {got[0]}: {len(got[1])} tokens + max_new_tokens={sp.max_new_tokens} do not "
-                                 f"fit max_len={max_len}")
-            w = max(width, rnd(len(got[1])))
-            if (0 if state is None else pos) + w + sp.max_new_tokens > max_len:
-                break  # no room: wait until the rows going finish, then a fresh state
-            again.popleft()
-            width = w
-            item[r], seq[r] = Finished(got[0], list(got[2])), got[1]
-            turn_t[r], turn_l[r] = [], []
-            feed[r] = got[1]
-            fresh.append(r)
+                if not len(nxt[1]):
+                    raise ValueError(f"prompt {nxt[0]} is empty")
+                item[r], fresh[r] = Finished(nxt[0]), list(nxt[1])
+                turn_t[r], turn_l[r] = [], []
+        width = rnd(max(map(len, (*feed.values(), *fresh.values())), default=0))
+        while moved := [r for r in feed if not fits(used[r], width)]:
+            for r in moved:
+                fresh[r] = seq[r] + feed.pop(r)
+                width = max(width, rnd(len(fresh[r])))
+        for r, toks in fresh.items():
+            if not fits(0, rnd(len(toks))):
+                what = f"prompt {item[r].index}" if not item[r].turns else f"conversation {item[r].index}"
+                raise ValueError(f"{what}: {len(toks)} tokens + max_new_tokens={sp.max_new_tokens} do not fit "
+                                 f"max_len={max_len}")
         if all(x is None for x in item):
-            if not again:
-                return
-            continue  # everything left waits for a fresh state
-        if state is None:
-            state = init_decode_state(cfg, batch, max_len, opts.dtype, mesh=mesh)
-            logits = _rows_on(jnp.zeros((batch, cfg.vocab_size), jnp.float32), mesh)
-            done = _rows_on(jnp.ones((batch,), bool), mesh)
-            budget = _rows_on(jnp.zeros((batch,), jnp.int32), mesh)
-        if feed:
+            return
+        chunk = {**feed, **fresh}
+        if chunk:
             if fresh:
-                state = _empty_rows(state, _rows_on(jnp.asarray(np.isin(np.arange(batch), fresh)), mesh), cfg, mesh)
-            fed = _rows_on(jnp.asarray(np.isin(np.arange(batch), list(feed))), mesh)
-            k = min(batch, 1 << (len(feed) - 1).bit_length())  # rows run: the fed ones, padded to a power of 2
+                state = _empty_rows(state, _rows_on(jnp.asarray(np.isin(np.arange(batch), list(fresh))), mesh), cfg,
+                                    mesh)
+            fed = _rows_on(jnp.asarray(np.isin(np.arange(batch), list(chunk))), mesh)
+            k = min(batch, 1 << (len(chunk) - 1).bit_length())  # rows run: the fed ones, padded to a power of 2
             if k < batch:  # + rows appending nothing (their state comes back unchanged)
-                rows = sorted(feed) + [r for r in range(batch) if r not in feed][:k - len(feed)]
-                toks, valid = left_pad([feed.get(r, []) for r in rows], 0, width)
+                rows = sorted(chunk) + [r for r in range(batch) if r not in chunk][:k - len(chunk)]
+                toks, valid = left_pad([chunk.get(r, []) for r in rows], 0, width)
                 sub_logits, state = _append_rows(p, _rows_on(toks, mesh), _rows_on(valid, mesh), state,
                                                  jnp.asarray(rows, jnp.int32), cfg, opts, mesh)
                 new_logits = logits.at[jnp.asarray(rows, jnp.int32)].set(sub_logits)
             else:
-                new_logits, state = _run_chunk(p, [feed.get(r, []) for r in range(batch)], state, cfg, opts, None, 0,
+                new_logits, state = _run_chunk(p, [chunk.get(r, []) for r in range(batch)], state, cfg, opts, None, 0,
                                                width)
             logits, done, budget = _merge_fed(fed, new_logits, logits, done, budget, sp.max_new_tokens)
-            pos += width
-            for r, toks in feed.items():
-                if r not in fresh:
-                    seq[r] = seq[r] + toks
+            for r, toks in chunk.items():
+                seq[r] = (seq[r] if r in feed else []) + toks
             feed = {}
-        # ---- decode a few steps, then read which rows finished their turn
+        # ---- decode a few steps, then read which rows finished their turn (admission left each going row room
+        # for a whole turn)
         steps = []
-        n = min(check_every, max_len - pos)  # active rows' budgets fit in what is left (checked on admission)
-        if n <= 0:
-            raise RuntimeError(f"continuous_generate: decode state full ({max_len} positions) with rows going")
-        for _ in range(n):
+        for _ in range(check_every):
             key, sub = jax.random.split(key)
             tok, lp, act, logits, state, done, budget = _decode_rows(p, logits, state, done, budget, sub, cfg, opts,
                                                                      sp, mesh)
             steps.append((tok, lp, act))
-            pos += 1
         T, L, A = (np.asarray(jnp.stack(x, 0)) for x in zip(*steps))
-        D = np.asarray(done)
+        D, used = np.asarray(done), np.asarray(state.pos)
         for r in range(batch):
             if item[r] is None:
                 continue

@@ -168,8 +168,8 @@ def _two_turns(i, turns):
     return MORE if i % 2 == 0 and len(turns) == 1 else None
 
 
-def test_continuous_batching_equals_each_sequence_alone(setup, max_len=40):  # 40: the state fills up and
-    # conversations move to a fresh one (re-prefilled), besides rows refilled and continued in place
+def test_continuous_batching_equals_each_sequence_alone(setup, max_len=26):  # 26 positions per row: a first
+    # turn that stops early (4 tokens) is continued in place, one of 6 tokens is re-prefilled whole
     """2 decode rows serving 6 two-turn or one-turn sequences (finished rows refilled in place, turns continued
     in place or re-prefilled) give, greedy, exactly the tokens of each conversation generated on its own."""
     cfg, params = setup

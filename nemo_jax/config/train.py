@@ -197,7 +197,7 @@ class RolloutSection:
     seq_len: int = 128  # learner rows (prompt + every turn)
     sampler_rows: int = 0  # decode rows of the in-process sampler (0: every rollout of a step); with fewer rows than
     #                        rollouts, continuous batching refills a finished rollout's row with the next one
-    sampler_positions: int = 0  # positions the rows share in the sampler's decode state (0: 4 x (seq_len + max_new_tokens))
+    sampler_positions: int = 0  # KV cache positions per row of the sampler's decode state (0: 2 x (seq_len + max_new_tokens))
     producer: str = "thread"  # thread (in-process sampler beside the learner) | inline (sample, then learn) | none (spool only)
     spool: bool = False  # also read rollouts external producers write to RUN/spool
     publish_every: int = 1  # publish the adapters to RUN/policy/<version> every this many steps (0: never)

@@ -2,7 +2,7 @@
 
 q head i reads kv head i // (nh / nkv). Logits and softmax in fp32.
 Training: `segment_ids` mask attention across packed documents. Cached: a KV cache of fixed length
-with a per-slot validity mask; all rows share the write position `pos` (prompts are left-padded).
+with a per-slot validity mask; each row has its own write position `pos[i]` (chunks are left-padded).
 """
 
 from __future__ import annotations
@@ -244,17 +244,27 @@ def _attend_context_ring(q, k, v, segment_ids, dtype, mesh):
     return _context_attention(local, q, k, v, segment_ids, mesh)
 
 
+def write_rows(c, x, pos, axis: int = 0):
+    """c [..., b, S, ...] (rows at `axis`, slots next) with x [..., b, l, ...] written at slots pos[i] + [0, l) of
+    row i (pos [b]). Slots at or past S are dropped, never clamped onto earlier ones: a row given pos >= S
+    (one appending nothing) keeps its slots as they were."""
+    b, l = x.shape[axis], x.shape[axis + 1]
+    idx = (slice(None),) * axis + (jnp.arange(b)[:, None], pos[:, None] + jnp.arange(l)[None])
+    return c.at[idx].set(x.astype(c.dtype), mode="drop")
+
+
 def _cached_mask(valid_cache, pos, start, l: int):
-    """Mask [b, l, S] of chunk queries at positions pos + start + [0, l) over cache slots: causal and valid."""
+    """Mask [b, l, S] of chunk queries at row positions pos [b] + start + [0, l) over cache slots: causal and
+    valid."""
     S = valid_cache.shape[1]
-    causal = jnp.arange(S)[None, :] <= (pos + start + jnp.arange(l))[:, None]  # [l, S]
-    return causal[None] & valid_cache[:, None, :]
+    causal = jnp.arange(S)[None, None] <= (pos[:, None] + start + jnp.arange(l))[..., None]  # [b, l, S]
+    return causal & valid_cache[:, None, :]
 
 
 def _attend_cached_blocked(q, kc, vc, valid_cache, pos, dtype, block: int):
-    """Cached `_attend` in query blocks: q [b, l, kv, r, hd] over the whole cache kc/vc [b, S, kv, hd]; one
-    block of `block` queries at a time (`lax.map`), so the logits held are [b, heads, block, S], not
-    [b, heads, l, S]: prefill memory grows linearly in the prompt length. -> [b, l, kv*r*hd]."""
+    """Cached `_attend` in query blocks: q [b, l, kv, r, hd] over the whole cache kc/vc [b, S, kv, hd] (the chunk
+    written in); one block of `block` queries at a time (`lax.map`), so the logits held are [b, heads, block, S],
+    not [b, heads, l, S]: prefill memory grows linearly in the prompt length. -> [b, l, kv*r*hd]."""
     b, l = q.shape[:2]
     if l <= block:
         return _attend(q, kc, vc, _cached_mask(valid_cache, pos, 0, l), dtype)
@@ -270,6 +280,21 @@ def _attend_cached_blocked(q, kc, vc, valid_cache, pos, dtype, block: int):
     return jnp.moveaxis(out, 0, 1).reshape(b, n * block, -1)[:, :l]
 
 
+def _attend_cached_split(q, cache: KVCache, new: KVCache, valid_cache, valid, pos, dtype):
+    """Cached attention of a short chunk (decode): q [b, l, kv, r, hd] over the cache's valid slots before each
+    row's position pos [b] (cache.k/v [b, S, kv, hd], read as stored, never copied with the chunk written in) and
+    the chunk's own keys/values new.k/v [b, l, kv, hd] (causal, `valid` [b, l]), by one online softmax over the
+    two. Equal to `_attend` over the cache with the chunk written in. -> [b, l, kv*r*hd]."""
+    b, l, kv, r, hd = q.shape
+    S = cache.k.shape[1]
+    before = valid_cache & (jnp.arange(S)[None] < pos[:, None])  # [b, S]
+    st = _online_step(_online_init(b, l, kv, r, hd), q, cache.k.astype(dtype), cache.v.astype(dtype),
+                      jnp.broadcast_to(before[:, None], (b, l, S)), dtype)
+    causal = jnp.arange(l)[:, None] >= jnp.arange(l)[None]  # [l, l]
+    st = _online_step(st, q, new.k.astype(dtype), new.v.astype(dtype), causal[None] & valid[:, None], dtype)
+    return _online_out(st, dtype).reshape(b, l, -1)
+
+
 IMPLEMENTATIONS = ("blocked", "ring", "full")  # "ring" differs from "blocked" only on a context mesh
 # the balanced forms over a split sequence (whose shards halve): K/V all-gathered (chosen by measurement, see
 # bench/context.py) or passed around the ring
@@ -279,14 +304,17 @@ MAX_BLOCKS = 16  # longer sequences get larger blocks, so the unrolled blocks (a
 
 
 def attention(p: dict, u: jax.Array, cfg, dtype, *, segment_ids=None, cache: KVCache | None = None,
-              valid_cache=None, pos=None, impl: str = "blocked", block: int = BLOCK, mesh=None):
-    """u [b, l, D] -> (out [b, l, D], new KVCache or None).
+              valid_cache=None, valid=None, pos=None, impl: str = "blocked", block: int = BLOCK, mesh=None):
+    """u [b, l, D] -> (out [b, l, D], the chunk's KV entries or None).
 
     Training (no cache): `impl` "blocked" (or "ring") runs query blocks of `block` rows over their key prefixes; "full"
-    is the plain [l, l] masked reference. With `cache`: "blocked" attends `block` queries at a time over the
-    cache (`_attend_cached_blocked`), "full" the whole chunk at once (reference). The chunk's keys/values are written at
-    [pos, pos+l); `valid_cache` [b, S] is the validity of every cache slot *after* the write (the caller owns
-    it, shared by all layers). Training on a `mesh` with a `context` axis: the sequence split over it,
+    is the plain [l, l] masked reference. With `cache` (row i's chunk at positions pos[i] + [0, l), `valid` [b, l]
+    its real tokens, `valid_cache` [b, S] the validity of every slot *after* the chunk is written; the caller
+    owns both, shared by all layers): "blocked" attends a chunk of up to `block` tokens (decode) over the cache
+    as stored and the chunk's own keys (`_attend_cached_split`), a longer one `block` queries at a time over a
+    copy of the cache with the chunk written in (`_attend_cached_blocked`); "full" the whole chunk at once over
+    that copy (reference). Each returns the chunk's entries KVCache([b, l, nkv, hd]), which the caller writes
+    into its (donated) cache stack in place (`write_rows`). Training on a `mesh` with a `context` axis: the sequence split over it,
     "blocked" against all-gathered K/V (`_attend_context_balanced`), "ring" with K/V passed around the ring
     (`_attend_context_ring`), "full" the all-gathered plain form (`_attend_context`).
     """
@@ -305,12 +333,11 @@ def attention(p: dict, u: jax.Array, cfg, dtype, *, segment_ids=None, cache: KVC
         out = _attend_blocked(q, k, v, segment_ids, dtype, l if impl == "full" else block)
         new_cache = None
     else:
-        kc = jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), (0, pos, 0, 0))
-        vc = jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), (0, pos, 0, 0))
-        if impl != "full":
-            out = _attend_cached_blocked(q, kc.astype(dtype), vc.astype(dtype), valid_cache, pos, dtype, block)
+        new_cache = KVCache(k.astype(cache.k.dtype), v.astype(cache.v.dtype))
+        if impl != "full" and l <= block:
+            out = _attend_cached_split(q, cache, new_cache, valid_cache, valid, pos, dtype)
         else:
-            out = _attend(q, kc.astype(dtype), vc.astype(dtype), _cached_mask(valid_cache, pos, 0, l), dtype)
-        new_cache = KVCache(kc, vc)
+            kc, vc = (write_rows(c, x, pos).astype(dtype) for c, x in zip(cache, new_cache))
+            out = _attend_cached_blocked(q, kc, vc, valid_cache, pos, dtype, l if impl == "full" else block)
     return linear(out, p["o_proj"], dtype), new_cache
 

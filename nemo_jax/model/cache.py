@@ -1,7 +1,8 @@
 """Decode state for the hybrid model: KV cache for `*` layers, conv window + fp32 SSM state for `M` layers.
 
-Per-kind stacks follow the parameter stacks (`[n_attention, ...]`, `[n_mamba, ...]`). All rows share one
-write position `pos`; `valid` [b, S] marks which cache slots hold real tokens (left padding is invalid).
+Per-kind stacks follow the parameter stacks (`[n_attention, ...]`, `[n_mamba, ...]`). Each row has its own
+write position `pos[i]` (a chunk advances only the rows it gives tokens, by its width); `valid` [b, S] marks
+which cache slots hold real tokens (left padding is invalid; no slot at or past a row's position is valid).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from nemo_jax.model.attention import KVCache
+from nemo_jax.model.attention import KVCache, write_rows
 from nemo_jax.model.mamba2 import MambaState
 
 
@@ -19,11 +20,26 @@ class DecodeState(NamedTuple):
     mamba: MambaState | None  # conv [nM, b, K-1, C], ssm [nM, b, H, P, N] fp32
     kv: KVCache | None  # k, v [nA, b, S, nkv, hd]
     valid: jax.Array  # [b, S] bool
-    pos: jax.Array  # [] int32, next write position
+    pos: jax.Array  # [b] int32, each row's next write position
 
     @property
     def max_len(self) -> int:
         return self.valid.shape[1]
+
+    def written(self, stack: jax.Array, x: jax.Array, valid: jax.Array, axis: int = 0) -> jax.Array:
+        """`stack` (rows at `axis`, slots next) with a chunk x [.., b, l, ..] written at each row's position; rows
+        appending nothing (no `valid` [b, l] token) write nothing."""
+        return write_rows(stack, x, jnp.where(valid.any(1), self.pos, self.max_len), axis)
+
+    def advance(self, new: dict, valid: jax.Array, valid_cache: jax.Array) -> "DecodeState":
+        """The state after a chunk valid [b, l]: `new` {kind: per-layer stacks} from the layers (Mamba: the whole
+        new conv/SSM state; attention: the chunk's KV entries [nA, b, l, nkv, hd], written at each row's
+        position into the cache stack, in place when the state is donated), `valid_cache` [b, S] after it.
+        A row appending nothing keeps its position."""
+        kv = self.kv
+        if kv is not None:
+            kv = KVCache(*(self.written(c, x, valid, axis=1) for c, x in zip(kv, new["attention"])))
+        return DecodeState(new.get("mamba"), kv, valid_cache, self.pos + jnp.where(valid.any(1), valid.shape[1], 0))
 
     def layer_caches(self) -> dict:
         out = {}
@@ -41,7 +57,7 @@ STATE_AXES = {
     "ssm": ("layers", "batch", "ssm_heads", None, None),  # [nM, b, H, P, N]
     "kv": ("layers", "batch", None, "kv_heads", None),  # [nA, b, S, nkv, hd]
     "valid": ("batch", None),  # [b, S]
-    "pos": (),
+    "pos": ("batch",),  # [b]
 }
 
 
@@ -58,7 +74,7 @@ def state_shapes(cfg, batch: int, max_len: int, dtype=jnp.float32) -> DecodeStat
     if nA:
         shape = (nA, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
         kv = KVCache(sds(shape, dtype), sds(shape, dtype))
-    return DecodeState(mamba, kv, sds((batch, max_len), jnp.bool_), sds((), jnp.int32))
+    return DecodeState(mamba, kv, sds((batch, max_len), jnp.bool_), sds((batch,), jnp.int32))
 
 
 def state_shardings(cfg, batch: int, max_len: int, mesh, rules=None, dtype=jnp.float32) -> DecodeState:
@@ -72,7 +88,7 @@ def state_shardings(cfg, batch: int, max_len: int, mesh, rules=None, dtype=jnp.f
     mamba = None if sh.mamba is None else MambaState(f(sh.mamba[0], STATE_AXES["conv"]),
                                                      f(sh.mamba[1], STATE_AXES["ssm"]))
     kv = None if sh.kv is None else KVCache(f(sh.kv.k, STATE_AXES["kv"]), f(sh.kv.v, STATE_AXES["kv"]))
-    return DecodeState(mamba, kv, f(sh.valid, STATE_AXES["valid"]), f(sh.pos, ()))
+    return DecodeState(mamba, kv, f(sh.valid, STATE_AXES["valid"]), f(sh.pos, STATE_AXES["pos"]))
 
 
 def init_decode_state(cfg, batch: int, max_len: int, dtype=jnp.float32, mesh=None, rules=None) -> DecodeState:

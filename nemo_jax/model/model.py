@@ -110,7 +110,7 @@ def apply_layer(kind: str, p: dict, h: jax.Array, ctx: _Ctx, cache=None):
         new = st if cache is not None else None
     elif kind == "attention":
         y, new = attn_lib.attention(p["mixer"], u, cfg, dtype, segment_ids=ctx.segment_ids, cache=cache,
-                                    valid_cache=ctx.valid_cache, pos=ctx.pos, impl=ctx.opts.attention,
+                                    valid_cache=ctx.valid_cache, valid=ctx.valid, pos=ctx.pos, impl=ctx.opts.attention,
                                     mesh=ctx.opts.mesh)
     elif kind == "mlp":
         y = mlp(p["mixer"], u, dtype)
@@ -310,7 +310,13 @@ def _run_cond_scan(stacks: dict, h: jax.Array, us: list[dict], ctx: _Ctx, caches
                                                        np.array([i for i, u in enumerate(us) if k in u]))
                  for k in present}
     xs_caches = {k: caches[k] for k in present if every[k] and k in caches}
-    carry_caches = {k: caches[k] for k in present if not every[k] and k in caches}
+    read = {k: caches[k] for k in present if not every[k] and k in caches}  # indexed by layer, read only
+    # a kind missing from some units collects its layers' new caches (a Mamba state, a chunk's KV entries) in
+    # a stack carried through the scan, written at the layer's index
+    carry_caches = {k: jax.tree.map(lambda s: jnp.zeros((ctx.cfg.kind_counts()[k],) + s.shape, s.dtype),
+                                    jax.eval_shape(lambda p, c, k=k: apply_layer(k, p, h, ctx, c)[1],
+                                                   _index(stacks[k], 0), _index(read[k], 0)))
+                    for k in read}
 
     def body(carry, xs):
         h, cstacks = carry
@@ -324,7 +330,7 @@ def _run_cond_scan(stacks: dict, h: jax.Array, us: list[dict], ctx: _Ctx, caches
                     new_xs[k] = new
             else:
                 def yes(h, cs, k=k, i=idx_u[k]):
-                    c = _index(cs[k], i) if k in cs else None
+                    c = _index(read[k], i) if k in cs else None
                     h2, new, aux = apply_layer(k, p_xs[k], h, ctx, c)
                     if k in cs:
                         cs = dict(cs, **{k: _update(cs[k], new, i)})
@@ -482,9 +488,15 @@ def hidden_cached(params: dict, tokens: jax.Array, valid: jax.Array, state: Deco
     `images`: the chunk's images (a prefill holding all of a row's image placeholders)."""
     l = tokens.shape[1]
     valid = valid.astype(bool)
-    valid_cache = jax.lax.dynamic_update_slice(state.valid, valid, (0, state.pos))
+    valid_cache = state.written(state.valid, valid, valid)
     ctx = _Ctx(cfg, opts, valid=valid, valid_cache=valid_cache, pos=state.pos)
     h = _with_images(params, embed(params["embeddings"], tokens, opts.dtype), tokens, cfg, opts, images)
-    h, caches, _ = run_layers(params["layers"], h, cfg.layer_kinds, ctx, state.layer_caches())
+    h, new, _ = run_layers(params["layers"], h, cfg.layer_kinds, ctx, state.layer_caches())
     h = rms_norm(h, params["norm_f"]["scale"], cfg.layer_norm_epsilon)
-    return h, DecodeState(caches.get("mamba"), caches.get("attention"), valid_cache, state.pos + l)
+    if "attention" in new:  # written after every layer has read the cache: the entries are tied to the output
+        # by a zero per row (0 * its sum; NaN only in a row whose output is NaN already), so XLA orders the reads
+        # first and updates the donated cache in place instead of copying it around them (2 copies a step)
+        tie = 0.0 * jnp.sum(h.astype(jnp.float32), axis=(1, 2))  # [b]
+        new = dict(new, attention=jax.tree.map(lambda x: x + tie[None, :, None, None, None].astype(x.dtype),
+                                               new["attention"]))
+    return h, state.advance(new, valid, valid_cache)

@@ -140,7 +140,7 @@ class ThreadProducer:
         self.key, sub = jax.random.split(self.key)
         t0 = time.perf_counter()
         rows = self.r.sampler_rows or want * self.r.group_size
-        positions = self.r.sampler_positions or 4 * (self.r.seq_len + self.r.max_new_tokens)
+        positions = self.r.sampler_positions or 2 * (self.r.seq_len + self.r.max_new_tokens)
 
         def stream(prompts, sp, key, next_turn):  # continuous batching over `rows` decode rows
             return self.client.sample_stream(prompts, sp, key, adapters=adapters, batch=rows, max_len=positions,
