@@ -314,8 +314,8 @@ def attention(p: dict, u: jax.Array, cfg, dtype, *, segment_ids=None, cache: KVC
     as stored and the chunk's own keys (`_attend_cached_split`), a longer one `block` queries at a time over a
     copy of the cache with the chunk written in (`_attend_cached_blocked`); "full" the whole chunk at once over
     that copy (reference). Each returns the chunk's entries KVCache([b, l, nkv, hd]), which the caller writes
-    into its (donated) cache stack in place (`write_rows`). Training on a `mesh` with a `context` axis: the sequence split over it,
-    "blocked" against all-gathered K/V (`_attend_context_balanced`), "ring" with K/V passed around the ring
+    into its (donated) cache stack in place (`write_rows`). Training on a `mesh` with a `context` axis: the
+    sequence split over it, "blocked" against all-gathered K/V (`_attend_context_balanced`), "ring" with K/V passed around the ring
     (`_attend_context_ring`), "full" the all-gathered plain form (`_attend_context`).
     """
     b, l, _ = u.shape
