@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from nemo_jax import model as M
-from nemo_jax.generate import (SamplingParams, _append, _decode_and_sample, append, generate, load_for_generation,
-                               prefill)
+from nemo_jax.generate import (SamplingParams, _append, _decode_and_sample, append, continuous_generate, generate,
+                               load_for_generation, prefill)
 from nemo_jax.model.attention import BLOCK
 from nemo_jax.model.cache import init_decode_state, state_shapes
 from nemo_jax.model.spec import param_specs
@@ -171,6 +171,25 @@ def test_generation_parity_on_a_mesh(small, fsdp8):
     a8, s8 = append(sharded, g8.state, more, cfg)
     np.testing.assert_allclose(a1, a8, rtol=1e-4, atol=1e-4)
     assert s8.valid.sharding.spec[0] == "fsdp"
+
+
+def test_continuous_batching_on_a_mesh(small, fsdp8):
+    """Continuous batching on sharded params (the state's rows and positions over `fsdp`; refills and
+    continuations gathered, run and scattered back in place) gives the single-device turns."""
+    cfg, params = small
+    _, sharded = fsdp8
+    sp = SamplingParams(max_new_tokens=3, temperature=0.0)
+    prompts = PROMPTS + [[2, 3, 4], [6]]  # 10 sequences through 8 rows: two refills
+    more = lambda i, turns: [7, 7] if i % 3 == 0 and len(turns) == 1 else None  # noqa: E731
+    # max_len 16: a 2-token prompt's continuation fits its row, a 7-token one's is re-prefilled whole
+    run = lambda p: sorted((f.index, f.turns) for f in continuous_generate(  # noqa: E731
+        p, prompts, cfg, sp, batch=8, max_len=16, next_turn=more, bucket=4))
+    one, eight = run(params), run(sharded)
+    assert [(i, [(t, r) for t, _, r in x]) for i, x in one] == [(i, [(t, r) for t, _, r in x]) for i, x in eight]
+    assert [len(x) for _, x in one] == [2 if i % 3 == 0 else 1 for i in range(len(prompts))]
+    for (_, x1), (_, x8) in zip(one, eight):
+        for a, b in zip(x1, x8):
+            np.testing.assert_allclose(a[1], b[1], atol=1e-5)
 
 
 # --------------------------------------------------------------------------- loading
