@@ -1,3 +1,4 @@
+import gc
 import os
 
 from helpers import FAST_COMPILE  # noqa: E402
@@ -20,5 +21,16 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _drop_compiled_programs():
+    """Drop every compiled program after each test module: the suite compiles thousands of them, and kept for
+    the whole session they grew the process until the last modules' compiles aborted for memory on a 24 GiB
+    machine. A later module that needs one again loads it from the persistent cache above."""
+    yield
+    jax.clear_caches()
+    gc.collect()
