@@ -17,7 +17,7 @@ import orbax.checkpoint as ocp
 
 from nemo_jax.config.model import NemotronHConfig, write_config
 from nemo_jax.fsutil import atomic_dir, copy_tokenizer_files
-from nemo_jax.model.spec import ParamSpec, param_specs
+from nemo_jax.model.spec import PARAM_LAYOUT, ParamSpec, check_param_layout, param_specs
 
 
 def target_tree(cfg: NemotronHConfig, mesh=None, rules=None, dtype=None, like=None):
@@ -40,6 +40,7 @@ def target_tree(cfg: NemotronHConfig, mesh=None, rules=None, dtype=None, like=No
 def save_model(path: str, cfg: NemotronHConfig, params, *, tokenizer_dir: str | None = None):
     with atomic_dir(path) as tmp:
         write_config(cfg, tmp)
+        write_layout(tmp, PARAM_LAYOUT)
         ckptr = ocp.PyTreeCheckpointer()
         tree = _dicts(params)
         save_args = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES), tree)
@@ -57,6 +58,7 @@ def load_model(path: str, mesh=None, rules=None, dtype=None):
     if not is_native(path):
         raise FileNotFoundError(f"{path}: not a native nemo_jax model (needs config.json and params/)")
     cfg = NemotronHConfig.from_file(os.path.join(path, "config.json"))
+    check_param_layout(read_layout(path), path, cfg)
     ckptr = ocp.StandardCheckpointer()
     meta = ckptr.metadata(os.path.join(path, "params"))
     meta = getattr(meta, "item_metadata", meta)
@@ -92,11 +94,12 @@ def lazy_model(path: str):
     if not is_native(path):
         raise FileNotFoundError(f"{path}: not a native nemo_jax model (needs config.json and params/)")
     cfg = NemotronHConfig.from_file(os.path.join(path, "config.json"))
+    check_param_layout(read_layout(path), path, cfg)
     return cfg, NativeReader(os.path.join(path, "params"))
 
 
 # The streaming native format (orbax layout, written and read region by region) lives in `nemo_jax.tensorio`.
-from nemo_jax.tensorio import CHUNK_BYTES, NativeReader, NativeWriter  # noqa: E402,F401
+from nemo_jax.tensorio import CHUNK_BYTES, NativeReader, NativeWriter, read_layout, write_layout  # noqa: E402,F401
 
 
 def _dicts(tree):

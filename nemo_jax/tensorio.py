@@ -126,6 +126,26 @@ class NativeReader:
         return np.asarray(self._store(path)[region].read().result())
 
 
+LAYOUT_FILE = "nemo_jax.json"  # beside a native model's config.json: {"param_layout": N}
+
+
+def write_layout(model_dir: str, layout: int):
+    """Record the parameter layout (`nemo_jax.model.spec.PARAM_LAYOUT`) of a native model directory."""
+    _write_json(os.path.join(model_dir, LAYOUT_FILE), {"param_layout": layout})
+
+
+def read_layout(model_dir: str) -> int:
+    """The parameter layout a native model directory records (1: none recorded, written before the record)."""
+    fp = os.path.join(model_dir, LAYOUT_FILE)
+    if not os.path.exists(fp):
+        return 1
+    with open(fp) as f:
+        try:
+            return int(json.load(f)["param_layout"])
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{fp}: not a valid layout record ({e})") from None
+
+
 def _write_json(fp: str, obj):
     with open(fp, "w") as f:
         json.dump(obj, f)

@@ -308,6 +308,31 @@ def test_streaming_import_export_by_chunks(tmp_path, monkeypatch, chunk_bytes):
             assert back[k][1] == dt and back[k][0].tobytes() == a.tobytes(), (src, k)
 
 
+def test_native_models_record_their_parameter_layout(tmp_path):
+    """A native model records its parameter layout; one written before the record (Mamba in_proj and conv in
+    HF's part-major order) is refused, naming it, rather than loaded permuted; a model without Mamba layers
+    loads either way."""
+    import nemo_jax.checkpoint as C
+    from nemo_jax.model.spec import PARAM_LAYOUT
+    from nemo_jax.tensorio import LAYOUT_FILE, read_layout
+
+    from helpers import tiny_cfg
+
+    for i, (pattern, refused) in enumerate((("M*", True), ("*-", False))):
+        cfg = tiny_cfg(pattern)
+        d = str(tmp_path / f"m{i}")
+        C.save_model(d, cfg, M.init(cfg, jax.random.PRNGKey(0)))
+        assert read_layout(d) == PARAM_LAYOUT
+        C.load_model(d)
+        os.remove(os.path.join(d, LAYOUT_FILE))
+        if not refused:
+            C.load_model(d)
+            continue
+        for load in (C.load_model, C.lazy_model):
+            with pytest.raises(ValueError, match=f"{d}: written with parameter layout 1"):
+                load(d)
+
+
 def test_pipelined_keeps_order_and_hints_ahead(tmp_path):
     """`_pipelined` yields fn(job) in job order; each hint comes `depth` jobs before its job is submitted
     (the streaming merge uses it to ask for reads ahead); HFReader.prefetch accepts any row block."""

@@ -43,11 +43,13 @@ def hf_tensors(path):
 
 
 def leaves_by_hf(cfg, params):
-    from nemo_jax.hf.mapping import to_hf_layout
+    from nemo_jax.hf.mapping import hf_rows_from_ours
     from nemo_jax.model.spec import flatten_with_paths
 
     flat = flatten_with_paths(params)
-    return {e.hf_name: to_hf_layout(np.asarray(flat[e.path][e.index]), e.transform) for e in build_table(cfg)}
+    host = {k: np.asarray(v) for k, v in flat.items()}
+    return {e.hf_name: hf_rows_from_ours(e, lambda reg, x=host[e.path]: x[reg], host[e.path].shape[len(e.index):])
+            for e in build_table(cfg)}
 
 
 # --------------------------------------------------------------------------- ops vs numpy formulas

@@ -24,9 +24,9 @@ from safetensors import SafetensorError, safe_open
 
 from nemo_jax.config.model import NemotronHConfig, write_config
 from nemo_jax.fsutil import RecentCache, copy_tokenizer_files
-from nemo_jax.hf.mapping import (Entry, build_table, from_hf_layout, hf_constants, hf_ignored, leaf_specs, row_axis,
+from nemo_jax.hf.mapping import (Entry, build_table, hf_constants, hf_ignored, leaf_specs, ours_from_hf, row_axis,
                                   to_hf_layout)
-from nemo_jax.model.spec import unflatten_paths
+from nemo_jax.model.spec import PARAM_LAYOUT, unflatten_paths
 from nemo_jax.parallel import distributed
 
 ST_DTYPES = {
@@ -222,9 +222,9 @@ def import_pretrained(path: str, dst: str, dtype=None, *, ignore_unexpected: boo
                       config_overrides: dict | None = None, progress: bool = False) -> NemotronHConfig:
     """HF checkpoint directory -> native model directory (`nemo_jax.checkpoint` layout), streaming.
 
-    Each HF tensor is read in blocks of rows (contiguous on disk), turned into our layout and written as
-    whole storage chunks of its leaf, so memory holds a few chunks (`CHUNK_BYTES` each), never a tensor or a
-    stacked leaf. The output appears at `dst` only when complete.
+    Each storage chunk of a leaf is built from the HF rows it holds (one contiguous byte range per tensor,
+    or per piece of a grouped leaf), turned into our layout and written whole, so memory holds a few chunks
+    (`CHUNK_BYTES` each), never a tensor or a stacked leaf. The output appears at `dst` only when complete.
     """
     from nemo_jax import tensorio
 
@@ -250,12 +250,14 @@ def import_pretrained(path: str, dst: str, dtype=None, *, ignore_unexpected: boo
                 writer.declare(leaf, chunks)  # another process writes it; the metadata lists it
                 continue
             arr = writer.create(leaf, spec.shape, dt, chunks)
-            jobs += [(arr, region, e, block, dt) for e in entries for block, region in _row_blocks(e, inner, axis, rows)]
+            blocks = [(slice(None),) * axis + (slice(r0, min(inner[axis], r0 + rows)),) for r0 in
+                      range(0, inner[axis], rows)] if inner else [()]
+            jobs += [(arr, e, inner, block, dt) for e in entries for block in blocks]
 
-        def convert(job):
-            arr, region, e, block, dt = job
-            x = reader.read(e.hf_name, block)
-            return arr, region, from_hf_layout(x, e.transform).astype(dt, copy=False), x.nbytes
+        def convert(job):  # one storage chunk of ours from the HF rows it holds (a few pieces for a grouped leaf)
+            arr, e, inner, block, dt = job
+            y = ours_from_hf(e, lambda sl: reader.read(e.hf_name, sl), inner, block)
+            return arr, e.index + block, y.astype(dt, copy=False), y.nbytes
 
         for arr, region, y, nbytes in _pipelined(convert, jobs):
             writer.write(arr, region, y)
@@ -266,6 +268,7 @@ def import_pretrained(path: str, dst: str, dtype=None, *, ignore_unexpected: boo
         if not leader:
             return cfg
         write_config(cfg, tmp)
+        tensorio.write_layout(tmp, PARAM_LAYOUT)
         copy_tokenizer_files(path, tmp)
     return cfg
 
@@ -295,12 +298,14 @@ def _pipelined(fn, jobs, depth: int = 2, hint=None):
 
 
 def _row_blocks(e: Entry, inner: tuple, axis: int, rows: int):
-    """Blocks of `rows` HF rows of entry e: (slices of the HF tensor, the same values' region of our leaf,
-    whose `inner` dims are laid out with the HF row axis at `axis`)."""
-    n = inner[axis] if inner else 1
-    for r0 in range(0, n, rows):
-        block = (slice(r0, min(n, r0 + rows)),) if inner else ()
-        yield block, e.index + (slice(None),) * axis + block
+    """Blocks of up to `rows` HF rows of entry e, in HF order, each one contiguous piece of our leaf (whose
+    `inner` dims are laid out with the HF row axis at `axis`): (slices of the HF tensor, that region of ours)."""
+    if not inner:
+        yield (), e.index
+        return
+    for r0 in range(0, inner[axis], rows):
+        for hf, ours in e.pieces(r0, min(inner[axis], r0 + rows)):
+            yield (hf,), e.index + (slice(None),) * axis + (ours,)
 
 
 def _block_rows(inner: tuple, axis: int, itemsize: int, target: int) -> int:
@@ -331,7 +336,7 @@ def _read_region(reader: HFReader, shape, entries: list[Entry], dtype, region: t
     out = np.empty([len(range(*sl.indices(n))) for sl, n in zip(region, shape)], dtype)
     for pos in np.ndindex(*[len(r) for r in ranges]):
         e = where[tuple(r[i] for r, i in zip(ranges, pos))]
-        out[pos] = from_hf_layout(reader.read(e.hf_name, _hf_slices(inner, e.transform)), e.transform).astype(dtype)
+        out[pos] = ours_from_hf(e, lambda sl: reader.read(e.hf_name, sl), tuple(shape[lead:]), inner).astype(dtype)
     return out
 
 
@@ -354,14 +359,6 @@ def _build_leaf(reader: HFReader, shape, entries: list[Entry], dtype, sharding):
     sharded (reading per device re-read whole HF rows once per device)."""
     region = _local_region(shape, sharding)
     return _place(_read_region(reader, shape, entries, dtype, region), region, shape, sharding)
-
-
-def _hf_slices(inner: tuple, transform: str) -> tuple:
-    if transform == "T":
-        return tuple(reversed(inner))
-    if transform == "conv":
-        return (inner[1], slice(None), inner[0])
-    return inner
 
 
 def _sharding_fn(mesh, rules) -> Callable:
@@ -534,7 +531,7 @@ def _write_shard(fp: str, shard, src, bar):
         inner = tuple(src[e.path].shape)[lead:]
         axis = row_axis(e.transform, len(inner))
         n = inner[axis] if inner else 1
-        # HF rows r0:r1 are a region of our leaf; read along the storage chunks so each decodes once
+        # HF rows in blocks along our storage chunks (so each decodes about once), cut into pieces of our leaf
         c = src.chunks(e.path)[lead + axis] if inner else 1
         rows = n if c >= n else c * max(1, _block_rows(inner, axis, dt.itemsize, CHUNK_BYTES) // c)
         jobs += [(e, dt, block, region) for block, region in _row_blocks(e, inner, axis, rows)]

@@ -4,10 +4,15 @@ Each `Entry` says: HF tensor `hf_name` (HF shape `hf_shape`) is `ours[path][inde
 Loading reads the table forwards, saving backwards; nothing else knows HF names.
 
 Transforms:  "id" same layout; "T" Linear `[out, in]` <-> kernel `[in, out]`; "conv" `[C, 1, K]` <-> `[K, C]`.
+
+Row order: an entry's `runs` permute the HF tensor's rows (its first axis) into ours, piece by contiguous piece.
+The Mamba in_proj and conv are stored grouped (`mamba_group_runs`), so that a tensor-parallel shard of whole
+B/C groups holds every column its heads need; every other tensor keeps HF's order (no runs).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import jax
@@ -23,6 +28,30 @@ class Entry:
     index: tuple[int, ...]  # leading indices into our leaf (layer in stack, expert)
     transform: str  # "id" | "T" | "conv"
     hf_shape: tuple[int, ...]
+    runs: tuple[tuple[int, int, int], ...] = ()  # (HF row, our row, count) in HF order; () = the same order
+
+    def pieces(self, lo: int, hi: int, ours: bool = False) -> list[tuple[slice, slice]]:
+        """HF rows [lo, hi) (`ours`: our rows [lo, hi)) -> their contiguous pieces [(HF rows, our rows)], in the
+        order of the rows asked for."""
+        if not self.runs:
+            return [(slice(lo, hi), slice(lo, hi))]
+        out = []
+        for h, o, n in sorted(self.runs, key=lambda r: r[1] if ours else r[0]):
+            start = o if ours else h
+            a, b = max(lo, start), min(hi, start + n)
+            if a < b:
+                out.append((slice(h + a - start, h + b - start), slice(o + a - start, o + b - start)))
+        return out
+
+
+
+def our_rows(runs: tuple, n: int) -> np.ndarray:
+    """For each of n HF rows, its row in our layout under `runs` (`x_hf = x_ours[our_rows(runs, n)]` along
+    that axis; `x_ours = x_hf[np.argsort(...)]`)."""
+    out = np.arange(n)
+    for h, o, k in runs:
+        out[h:h + k] = np.arange(o, o + k)
+    return out
 
 
 def transpose2d(x: np.ndarray, block: int = 256) -> np.ndarray:
@@ -54,6 +83,67 @@ def from_hf_layout(x: np.ndarray, transform: str) -> np.ndarray:
     return x
 
 
+def mamba_group_runs(cfg, parts: tuple[str, ...]) -> tuple[tuple[int, int, int], ...]:
+    """Runs from HF's part-major Mamba layout (`z|x|B|C|dt` for in_proj, `x|B|C` for the conv) to our
+    group-major one: for each B/C group g its heads' z, x, then B_g, C_g and its heads' dt, so that a shard of
+    whole groups is a contiguous block (the mixer then splits with no communication)."""
+    G, N, H, P = cfg.n_groups, cfg.ssm_state_size, cfg.mamba_num_heads, cfg.mamba_head_dim
+    width = {"z": H * P // G, "x": H * P // G, "B": N, "C": N, "dt": H // G}  # per group
+    per_group = sum(width[p] for p in parts)
+    runs, hf = [], 0
+    for part in parts:
+        inside = sum(width[p] for p in parts[:parts.index(part)])
+        for g in range(G):
+            runs.append((hf, g * per_group + inside, width[part]))
+            hf += width[part]
+    return tuple(runs)
+
+
+MAMBA_IN_PROJ_PARTS = ("z", "x", "B", "C", "dt")
+MAMBA_CONV_PARTS = ("x", "B", "C")
+
+
+def _runs_for(sub: str, cfg) -> tuple:
+    if re.search(r"(^|/)mixer/in_proj/kernel$", sub) and cfg is not None:
+        return mamba_group_runs(cfg, MAMBA_IN_PROJ_PARTS)
+    if re.search(r"(^|/)mixer/conv1d/(kernel|bias)$", sub) and cfg is not None:
+        return mamba_group_runs(cfg, MAMBA_CONV_PARTS)
+    return ()
+
+
+def hf_rows_from_ours(e: Entry, read, inner: tuple, block: tuple = ()) -> np.ndarray:
+    """HF rows `block` (a slice of the HF tensor's first axis; () = all) of entry e in HF layout, from
+    `read(region)` reads of our leaf (whose inner dims are `inner`): one read per piece the rows cross."""
+    if not inner:
+        return to_hf_layout(read(e.index), e.transform)
+    axis = row_axis(e.transform, len(inner))
+    lo, hi, _ = (block[0] if block else slice(None)).indices(inner[axis])
+    parts = [to_hf_layout(read(e.index + (slice(None),) * axis + (ours,)), e.transform) for _, ours in e.pieces(lo, hi)]
+    return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+
+
+def ours_from_hf(e: Entry, read_hf, inner: tuple, region: tuple = ()) -> np.ndarray:
+    """Our-layout `region` (slices of our leaf's inner dims `inner`; () = all) of entry e, from
+    `read_hf(slices of the HF tensor)` reads: one read per piece the region crosses."""
+    if not inner:
+        return from_hf_layout(read_hf(()), e.transform)
+    region = tuple(region) + (slice(None),) * (len(inner) - len(tuple(region)))
+    region = tuple(slice(*sl.indices(n)[:2]) for sl, n in zip(region, inner))
+    axis = row_axis(e.transform, len(inner))
+    parts = [from_hf_layout(read_hf(hf_slices(region[:axis] + (hf,) + region[axis + 1:], e.transform)), e.transform)
+             for hf, _ in e.pieces(region[axis].start, region[axis].stop, ours=True)]
+    return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=axis)
+
+
+def hf_slices(inner: tuple, transform: str) -> tuple:
+    """Our inner-dims slices -> the same values' slices of the HF tensor (rows first)."""
+    if transform == "T":
+        return tuple(reversed(inner))
+    if transform == "conv":
+        return (inner[1], slice(None), inner[0])
+    return inner
+
+
 def row_axis(transform: str, inner_ndim: int) -> int:
     """The axis of our (inner) leaf layout that runs along the HF tensor's first axis, so that HF row blocks
     (contiguous on disk) are regions of ours: the last axis for transposed layouts, else the first."""
@@ -83,7 +173,7 @@ def _hf_shape(shape: tuple[int, ...], transform: str) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def _layer_entries(stacks: dict, kinds: tuple[str, ...], prefix: str, our_prefix: str, layer_offset: int = 0):
+def _layer_entries(stacks: dict, kinds: tuple[str, ...], prefix: str, our_prefix: str, cfg, layer_offset: int = 0):
     out = []
     seen: dict[str, int] = {}
     for li, kind in enumerate(kinds):
@@ -101,7 +191,7 @@ def _layer_entries(stacks: dict, kinds: tuple[str, ...], prefix: str, our_prefix
                     out.append(Entry(f"{base}mixer.experts.{j}.{proj}.weight", ours, (k, j), "T", _hf_shape(shape[1:], "T")))
                 continue
             suffix, tr = _hf_leaf_name(sub)
-            out.append(Entry(base + suffix, ours, (k,), tr, _hf_shape(shape, tr)))
+            out.append(Entry(base + suffix, ours, (k,), tr, _hf_shape(shape, tr), _runs_for(sub, cfg)))
     return out
 
 
@@ -112,7 +202,7 @@ def build_table(cfg) -> list[Entry]:
     V, D = cfg.vocab_size, cfg.hidden_size
     lm = "language_model." if cfg.vision is not None else ""
     table = [Entry(f"{lm}backbone.embeddings.weight", "embeddings/embedding", (), "id", (V, D))]
-    table += _layer_entries(specs["layers"], cfg.layer_kinds, f"{lm}backbone.layers", "layers")
+    table += _layer_entries(specs["layers"], cfg.layer_kinds, f"{lm}backbone.layers", "layers", cfg)
     table.append(Entry(f"{lm}backbone.norm_f.weight", "norm_f/scale", (), "id", (D,)))
     table.append(Entry(f"{lm}lm_head.weight", "lm_head/kernel", (), "T", (V, D)))
     n = len(cfg.mtp_layer_kinds)
@@ -122,7 +212,7 @@ def build_table(cfg) -> list[Entry]:
         table.append(Entry(first + "hnorm.weight", f"mtp/{d}/hnorm/scale", (), "id", (D,)))
         table.append(Entry(first + "eh_proj.weight", f"mtp/{d}/eh_proj/kernel", (), "T", (D, 2 * D)))
         table += _layer_entries(specs["mtp"][d]["layers"], cfg.mtp_layer_kinds, f"{lm}mtp.layers", f"mtp/{d}/layers",
-                                d * n)
+                                cfg, d * n)
         table.append(Entry(last + "final_layernorm.weight", f"mtp/{d}/final_layernorm/scale", (), "id", (D,)))
     if cfg.vision is not None:
         table += _vision_entries(specs)

@@ -19,7 +19,7 @@ import numpy as np
 from nemo_jax.config.model import NemotronHConfig
 from nemo_jax.fsutil import atomic_dir
 from nemo_jax.lora import LoraConfig, adapter_specs
-from nemo_jax.model.spec import ParamSpec, path_str
+from nemo_jax.model.spec import PARAM_LAYOUT, ParamSpec, check_param_layout, path_str
 
 META = "lora.json"
 TENSORS = "adapters.safetensors"
@@ -45,7 +45,8 @@ def save_adapter_checkpoint(path: str, cfg: NemotronHConfig, lora_cfg: LoraConfi
         save_file({k: np.ascontiguousarray(v) for k, v in flat.items()}, os.path.join(tmp, TENSORS),
                   metadata={"format": "nemo_jax-lora"})
         with open(os.path.join(tmp, META), "w") as f:
-            json.dump({"model_config": cfg.to_hf_dict(), "lora": dataclasses.asdict(lora_cfg)}, f, indent=1)
+            json.dump({"model_config": cfg.to_hf_dict(), "lora": dataclasses.asdict(lora_cfg),
+                       "param_layout": PARAM_LAYOUT}, f, indent=1)
 
 
 def is_adapter_checkpoint(path: str) -> bool:
@@ -68,6 +69,7 @@ def load_adapter_checkpoint(path: str):
     with open(os.path.join(src, META)) as f:
         meta = json.load(f)
     cfg = NemotronHConfig.from_hf_dict(meta["model_config"])
+    check_param_layout(meta.get("param_layout", 1), os.path.join(src, META), cfg)
     lc = dict(meta["lora"])
     lc["targets"] = tuple(lc["targets"])
     lora_cfg = LoraConfig(**lc)

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from nemo_jax.fsutil import atomic_dir
+from nemo_jax.hf.mapping import our_rows
 from nemo_jax.model.spec import unflatten_paths
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -73,6 +74,7 @@ class Site:
     d_out: int
     param: str | None = None
     n_experts: int = 0
+    runs: tuple = ()  # our output rows in HF order (`nemo_jax.hf.mapping.Entry.runs`): the grouped Mamba in_proj
 
     @property
     def key(self) -> str:
@@ -96,7 +98,7 @@ def sites(cfg) -> dict[str, list[Site]]:
         if e.path.endswith("/kernel"):
             out_dim, in_dim = e.hf_shape
             out[e.path[: -len("/kernel")]].append(Site(e.path[: -len("/kernel")], e.index, e.hf_name[: -len(".weight")],
-                                                         in_dim, out_dim))
+                                                         in_dim, out_dim, runs=e.runs))
         elif re.search(r"/experts/(up|down)_proj$", e.path):
             m = re.match(r"^(.*\.mixer\.experts)\.(\d+)\.(up_proj|down_proj)\.weight$", e.hf_name)
             if m is None:
@@ -247,7 +249,7 @@ def save_peft(cfg, adapters, path, *, format: str = "peft", base_model_name_or_p
             short = re.sub(r"^(backbone|mtp)\.layers\.\d+\.", "", site.module)
             if site.param is None:
                 tensors[f"{PREFIX}{site.module}.lora_A.weight"] = np.ascontiguousarray(ai.T)
-                tensors[f"{PREFIX}{site.module}.lora_B.weight"] = np.ascontiguousarray(bi.T)
+                tensors[f"{PREFIX}{site.module}.lora_B.weight"] = np.ascontiguousarray(bi.T[our_rows(site.runs, site.d_out)])
                 scales[(site, None)] = (r, si)
                 target_modules.add(short if format == "peft" else short.rsplit(".", 1)[-1])
             elif format == "peft":
@@ -429,7 +431,7 @@ def load_peft(path, cfg, *, dtype=None) -> dict:
         if fused:
             per_site[site] = (A.reshape(E, r, site.d_in).transpose(0, 2, 1), B.reshape(site.d_out, r, E).transpose(2, 1, 0), s)
         elif j is None:
-            per_site[site] = (A.T, B.T, s)
+            per_site[site] = (A.T, B.T[:, np.argsort(our_rows(site.runs, site.d_out))], s)
         else:
             per_expert[site][j] = (A.T, B.T, s)
     for site, by_j in per_expert.items():

@@ -19,8 +19,8 @@ import numpy as np
 
 from nemo_jax.checkpoint import is_native, lazy_model
 from nemo_jax.config.model import NemotronHConfig
-from nemo_jax.hf.io import ST_DTYPES, ArraySource, CheckpointError, HFReader, _hf_slices, check_against_config, save_pretrained
-from nemo_jax.hf.mapping import Entry, build_table, from_hf_layout, leaf_specs, row_axis, to_hf_layout
+from nemo_jax.hf.io import ST_DTYPES, ArraySource, CheckpointError, HFReader, check_against_config, save_pretrained
+from nemo_jax.hf.mapping import Entry, build_table, hf_rows_from_ours, leaf_specs, ours_from_hf
 from nemo_jax.merge import ops
 from nemo_jax.merge.recipe import WHOLE_TENSOR, Recipe, RecipeError, Rule
 
@@ -29,13 +29,6 @@ SLICE = 1 << 18  # elements per cache-sized slice of an elementwise rule
 
 
 # --------------------------------------------------------------------------- inputs
-def _region(e: Entry, ndim: int, block: tuple) -> tuple:
-    """Our-layout region of HF rows `block` of entry e (leaf of `ndim` dims)."""
-    inner = ndim - len(e.index)
-    axis = row_axis(e.transform, inner)
-    return e.index + (slice(None),) * axis + tuple(block)
-
-
 def _full_inner(region: tuple, ndim: int) -> tuple:
     return tuple(region) + (slice(None),) * (ndim - len(tuple(region)))
 
@@ -62,8 +55,8 @@ class Model:
     def read_hf(self, e: Entry, block: tuple) -> np.ndarray:
         if self.hf is not None:
             return self.hf.read(e.hf_name, tuple(block))
-        ndim = len(self.specs[e.path].shape)
-        return to_hf_layout(self.leaves.read(e.path, _region(e, ndim, block)), e.transform)
+        inner = tuple(self.specs[e.path].shape)[len(e.index):]
+        return hf_rows_from_ours(e, lambda reg: self.leaves.read(e.path, reg), inner, block)
 
     # region source over our leaves
     def paths(self):
@@ -84,8 +77,8 @@ class Model:
         region = _full_inner(region, ndim)
         lead = self._lead[path]
         e = self._by_index[(path, tuple(int(i) for i in region[:lead]))]
-        x = self.hf.read(e.hf_name, _hf_slices(region[lead:], e.transform))
-        return from_hf_layout(x, e.transform)
+        return ours_from_hf(e, lambda sl: self.hf.read(e.hf_name, sl), tuple(self.specs[path].shape)[lead:],
+                            region[lead:])
 
 
 def open_model(name: str, path: str, cfg: NemotronHConfig | None = None) -> Model:
@@ -210,8 +203,9 @@ class MergeSource:
         region = _full_inner(region, ndim)
         lead = self._lead[path]
         e = self._by_index[(path, tuple(int(i) for i in region[:lead]))]
-        rows = region[lead + row_axis(e.transform, ndim - lead)] if ndim > lead else None
-        return from_hf_layout(self.read_hf(e, (rows,) if rows is not None else ()), e.transform)
+        return ours_from_hf(e, lambda sl: self.read_hf(e, sl[:1])[(slice(None),) + tuple(sl[1:])],
+                            tuple(self.specs[path].shape)[lead:],
+                            region[lead:])
 
     def prefetch_hf(self, e: Entry, block: tuple):
         """Read-ahead hints for the input rows `read_hf(e, block)` will read."""
@@ -274,9 +268,9 @@ class MergeSource:
         if k == "slerp":
             return ops.slerp(get(rule.a), get(rule.b), rule.t)
         if k == "add_adapters":
-            ndim = len(self.specs[e.path].shape)
-            x = self.adapted[rule.index].read(e.path, _region(e, ndim, block))
-            return ops.f32(to_hf_layout(ops.f32(x), e.transform))
+            inner = tuple(self.specs[e.path].shape)[len(e.index):]
+            return ops.f32(hf_rows_from_ours(e, lambda reg: ops.f32(self.adapted[rule.index].read(e.path, reg)), inner,
+                                             block))
         raise RecipeError(f"{rule.where}: unknown rule kind {k!r}")
 
 
@@ -312,8 +306,8 @@ def merge_params(cfg, params: dict, rules, base: str = "base", adapters: dict | 
     for path, spec in src.specs.items():
         out[path] = np.empty(tuple(spec.shape), base_src[path].dtype)
     for e in src.table:
-        block = (slice(0, e.hf_shape[0]),) if e.hf_shape else ()
-        out[e.path][e.index] = from_hf_layout(src.read_hf(e, block), e.transform)
+        x = src.read_hf(e, (slice(0, e.hf_shape[0]),) if e.hf_shape else ())
+        out[e.path][e.index] = ours_from_hf(e, lambda sl: x[sl], tuple(out[e.path].shape)[len(e.index):])
     for path, x in out.items():
         like = base_src[path]
         if isinstance(like, jax.Array):

@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from nemo_jax.model.layers import gated_rms_norm, linear
 from nemo_jax.parallel.mesh import context_shards
@@ -258,13 +259,24 @@ SCANS = {"chunked": ssd_chunked, "sequential": lambda x, dt, A, B, C, chunk_size
 
 
 # --------------------------------------------------------------------------- mixer
+def split_groups(t: jax.Array, cfg, parts: tuple[str, ...]) -> tuple[jax.Array, ...]:
+    """Split a group-major `[b, l, G * sum(widths)]` activation (our in_proj / conv layout: for each B/C group,
+    its heads' z and x, B_g, C_g, its heads' dt; `nemo_jax.hf.mapping.mamba_group_runs`) into its parts, each
+    `[b, l, G, width]`: z/x `[.., G, Hg*P]`, B/C `[.., G, N]`, dt `[.., G, Hg]` (xBC: the conv's input x|B|C). A shard of whole groups
+    (tensor parallelism with `tensor` dividing `n_groups`) splits locally."""
+    G, N, Hg, P = cfg.n_groups, cfg.ssm_state_size, cfg.mamba_num_heads // cfg.n_groups, cfg.mamba_head_dim
+    width = {"z": Hg * P, "x": Hg * P, "B": N, "C": N, "dt": Hg, "xBC": Hg * P + 2 * N}
+    cuts = np.cumsum([width[p] for p in parts])[:-1].tolist()
+    return tuple(jnp.split(t.reshape(*t.shape[:-1], G, -1), cuts, axis=-1))
+
+
 def _scan(xbc_c, dt, A, D, cfg, segment_ids, scan: str, init=None, axis: str | None = None):
-    """Conv output (after silu) [b, l, conv_dim] -> (y [b, l, h, p] fp32 with the D skip, final state); over a
+    """Conv output (after silu) [b, l, conv_dim] (group-major x|B|C) -> (y [b, l, h, p] fp32 with the D skip, final state); over a
     sequence split along `axis` (inside shard_map) with `ssd_context`."""
     b, l, _ = xbc_c.shape
-    H, P, G, N, Di = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.n_groups, cfg.ssm_state_size, cfg.d_inner
-    x, Bm, Cm = jnp.split(xbc_c, [Di, Di + G * N], axis=-1)
-    xh, Bm, Cm = x.reshape(b, l, H, P), Bm.reshape(b, l, G, N), Cm.reshape(b, l, G, N)
+    H, P = cfg.mamba_num_heads, cfg.mamba_head_dim
+    x, Bm, Cm = split_groups(xbc_c, cfg, ("x", "B", "C"))
+    xh = x.reshape(b, l, H, P)
     if axis is None and l == 1 and segment_ids is None and scan == "chunked":  # decode: one token
         y, final = ssd_step(xh, dt, A, Bm, Cm, initial_state=init)
     elif axis is None:
@@ -318,8 +330,8 @@ def mamba_mixer(p: dict, u: jax.Array, cfg, dtype, *, segment_ids=None, state: M
     """
     b, l, _ = u.shape
     G, Di = cfg.n_groups, cfg.d_inner
-    zxbcdt = linear(u, p["in_proj"], dtype)
-    z, xbc, dt_raw = jnp.split(zxbcdt, [Di, Di + cfg.conv_dim], axis=-1)
+    zxbcdt = linear(u, p["in_proj"], dtype)  # group-major: per group z_g | x_g B_g C_g | dt_g
+    z, xbc, dt_raw = (t.reshape(b, l, -1) for t in split_groups(zxbcdt, cfg, ("z", "xBC", "dt")))
     bias = p["conv1d"].get("bias")
     dt = jax.nn.softplus(dt_raw.astype(jnp.float32) + p["dt_bias"].astype(jnp.float32))
     lo, hi = cfg.time_step_limit

@@ -8,7 +8,8 @@ layer order, so `layers/moe/mixer/experts/up_proj/kernel` is `[n_moe, E, in, I]`
 
     embeddings/embedding              [V, D]
     layers/{kind}/norm/scale          [n_kind, D]
-    layers/mamba/mixer/...            in_proj [D, 2*Di + 2*G*N + H], conv1d kernel [K, C] + bias [C],
+    layers/mamba/mixer/...            in_proj [D, 2*Di + 2*G*N + H] and conv1d kernel [K, C] + bias [C], their
+                                      columns / channels group-major (`PARAM_LAYOUT` below; HF's are part-major),
                                       A_log/D/dt_bias [H], norm/scale [Di], out_proj [Di, D]
     layers/attention/mixer/...        q_proj [D, nh*hd], k_proj/v_proj [D, nkv*hd], o_proj [nh*hd, D]
     layers/mlp/mixer/...              up_proj [D, I], down_proj [I, D]
@@ -190,6 +191,25 @@ def mtp_specs(cfg: NemotronHConfig) -> dict:
         "layers": layer_stack_specs(cfg, cfg.mtp_layer_kinds),
         "final_layernorm": norm(D),
     }
+
+
+# The storage layout of the parameter tree, recorded in what nemo_jax writes (native models, adapter and run
+# checkpoints). 2: the Mamba in_proj columns and conv channels are group-major (for each B/C group: its heads'
+# z and x, B_g, C_g, its heads' dt; `nemo_jax.hf.mapping.mamba_group_runs`), so a tensor-parallel shard of
+# whole groups splits with no communication. 1 (files without the record): HF's part-major order.
+PARAM_LAYOUT = 2
+
+
+def check_param_layout(found: int, where: str, cfg: NemotronHConfig | None = None):
+    """Refuse parameters stored in another layout (`found`; 1 for files written before the record existed):
+    loading them would silently permute the Mamba projections. A config without Mamba layers is unaffected."""
+    kinds = () if cfg is None else cfg.layer_kinds + (cfg.mtp_layer_kinds if cfg.num_nextn_predict_layers else ())
+    if found == PARAM_LAYOUT or (cfg is not None and "mamba" not in kinds):
+        return
+    raise ValueError(f"{where}: written with parameter layout {found} (Mamba in_proj and conv in HF's part-major "
+                     f"order, nemo_jax before the group-major layout {PARAM_LAYOUT}); convert it with the nemo_jax "
+                     "that wrote it to HF format and import that, or re-create it (`nemo-jax import` of the HF "
+                     "checkpoint)")
 
 
 def _is_spec(x) -> bool:

@@ -13,6 +13,8 @@ import os
 import jax
 import orbax.checkpoint as ocp
 
+from nemo_jax.model.spec import PARAM_LAYOUT, check_param_layout
+
 log = logging.getLogger("nemo_jax.checkpoint")
 
 
@@ -24,6 +26,7 @@ class RunCheckpointer:
         self.mngr = ocp.CheckpointManager(self.directory, options=opts, item_names=("state", "data", "meta"))
 
     def save(self, step: int, state, data_state: dict, meta: dict, force: bool = False) -> bool:
+        meta = {**meta, "param_layout": PARAM_LAYOUT}
         return self.mngr.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state), meta=ocp.args.JsonSave(meta)),
             force=force)
@@ -46,6 +49,7 @@ class RunCheckpointer:
                             step, self.directory, type(e).__name__, str(e).splitlines()[0][:200])
                 print(f"warning: checkpoint step {step} is damaged ({type(e).__name__}); using the previous one")
                 continue
+            check_param_layout(out["meta"].get("param_layout", 1), f"{self.directory} (step {step})")
             return step, out["state"], out["data"], out["meta"]
         return None
 
