@@ -23,6 +23,7 @@ def _setup(pattern="MEM*E-", seed=0, **kw):
 def test_scan_matches_unrolled_reference(pattern, schedule, monkeypatch):
     """Both scan schedules (repeated periods unrolled in the body; one scan with lax.cond for kinds present in
     only some units) agree with the unrolled reference in values and gradients."""
+    monkeypatch.setattr(M.model, "INLINE_UNITS", 0)  # scan these small stacks too
     if schedule == "cond":
         monkeypatch.setattr(M.model, "MAX_BODY_UNITS", 0)
     if schedule == "runs":  # runs of identical units as inner scans
@@ -98,6 +99,7 @@ def test_cached_chunks_match_forward_on_a_repeating_pattern(schedule, pattern, m
     from nemo_jax.model.cache import init_decode_state
 
     cfg, params = _setup(pattern)
+    monkeypatch.setattr(M.model, "INLINE_UNITS", 0)
     assert M.model.segments(M.model.units(cfg.layer_kinds))[0][1] == 2  # one period, scanned twice
     if schedule == "cond":
         monkeypatch.setattr(M.model, "MAX_BODY_UNITS", 0)

@@ -9,8 +9,9 @@ that order ("MEMEM*E" -> ME, ME, M*E), and runs of identical units into periods 
 (`segments`: Super is ("ME"x3, "M*E") x3 + ("ME"x4, "M*E") x4 + ...). Each repeated period is one `lax.scan`
 with the period's runs in the body (a run of n > 1 identical units is an inner scan), so compile time is flat in
 depth and every layer runs unconditionally. Patterns without a short period fall back to one scan over all
-units where a kind present in only some units runs under `lax.cond` (`_run_cond_scan`). `scan=False` is the
-plain unrolled reference path.
+units where a kind present in only some units runs under `lax.cond` (`_run_cond_scan`). A stack of at most
+`INLINE_UNITS` units runs its layers one after another (compiling it is cheap, and a scan stacks every saved
+activation). `scan=False` is the plain unrolled reference path (no remat).
 """
 
 from __future__ import annotations
@@ -178,6 +179,10 @@ def _update(tree, new, i):
 
 # --------------------------------------------------------------------------- the layer stack
 MAX_BODY_UNITS = 8  # periodic schedules whose scan bodies would hold more runs fall back to the cond scan
+# A stack of at most this many units runs inline, its layers one after another (with the same remat): it
+# compiles quickly either way, and a scan stacks every saved activation per iteration and reads it back (on
+# CPU ~45 ms per layer of the bench model, 17% of its train step); deeper stacks scan to bound compile time.
+INLINE_UNITS = 8
 
 
 def run_layers(stacks: dict, h: jax.Array, kinds: tuple[str, ...], ctx: _Ctx, caches: dict | None = None):
@@ -189,6 +194,8 @@ def run_layers(stacks: dict, h: jax.Array, kinds: tuple[str, ...], ctx: _Ctx, ca
     if not ctx.opts.scan:
         return _run_unrolled(stacks, h, kinds, ctx, caches)
     us = units(kinds)
+    if len(us) <= INLINE_UNITS:
+        return _run_unrolled(stacks, h, kinds, ctx, caches, _layer_fn(ctx))
     segs = segments(us)
     if sum(len(period) for period, _ in segs) > MAX_BODY_UNITS:  # runs of scan body
         return _run_cond_scan(stacks, h, us, ctx, caches)
@@ -230,15 +237,23 @@ def _periodic(runs: list[tuple[dict, int]]) -> list[tuple[list[tuple[dict, int]]
     return out
 
 
+def _layer_fn(ctx: _Ctx):
+    """apply_layer under the remat policy: remat is per layer (a scan saves each layer's input, not its
+    internals)."""
+    policy = jax.checkpoint_policies.checkpoint_dots if ctx.opts.remat == "save_matmuls" else None
+
+    def layer(kind, p, h, c):
+        f = lambda p, h, c: apply_layer(kind, p, h, ctx, c)
+        return (f if ctx.opts.remat == "none" else jax.checkpoint(f, policy=policy))(p, h, c)
+
+    return layer
+
+
 def _run_periodic(stacks: dict, h: jax.Array, segs, ctx: _Ctx, caches: dict):
     """Each segment is one `lax.scan` over its repeats (inline when it repeats once); in the body each run of n
     identical units is an inner `lax.scan` (n > 1) or inline, so every layer runs unconditionally. Per kind, a
     segment owns a contiguous slice of the stack, viewed as [repeats, per-period count, ...]."""
-    policy = jax.checkpoint_policies.checkpoint_dots if ctx.opts.remat == "save_matmuls" else None
-
-    def layer(kind, p, h, c):  # remat is per layer: the scan saves each layer's input, not its internals
-        f = lambda p, h, c: apply_layer(kind, p, h, ctx, c)
-        return (f if ctx.opts.remat == "none" else jax.checkpoint(f, policy=policy))(p, h, c)
+    layer = _layer_fn(ctx)
     start = {k: 0 for k in stacks}
     new_caches: dict[str, list] = {k: [] for k in caches}
     auxs: dict[str, list] = {}
