@@ -121,3 +121,16 @@ def test_tensor_parallel_mamba_moves_only_the_output_all_reduce():
     moved = sum(cost.collective_bytes().values())
     needed = 2 * b * l * D * 4
     assert moved <= 1.5 * needed, (moved, needed, cost.collective_bytes())
+
+
+def test_tensor_parallel_mamba_train_step_moves_no_all_to_all():
+    """The whole gradient step of a Mamba model on fsdp=4 x tensor=2 (batch pinned at layer boundaries, the
+    mixer's group-major split inside): no all-to-all or collective-permute, only the FSDP gathers /
+    reduce-scatters and the tensor-parallel all-reduces."""
+    from nemo_jax.plan.hlo import analyse
+
+    cfg = tiny_cfg("MM", hidden_size=64, mamba_num_heads=8, mamba_head_dim=16, n_groups=4, ssm_state_size=16,
+                   chunk_size=16, vocab_size=256)
+    kinds = set(analyse(compiled_grad_hlo(cfg, make_mesh({"fsdp": 4, "tensor": 2}), 8, 64, pin=True), 8)
+                .collective_bytes())
+    assert "all-reduce" in kinds and not kinds & {"all-to-all", "collective-permute"}, kinds

@@ -44,7 +44,6 @@ class Entry:
         return out
 
 
-
 def our_rows(runs: tuple, n: int) -> np.ndarray:
     """For each of n HF rows, its row in our layout under `runs` (`x_hf = x_ours[our_rows(runs, n)]` along
     that axis; `x_ours = x_hf[np.argsort(...)]`)."""
@@ -104,9 +103,10 @@ MAMBA_CONV_PARTS = ("x", "B", "C")
 
 
 def _runs_for(sub: str, cfg) -> tuple:
-    if re.search(r"(^|/)mixer/in_proj/kernel$", sub) and cfg is not None:
+    """The row runs of a layer's leaf (sub-path inside the layer): the Mamba mixer's in_proj and conv."""
+    if re.search(r"(^|/)mixer/in_proj/kernel$", sub):
         return mamba_group_runs(cfg, MAMBA_IN_PROJ_PARTS)
-    if re.search(r"(^|/)mixer/conv1d/(kernel|bias)$", sub) and cfg is not None:
+    if re.search(r"(^|/)mixer/conv1d/(kernel|bias)$", sub):
         return mamba_group_runs(cfg, MAMBA_CONV_PARTS)
     return ()
 

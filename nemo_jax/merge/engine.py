@@ -204,8 +204,7 @@ class MergeSource:
         lead = self._lead[path]
         e = self._by_index[(path, tuple(int(i) for i in region[:lead]))]
         return ours_from_hf(e, lambda sl: self.read_hf(e, sl[:1])[(slice(None),) + tuple(sl[1:])],
-                            tuple(self.specs[path].shape)[lead:],
-                            region[lead:])
+                            tuple(self.specs[path].shape)[lead:], region[lead:])
 
     def prefetch_hf(self, e: Entry, block: tuple):
         """Read-ahead hints for the input rows `read_hf(e, block)` will read."""

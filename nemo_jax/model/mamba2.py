@@ -308,8 +308,8 @@ SCANS = {"chunked": ssd_chunked, "sequential": lambda x, dt, A, B, C, chunk_size
 def split_groups(t: jax.Array, cfg, parts: tuple[str, ...]) -> tuple[jax.Array, ...]:
     """Split a group-major `[b, l, G * sum(widths)]` activation (our in_proj / conv layout: for each B/C group,
     its heads' z and x, B_g, C_g, its heads' dt; `nemo_jax.hf.mapping.mamba_group_runs`) into its parts, each
-    `[b, l, G, width]`: z/x `[.., G, Hg*P]`, B/C `[.., G, N]`, dt `[.., G, Hg]` (xBC: the conv's input x|B|C). A shard of whole groups
-    (tensor parallelism with `tensor` dividing `n_groups`) splits locally."""
+    `[b, l, G, width]`: z/x `[.., G, Hg*P]`, B/C `[.., G, N]`, dt `[.., G, Hg]` (xBC: the conv's input x|B|C).
+    A shard of whole groups (tensor parallelism with `tensor` dividing `n_groups`) splits locally."""
     G, N, Hg, P = cfg.n_groups, cfg.ssm_state_size, cfg.mamba_num_heads // cfg.n_groups, cfg.mamba_head_dim
     width = {"z": Hg * P, "x": Hg * P, "B": N, "C": N, "dt": Hg, "xBC": Hg * P + 2 * N}
     cuts = np.cumsum([width[p] for p in parts])[:-1].tolist()
