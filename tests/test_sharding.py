@@ -88,17 +88,14 @@ def test_tensor_parallel_mamba_moves_only_the_output_all_reduce():
     backward move at most 1.5x the two needed all-reduces (the forward's out_proj sum, the backward's input
     gradient), and give the one-device values and gradients."""
     from nemo_jax.model.mamba2 import mamba_mixer
-    from nemo_jax.model.spec import mixer_specs
+    from nemo_jax.model.spec import init, mixer_specs
     from nemo_jax.plan.hlo import analyse
 
     cfg = tiny_cfg("M", hidden_size=64, mamba_num_heads=8, mamba_head_dim=16, n_groups=4, ssm_state_size=16,
                    chunk_size=16)
     mesh = make_mesh({"tensor": 2}, jax.devices()[:2])
     specs = mixer_specs(cfg, "mamba")
-    is_spec = lambda x: hasattr(x, "init")  # noqa: E731
-    leaves, tree = jax.tree.flatten(specs, is_leaf=is_spec)
-    keys = jax.random.split(jax.random.PRNGKey(0), len(leaves))
-    params = jax.tree.unflatten(tree, [s.init(k, s.shape, jnp.float32) for s, k in zip(leaves, keys)])
+    params = jax.tree.map(lambda a: a[0], init(cfg, jax.random.PRNGKey(0))["layers"]["mamba"]["mixer"])
     b, l, D = 4, 64, cfg.hidden_size
     u = jax.random.normal(jax.random.PRNGKey(1), (b, l, D), jnp.float32)
     w = jax.random.normal(jax.random.PRNGKey(2), (b, l, D), jnp.float32)

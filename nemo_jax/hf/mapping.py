@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
+from nemo_jax.model.mamba2 import group_widths
 from nemo_jax.model.spec import ParamSpec, param_specs, path_str
 
 
@@ -86,8 +87,7 @@ def mamba_group_runs(cfg, parts: tuple[str, ...]) -> tuple[tuple[int, int, int],
     """Runs from HF's part-major Mamba layout (`z|x|B|C|dt` for in_proj, `x|B|C` for the conv) to our
     group-major one: for each B/C group g its heads' z, x, then B_g, C_g and its heads' dt, so that a shard of
     whole groups is a contiguous block (the mixer then splits with no communication)."""
-    G, N, H, P = cfg.n_groups, cfg.ssm_state_size, cfg.mamba_num_heads, cfg.mamba_head_dim
-    width = {"z": H * P // G, "x": H * P // G, "B": N, "C": N, "dt": H // G}  # per group
+    G, width = cfg.n_groups, group_widths(cfg)
     per_group = sum(width[p] for p in parts)
     runs, hf = [], 0
     for part in parts:

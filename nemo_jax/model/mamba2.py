@@ -305,20 +305,26 @@ SCANS = {"chunked": ssd_chunked, "sequential": lambda x, dt, A, B, C, chunk_size
 
 
 # --------------------------------------------------------------------------- mixer
+def group_widths(cfg) -> dict[str, int]:
+    """Per-group widths of the group-major in_proj / conv parts: z/x a group's heads x head dim, B/C the state
+    size, dt one per head, xBC the conv's input x|B|C."""
+    N, Hg, P = cfg.ssm_state_size, cfg.mamba_num_heads // cfg.n_groups, cfg.mamba_head_dim
+    return {"z": Hg * P, "x": Hg * P, "B": N, "C": N, "dt": Hg, "xBC": Hg * P + 2 * N}
+
+
 def split_groups(t: jax.Array, cfg, parts: tuple[str, ...]) -> tuple[jax.Array, ...]:
     """Split a group-major `[b, l, G * sum(widths)]` activation (our in_proj / conv layout: for each B/C group,
     its heads' z and x, B_g, C_g, its heads' dt; `nemo_jax.hf.mapping.mamba_group_runs`) into its parts, each
     `[b, l, G, width]`: z/x `[.., G, Hg*P]`, B/C `[.., G, N]`, dt `[.., G, Hg]` (xBC: the conv's input x|B|C).
     A shard of whole groups (tensor parallelism with `tensor` dividing `n_groups`) splits locally."""
-    G, N, Hg, P = cfg.n_groups, cfg.ssm_state_size, cfg.mamba_num_heads // cfg.n_groups, cfg.mamba_head_dim
-    width = {"z": Hg * P, "x": Hg * P, "B": N, "C": N, "dt": Hg, "xBC": Hg * P + 2 * N}
+    width = group_widths(cfg)
     cuts = np.cumsum([width[p] for p in parts])[:-1].tolist()
-    return tuple(jnp.split(t.reshape(*t.shape[:-1], G, -1), cuts, axis=-1))
+    return tuple(jnp.split(t.reshape(*t.shape[:-1], cfg.n_groups, -1), cuts, axis=-1))
 
 
 def _scan(xbc_c, dt, A, D, cfg, segment_ids, scan: str, init=None, axis: str | None = None):
-    """Conv output (after silu) [b, l, conv_dim] (group-major x|B|C) -> (y [b, l, h, p] fp32 with the D skip, final state); over a
-    sequence split along `axis` (inside shard_map) with `ssd_context`."""
+    """Conv output (after silu) [b, l, conv_dim] (group-major x|B|C) -> (y [b, l, h, p] fp32 with the D skip,
+    final state); over a sequence split along `axis` (inside shard_map) with `ssd_context`."""
     b, l, _ = xbc_c.shape
     H, P = cfg.mamba_num_heads, cfg.mamba_head_dim
     x, Bm, Cm = split_groups(xbc_c, cfg, ("x", "B", "C"))
