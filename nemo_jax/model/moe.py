@@ -3,9 +3,10 @@ shared expert, optional latent projections.
 
 Dispatch paths (all give the same values when nothing is dropped):
 * "sorted" (default, dropless): token-slots sorted by expert into blocks of `bs` slots, each block owned by
-  one expert, then batched matmuls over blocks, in ceil(n_blocks / E) steps of <= E blocks (the per-block
-  weights live at a time never exceed one copy of the expert weights). Padding is at most E*(bs-1) slots,
-  and bs is chosen as n_slots / (2E), so compiled FLOPs stay <= 1.5x the useful expert FLOPs.
+  one expert. Padding is at most E*(bs-1) slots, and bs is chosen as n_slots / (2E), so compiled FLOPs stay
+  <= 1.5x the useful expert FLOPs. The blocks run in a loop that skips the padding blocks at run time
+  (`sorted_experts`, with a hand-written backward); with expert adapters, and as the loop-free reference,
+  in ceil(n_blocks / E) batched steps of <= E blocks (`_block_steps`).
 * "capacity": per-expert buffers of `ceil(cf * n_slots / E)` slots; overflow is dropped and counted.
 * "ragged": `jax.lax.ragged_dot` on the sorted slots (native grouped GEMM on TPU; XLA on CPU and on GPU
   without the cuDNN grouped-GEMM fusion lowers it to dense work over all experts).
@@ -73,7 +74,8 @@ def _slot_layout(flat_e, E: int, dispatch: str, capacity_factor: float, valid=No
     flat_e [n] expert of each slot (in [0, E)); valid [n] (optional) marks slots this buffer serves; max_slots
     (sorted dispatch) bounds the slots the buffer holds (else n, the worst case): the overflow is dropped.
     blocks_per_expert sets the sorted block size (`block_size`): finer blocks pad less and take more steps.
-    Returns dest [n] (slot index, out of range = dropped), keep [n], block_expert [nb], nb, bs.
+    Returns dest [n] (slot index, out of range = dropped), keep [n], (block_expert [nb], n_used), nb, bs:
+    the expert of each block and the number of blocks holding slots (the first ones; the rest are padding).
     """
     n = flat_e.shape[0]
     bucket = flat_e if valid is None else jnp.where(valid, flat_e, E)  # foreign slots sort last
@@ -87,7 +89,7 @@ def _slot_layout(flat_e, E: int, dispatch: str, capacity_factor: float, valid=No
     if dispatch == "capacity":
         bs = max(1, math.ceil(capacity_factor * n / E))
         keep = ok & (rank < bs)
-        return jnp.where(keep, flat_e * bs + rank, E * bs), keep, jnp.arange(E), E, bs
+        return jnp.where(keep, flat_e * bs + rank, E * bs), keep, (jnp.arange(E), E), E, bs
     cap = n if max_slots is None else max(1, min(n, max_slots))
     bs = block_size(cap, E, blocks_per_expert)
     nb = min(n, (cap + E * (bs - 1)) // bs)
@@ -96,7 +98,7 @@ def _slot_layout(flat_e, E: int, dispatch: str, capacity_factor: float, valid=No
     dest = (pend - padded)[jnp.minimum(flat_e, E - 1)] + rank
     keep = ok & (dest < nb * bs)
     block_expert = jnp.minimum(jnp.searchsorted(pend, jnp.arange(nb) * bs, side="right"), E - 1)
-    return jnp.where(keep, dest, nb * bs), keep, block_expert, nb, bs
+    return jnp.where(keep, dest, nb * bs), keep, (block_expert, jnp.minimum(pend[-1] // bs, nb)), nb, bs
 
 
 def _lora_einsum(eq: str, x, w, lora, dtype, take=None):
@@ -149,6 +151,69 @@ def _block_steps(xb, pe: dict, dtype, block_expert, unroll: bool = False):
     return ys.reshape(steps * G, *ys.shape[2:])[:nb]
 
 
+def _used_blocks(n_used, nb: int, body, init):
+    """fori_loop over the nb blocks (a static trip count, so HLO costs count every block: an upper bound),
+    running `body(i, acc)` on the first n_used and skipping the rest (padding blocks) at run time."""
+    return jax.lax.fori_loop(0, nb, lambda i, acc: jax.lax.cond(i < n_used, body, lambda i, acc: acc, i, acc), init)
+
+
+def _expert_loop(xb, up, down, owner, n_used, save: bool):
+    """The sorted dispatch's experts without padding work: block i of xb [nb, bs, D] (in the compute dtype)
+    through expert owner[i]'s up / down [E, D, I] / [E, I, D], the first n_used blocks only (the rest stay
+    zero). -> (yb [nb, bs, D] fp32, the up-projection outputs [nb, bs, I] if `save`)."""
+    nb, bs, _ = xb.shape
+    f32 = jnp.float32
+
+    def block(i, acc):
+        u = jnp.dot(xb[i], up[owner[i]], preferred_element_type=f32).astype(xb.dtype)  # [bs, I]
+        y = jnp.dot(relu2(u), down[owner[i]], preferred_element_type=f32)
+        return (acc[0].at[i].set(y),) + ((acc[1].at[i].set(u),) if save else ())
+
+    acc = (jnp.zeros((nb, bs, down.shape[-1]), f32),) + ((jnp.zeros((nb, bs, up.shape[-1]), xb.dtype),) if save else ())
+    out = _used_blocks(n_used, nb, block, acc)
+    return out[0], (out[1] if save else None)
+
+
+@jax.custom_vjp
+def sorted_experts(xb, up, down, owner, n_used):
+    """relu^2 experts over the sorted dispatch's blocks, only the used ones (`_expert_loop`): xb [nb, bs, D],
+    up [E, D, I], down [E, I, D] (all in the compute dtype), owner [nb] (each block's expert), n_used (the
+    blocks holding slots; the rest are padding) -> yb [nb, bs, D] fp32.
+
+    The fast path of `_block_steps` (which computes every block, padding included, and gathers each step's
+    weights): the backward saves xb and the up-projection outputs like `_block_steps` (BLOCK_UP) does, and
+    transposes the expert weights once, not per block."""
+    return _expert_loop(xb, up, down, owner, n_used, save=False)[0]
+
+
+def _sorted_experts_fwd(xb, up, down, owner, n_used):
+    yb, u = _expert_loop(xb, up, down, owner, n_used, save=True)
+    return yb, (xb, u, up, down, owner, n_used)
+
+
+def _sorted_experts_bwd(res, dyb):
+    xb, u_all, up, down, owner, n_used = res
+    f32, dt = jnp.float32, xb.dtype
+    up_t, down_t = jnp.swapaxes(up, 1, 2), jnp.swapaxes(down, 1, 2)  # [E, I, D], [E, D, I]
+
+    def block(i, acc):
+        dxb, g_up, g_down = acc
+        e = owner[i]
+        r = jax.nn.relu(u_all[i])
+        dy = dyb[i].astype(dt)
+        g_down = g_down.at[e].add(jnp.dot((r * r).T, dy, preferred_element_type=f32))  # [I, D]
+        du = (jnp.dot(dy, down_t[e], preferred_element_type=f32) * (2 * r).astype(f32)).astype(dt)  # [bs, I]
+        g_up = g_up.at[e].add(jnp.dot(xb[i].T, du, preferred_element_type=f32))  # [D, I]
+        return dxb.at[i].set(jnp.dot(du, up_t[e], preferred_element_type=f32).astype(dt)), g_up, g_down
+
+    acc = (jnp.zeros_like(xb), jnp.zeros(up.shape, f32), jnp.zeros(down.shape, f32))
+    dxb, g_up, g_down = _used_blocks(n_used, xb.shape[0], block, acc)
+    return dxb, g_up.astype(up.dtype), g_down.astype(down.dtype), None, None
+
+
+sorted_experts.defvjp(_sorted_experts_fwd, _sorted_experts_bwd)
+
+
 def _buffered_experts(pe, x, w, idx, E: int, dtype, dispatch: str, capacity_factor: float, valid=None,
                       max_slots: int | None = None, unroll: bool = False, blocks_per_expert: int = 2):
     """Sorted / capacity dispatch over E local experts (pe: up_proj/down_proj [E, ...] in `dtype`, optional
@@ -157,8 +222,8 @@ def _buffered_experts(pe, x, w, idx, E: int, dtype, dispatch: str, capacity_fact
     flat_e = idx.reshape(-1)
     fvalid = None if valid is None else valid.reshape(-1)
     tok = jnp.arange(T * k) // k
-    dest, keep, block_expert, nb, bs = _slot_layout(flat_e, E, dispatch, capacity_factor, fvalid, max_slots,
-                                                        blocks_per_expert)
+    dest, keep, owners, nb, bs = _slot_layout(flat_e, E, dispatch, capacity_factor, fvalid, max_slots,
+                                              blocks_per_expert)
     # each buffer slot reads its token (the inverse of dest): never materialises x for every slot of the
     # group, most of which (under expert parallelism) belong to other devices' experts ...
     src = jnp.full((nb * bs,), T, jnp.int32).at[dest].set(tok.astype(jnp.int32), mode="drop")
@@ -166,8 +231,10 @@ def _buffered_experts(pe, x, w, idx, E: int, dtype, dispatch: str, capacity_fact
     xb = buf.reshape(nb, bs, -1)
     if dispatch == "capacity":
         yb = _experts_mlp("gbd,gdi->gbi", "gbi,gid->gbd", xb, pe, dtype)
+    elif unroll or any(k.endswith("_lora") for k in pe):
+        yb = _block_steps(xb, pe, dtype, owners[0], unroll)
     else:
-        yb = _block_steps(xb, pe, dtype, block_expert, unroll)
+        yb = sorted_experts(xb, pe["up_proj"], pe["down_proj"], *owners)
     # and adds its weighted output back to that token: buffer-sized, never [T * k, Din]
     slot = jnp.full((nb * bs,), T * k, jnp.int32).at[dest].set(jnp.arange(T * k, dtype=jnp.int32), mode="drop")
     wb = jnp.take(jnp.pad(w.reshape(-1), (0, 1)), slot, mode="clip")  # 0 for empty slots
