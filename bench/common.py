@@ -8,10 +8,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from nemo_jax.hostmem import keep_freed_memory  # noqa: E402  (before jax is imported; see nemo_jax.hostmem)
+from nemo_jax.hostmem import keep_freed_memory, tune_xla_cpu  # noqa: E402  (before jax is imported; see nemo_jax.hostmem)
 
 # the same process-wide allocator settings as the `nemo-jax` command (they apply to torch's side too)
 HOST_MALLOC_KEEPS_FREED = keep_freed_memory()
+XLA_CPU_TUNED = tune_xla_cpu()  # as the `nemo-jax` command (XLA:CPU library fusions without reductions)
 
 
 def timeit(fn, *, warmup: int = 1, iters: int = 5) -> float:

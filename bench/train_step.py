@@ -3,10 +3,11 @@ same config, batch and sequence length, on a ~50M-parameter config with all four
 Prints tokens/s of each, the ratio, and our model FLOP/s as a share of this machine's fp32 matmul peak
 measured in the same run (a 2048^3 matmul).
 
-    python bench/train_step.py [--seq 1024 --batch 1 --warmup 3 --iters 5]
+    python bench/train_step.py [--seq 1024 --batch 1 --warmup 5 --iters 5]
 
-Both sides run in this one process with the allocator settings of `nemo_jax.hostmem` (as the `nemo-jax`
-command uses them); `NEMO_JAX_SYSTEM_MALLOC=1` measures without them. Each side is warmed up (the first
+Both sides run in this one process with the allocator and XLA:CPU settings of `nemo_jax.hostmem` (as the
+`nemo-jax` command uses them); `NEMO_JAX_SYSTEM_MALLOC=1` measures without the allocator settings,
+`XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=dot,reduce` (XLA's default) without the XLA ones. Each side is warmed up (the first
 steps grow the heap) and the median step is reported.
 """
 
@@ -56,7 +57,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--no-torch", action="store_true")
     a = ap.parse_args()
@@ -125,7 +126,8 @@ def main():
             ratio = "n/a (torch/transformers not installed)"
     print(f"train step, {count_params(cfg) / 1e6:.1f}M params, pattern {cfg.pattern}, batch {B} x seq {T}, fp32, "
           f"{jax.devices()[0].device_kind}; fp32 matmul peak (2048^3): {peak / 1e9:.1f} GFLOP/s; "
-          f"our compile: {compile_s:.1f} s; host malloc keeps freed memory: {common.HOST_MALLOC_KEEPS_FREED}")
+          f"our compile: {compile_s:.1f} s; host malloc keeps freed memory: {common.HOST_MALLOC_KEEPS_FREED}; "
+          f"XLA:CPU library fusions without reductions: {common.XLA_CPU_TUNED}")
     common.table(rows)
     print(f"ours / transformers tokens/s: {ratio}  (goal >= 1.5x and >= 75% of peak)")
 

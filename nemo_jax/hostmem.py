@@ -1,4 +1,4 @@
-"""Host allocator settings for runs on XLA:CPU.
+"""Host allocator and XLA:CPU settings for runs on the CPU.
 
 XLA:CPU takes every buffer of an execution (the temporaries of a train step are GBs) from the C allocator.
 glibc serves blocks over its mmap threshold (at most 32 MiB) with a fresh `mmap` and returns them with
@@ -12,12 +12,21 @@ It must run before jax starts its thread pools (threads that already own an aren
 `nemo-jax` command calls it for every subcommand, and `NEMO_JAX_SYSTEM_MALLOC=1` leaves the allocator alone. The same settings
 as environment variables, for other entry points:
 `MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=1099511627776 MALLOC_TOP_PAD_=67108864`.
+
+`tune_xla_cpu` hands XLA:CPU's library fusions (YNNPACK) matmuls and elementwise ops but not reductions: with
+its default set, a reduction fused with its elementwise producers runs 3-4x slower than XLA's own loop (the
+backward of an RMSNorm on [1024, 512]: 12.4 ms vs 3.5 ms; of the Mamba gated norm on [1024, 2048]: 51 vs
+22 ms) and the bench train step takes ~10% longer. Same results to rounding (exp, rsqrt, silu within ~1e-6
+relative). Like the allocator settings it must run before `import jax`, applies to CPU-only processes, and is
+left alone when XLA_FLAGS already sets the fusion type or the installed jaxlib does not know the flag (an
+unknown XLA flag aborts the process).
 """
 
 from __future__ import annotations
 
 import ctypes
 import importlib.util
+import mmap
 import os
 import sys
 
@@ -51,3 +60,31 @@ def keep_freed_memory() -> bool:
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     return all(mallopt(param, value) == 1 for param, value in _SETTINGS)
+
+
+YNN_FUSIONS = "xla_cpu_experimental_ynn_fusion_type"
+YNN_SETTING = f"--{YNN_FUSIONS}=dot,eltwise"
+
+
+def _jaxlib_knows(flag: str) -> bool:
+    """Whether the installed jaxlib's XLA parses `flag` (its name is in the library that defines the flags)."""
+    spec = importlib.util.find_spec("jaxlib")
+    for d in (spec.submodule_search_locations or []) if spec else []:
+        path = os.path.join(d, "libjax_common.so")
+        if os.path.exists(path):
+            with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                return m.find(flag.encode()) >= 0
+    return False
+
+
+def tune_xla_cpu() -> bool:
+    """Add YNN_SETTING to XLA_FLAGS (see above). Returns whether it is in effect: False (and nothing changed)
+    where jax will use an accelerator, where jax is already imported, where XLA_FLAGS sets the fusion type
+    itself, or where the installed jaxlib lacks the flag."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if YNN_SETTING in flags.split():
+        return True
+    if "jax" in sys.modules or not cpu_only() or YNN_FUSIONS in flags or not _jaxlib_knows(YNN_FUSIONS):
+        return False
+    os.environ["XLA_FLAGS"] = f"{flags} {YNN_SETTING}".strip()
+    return True

@@ -1,4 +1,4 @@
-"""The host allocator settings (`nemo_jax.hostmem`): freed large blocks stay mapped and are reused."""
+"""The host settings (`nemo_jax.hostmem`): freed large blocks stay mapped and are reused; the XLA:CPU flags."""
 
 import ctypes
 import os
@@ -63,3 +63,43 @@ def test_cpu_only_reads_jax_platforms(monkeypatch):
     assert hostmem.cpu_only()
     monkeypatch.setenv("JAX_PLATFORMS", "cuda,cpu")
     assert not hostmem.cpu_only()
+
+
+# Sets the XLA:CPU flags (or not), then prints whether they are in effect, XLA_FLAGS, and an RMSNorm's
+# forward + backward (the fusions the setting changes), one per line.
+_XLA_PROBE = """
+import os, sys
+from nemo_jax.hostmem import tune_xla_cpu
+tuned = tune_xla_cpu() if sys.argv[1] == "tune" else False
+import jax, jax.numpy as jnp
+from nemo_jax.model.layers import gated_rms_norm, rms_norm
+x = jax.random.normal(jax.random.key(0), (4, 64, 96))
+f = lambda x, s: jnp.sum(jnp.sin(rms_norm(x, s, 1e-5))) + jnp.sum(gated_rms_norm(x, x * 2, s, 2, 1e-5) ** 2)
+v, g = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(x, jnp.linspace(0.5, 1.5, 96))
+print(tuned, os.environ.get("XLA_FLAGS", ""), float(v), *(float(jnp.sum(jnp.abs(a))) for a in g), sep="\\n")
+"""
+
+
+def _xla_probe(mode: str, **env):
+    e = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    r = subprocess.run([sys.executable, "-c", _XLA_PROBE, mode], env={**e, "JAX_PLATFORMS": "cpu", **env},
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout.splitlines()
+    return out[0], out[1], [float(v) for v in out[2:]]
+
+
+def test_xla_cpu_setting_applies_and_keeps_values():
+    if not hostmem._jaxlib_knows(hostmem.YNN_FUSIONS):
+        pytest.skip("this jaxlib has no YNNPACK fusion flag")
+    tuned, flags, vals = _xla_probe("tune", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    assert tuned == "True" and flags.split() == ["--xla_force_host_platform_device_count=2", hostmem.YNN_SETTING]
+    untuned, flags, ref = _xla_probe("system")
+    assert untuned == "False" and hostmem.YNN_FUSIONS not in flags
+    for a, b in zip(vals, ref):
+        assert abs(a - b) <= 1e-5 * abs(b), (vals, ref)
+    # a fusion type chosen in XLA_FLAGS is the user's
+    own = f"--{hostmem.YNN_FUSIONS}=dot"
+    assert _xla_probe("tune", XLA_FLAGS=own)[:2] == ("False", own)
+    if hostmem.YNN_SETTING not in os.environ.get("XLA_FLAGS", "").split():
+        assert hostmem.tune_xla_cpu() is False  # too late: this process imported jax
