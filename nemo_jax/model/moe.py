@@ -151,10 +151,17 @@ def _block_steps(xb, pe: dict, dtype, block_expert, unroll: bool = False):
     return ys.reshape(steps * G, *ys.shape[2:])[:nb]
 
 
-def _used_blocks(n_used, nb: int, body, init):
-    """fori_loop over the nb blocks (a static trip count, so HLO costs count every block: an upper bound),
-    running `body(i, acc)` on the first n_used and skipping the rest (padding blocks) at run time."""
-    return jax.lax.fori_loop(0, nb, lambda i, acc: jax.lax.cond(i < n_used, body, lambda i, acc: acc, i, acc), init)
+def _used_blocks(n_used, nb: int, compute, update, init):
+    """fori_loop over the nb blocks (a static trip count, so HLO costs count every block: an upper bound):
+    block i's results `compute(i)` (small arrays) on the first n_used blocks, zeros on the rest (padding,
+    skipped at run time), folded into the loop state by `update(i, results, acc)` outside the `cond` (a
+    `cond` that returned the whole state would copy it on every block)."""
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(compute, 0))
+
+    def body(i, acc):
+        return update(i, jax.lax.cond(i < n_used, compute, lambda i: zeros, i), acc)
+
+    return jax.lax.fori_loop(0, nb, body, init)
 
 
 def _expert_loop(xb, up, down, owner, n_used, save: bool):
@@ -164,13 +171,15 @@ def _expert_loop(xb, up, down, owner, n_used, save: bool):
     nb, bs, _ = xb.shape
     f32 = jnp.float32
 
-    def block(i, acc):
+    def compute(i):
         u = jnp.dot(xb[i], up[owner[i]], preferred_element_type=f32).astype(xb.dtype)  # [bs, I]
-        y = jnp.dot(relu2(u), down[owner[i]], preferred_element_type=f32)
-        return (acc[0].at[i].set(y),) + ((acc[1].at[i].set(u),) if save else ())
+        return jnp.dot(relu2(u), down[owner[i]], preferred_element_type=f32), u
+
+    def update(i, y_u, acc):
+        return tuple(a.at[i].set(r) for a, r in zip(acc, y_u))
 
     acc = (jnp.zeros((nb, bs, down.shape[-1]), f32),) + ((jnp.zeros((nb, bs, up.shape[-1]), xb.dtype),) if save else ())
-    out = _used_blocks(n_used, nb, block, acc)
+    out = _used_blocks(n_used, nb, compute, update, acc)
     return out[0], (out[1] if save else None)
 
 
@@ -196,18 +205,21 @@ def _sorted_experts_bwd(res, dyb):
     f32, dt = jnp.float32, xb.dtype
     up_t, down_t = jnp.swapaxes(up, 1, 2), jnp.swapaxes(down, 1, 2)  # [E, I, D], [E, D, I]
 
-    def block(i, acc):
-        dxb, g_up, g_down = acc
+    def compute(i):
         e = owner[i]
         r = jax.nn.relu(u_all[i])
         dy = dyb[i].astype(dt)
-        g_down = g_down.at[e].add(jnp.dot((r * r).T, dy, preferred_element_type=f32))  # [I, D]
+        g_down = jnp.dot((r * r).T, dy, preferred_element_type=f32)  # [I, D]
         du = (jnp.dot(dy, down_t[e], preferred_element_type=f32) * (2 * r).astype(f32)).astype(dt)  # [bs, I]
-        g_up = g_up.at[e].add(jnp.dot(xb[i].T, du, preferred_element_type=f32))  # [D, I]
-        return dxb.at[i].set(jnp.dot(du, up_t[e], preferred_element_type=f32).astype(dt)), g_up, g_down
+        g_up = jnp.dot(xb[i].T, du, preferred_element_type=f32)  # [D, I]
+        return jnp.dot(du, up_t[e], preferred_element_type=f32).astype(dt), g_up, g_down
+
+    def update(i, grads, acc):
+        (dx, gu, gd), (dxb, g_up, g_down), e = grads, acc, owner[i]
+        return dxb.at[i].set(dx), g_up.at[e].add(gu), g_down.at[e].add(gd)
 
     acc = (jnp.zeros_like(xb), jnp.zeros(up.shape, f32), jnp.zeros(down.shape, f32))
-    dxb, g_up, g_down = _used_blocks(n_used, xb.shape[0], block, acc)
+    dxb, g_up, g_down = _used_blocks(n_used, xb.shape[0], compute, update, acc)
     return dxb, g_up.astype(up.dtype), g_down.astype(down.dtype), None, None
 
 
