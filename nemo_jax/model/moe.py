@@ -151,35 +151,52 @@ def _block_steps(xb, pe: dict, dtype, block_expert, unroll: bool = False):
     return ys.reshape(steps * G, *ys.shape[2:])[:nb]
 
 
-def _used_blocks(n_used, nb: int, compute, update, init):
-    """fori_loop over the nb blocks (a static trip count, so HLO costs count every block: an upper bound):
-    block i's results `compute(i)` (small arrays) on the first n_used blocks, zeros on the rest (padding,
-    skipped at run time), folded into the loop state by `update(i, results, acc)` outside the `cond` (a
-    `cond` that returned the whole state would copy it on every block)."""
+MAX_LOOP_STEPS = 32  # the block loop runs in at most this many steps of G blocks each (per-step overhead)
+
+
+def _steps(xb, owner):
+    """Blocks in loop steps: xb [nb, bs, D] -> [S, G, bs, D], owner [nb] -> [S, G] (padding blocks: zeros,
+    expert 0), S <= MAX_LOOP_STEPS steps of G blocks (one block per step when nb allows)."""
+    nb = xb.shape[0]
+    G = -(-nb // MAX_LOOP_STEPS)
+    S = -(-nb // G)
+    pad = S * G - nb
+    return (jnp.pad(xb, ((0, pad), (0, 0), (0, 0))).reshape(S, G, *xb.shape[1:]),
+            jnp.pad(owner, (0, pad)).reshape(S, G))
+
+
+def _used_steps(n_used, G: int, S: int, compute, update, init):
+    """fori_loop over the S steps of G blocks (a static trip count, so HLO costs count every block: an upper
+    bound): step s's results `compute(s)` (small arrays) where it holds one of the first n_used blocks, zeros
+    on the rest (padding, skipped at run time), folded into the loop state by `update(s, results, acc)`
+    outside the `cond` (a `cond` that returned the whole state would copy it on every step)."""
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(compute, 0))
 
-    def body(i, acc):
-        return update(i, jax.lax.cond(i < n_used, compute, lambda i: zeros, i), acc)
+    def body(s, acc):
+        return update(s, jax.lax.cond(s * G < n_used, compute, lambda s: zeros, s), acc)
 
-    return jax.lax.fori_loop(0, nb, body, init)
+    return jax.lax.fori_loop(0, S, body, init)
 
 
 def _expert_loop(xb, up, down, owner, n_used, save: bool):
     """The sorted dispatch's experts without padding work: block i of xb [nb, bs, D] (in the compute dtype)
-    through expert owner[i]'s up / down [E, D, I] / [E, I, D], the first n_used blocks only (the rest stay
-    zero). -> (yb [nb, bs, D] fp32, the up-projection outputs [nb, bs, I] if `save`)."""
+    through expert owner[i]'s up / down [E, D, I] / [E, I, D], in steps of G blocks (`_steps`), the steps
+    holding the first n_used blocks only (the rest stay zero).
+    -> (yb [nb, bs, D] fp32, the up-projection outputs [nb, bs, I] if `save`)."""
     nb, bs, _ = xb.shape
+    xs, owners = _steps(xb, owner)
+    S, G = owners.shape
     f32 = jnp.float32
 
-    def compute(i):
-        u = jnp.dot(xb[i], up[owner[i]], preferred_element_type=f32).astype(xb.dtype)  # [bs, I]
-        return jnp.dot(relu2(u), down[owner[i]], preferred_element_type=f32), u
+    def compute(s):
+        u = jnp.einsum("gbd,gdi->gbi", xs[s], up[owners[s]], preferred_element_type=f32).astype(xb.dtype)
+        return jnp.einsum("gbi,gid->gbd", relu2(u), down[owners[s]], preferred_element_type=f32), u
 
-    def update(i, y_u, acc):
-        return tuple(a.at[i].set(r) for a, r in zip(acc, y_u))
+    def update(s, y_u, acc):
+        return tuple(jax.lax.dynamic_update_index_in_dim(a, r, s, 0) for a, r in zip(acc, y_u))
 
-    acc = (jnp.zeros((nb, bs, down.shape[-1]), f32),) + ((jnp.zeros((nb, bs, up.shape[-1]), xb.dtype),) if save else ())
-    out = _used_blocks(n_used, nb, compute, update, acc)
+    acc = (jnp.zeros((S, G, bs, down.shape[-1]), f32),) + ((jnp.zeros((S, G, bs, up.shape[-1]), xb.dtype),) if save else ())
+    out = [a.reshape(S * G, *a.shape[2:])[:nb] for a in _used_steps(n_used, G, S, compute, update, acc)]
     return out[0], (out[1] if save else None)
 
 
@@ -189,9 +206,9 @@ def sorted_experts(xb, up, down, owner, n_used):
     up [E, D, I], down [E, I, D] (all in the compute dtype), owner [nb] (each block's expert), n_used (the
     blocks holding slots; the rest are padding) -> yb [nb, bs, D] fp32.
 
-    The fast path of `_block_steps` (which computes every block, padding included, and gathers each step's
-    weights): the backward saves xb and the up-projection outputs like `_block_steps` (BLOCK_UP) does, and
-    transposes the expert weights once, not per block."""
+    The fast path of `_block_steps` (which computes every block, padding included): the backward saves xb
+    and the up-projection outputs like `_block_steps` (BLOCK_UP) does, and transposes the expert weights
+    once, not per step."""
     return _expert_loop(xb, up, down, owner, n_used, save=False)[0]
 
 
@@ -202,25 +219,29 @@ def _sorted_experts_fwd(xb, up, down, owner, n_used):
 
 def _sorted_experts_bwd(res, dyb):
     xb, u_all, up, down, owner, n_used = res
+    nb = xb.shape[0]
     f32, dt = jnp.float32, xb.dtype
     up_t, down_t = jnp.swapaxes(up, 1, 2), jnp.swapaxes(down, 1, 2)  # [E, I, D], [E, D, I]
+    xs, owners = _steps(xb, owner)
+    us, dys = (_steps(a, owner)[0] for a in (u_all, dyb))
+    S, G = owners.shape
 
-    def compute(i):
-        e = owner[i]
-        r = jax.nn.relu(u_all[i])
-        dy = dyb[i].astype(dt)
-        g_down = jnp.dot((r * r).T, dy, preferred_element_type=f32)  # [I, D]
-        du = (jnp.dot(dy, down_t[e], preferred_element_type=f32) * (2 * r).astype(f32)).astype(dt)  # [bs, I]
-        g_up = jnp.dot(xb[i].T, du, preferred_element_type=f32)  # [D, I]
-        return jnp.dot(du, up_t[e], preferred_element_type=f32).astype(dt), g_up, g_down
+    def compute(s):
+        own = owners[s]
+        r = jax.nn.relu(us[s])
+        dy = dys[s].astype(dt)
+        g_down = jnp.einsum("gbi,gbd->gid", r * r, dy, preferred_element_type=f32)
+        du = (jnp.einsum("gbd,gdi->gbi", dy, down_t[own], preferred_element_type=f32) * (2 * r).astype(f32)).astype(dt)
+        g_up = jnp.einsum("gbd,gbi->gdi", xs[s], du, preferred_element_type=f32)
+        return jnp.einsum("gbi,gid->gbd", du, up_t[own], preferred_element_type=f32).astype(dt), g_up, g_down
 
-    def update(i, grads, acc):
-        (dx, gu, gd), (dxb, g_up, g_down), e = grads, acc, owner[i]
-        return dxb.at[i].set(dx), g_up.at[e].add(gu), g_down.at[e].add(gd)
+    def update(s, grads, acc):
+        (dx, gu, gd), (dxs, g_up, g_down), own = grads, acc, owners[s]
+        return jax.lax.dynamic_update_index_in_dim(dxs, dx, s, 0), g_up.at[own].add(gu), g_down.at[own].add(gd)
 
-    acc = (jnp.zeros_like(xb), jnp.zeros(up.shape, f32), jnp.zeros(down.shape, f32))
-    dxb, g_up, g_down = _used_blocks(n_used, xb.shape[0], compute, update, acc)
-    return dxb, g_up.astype(up.dtype), g_down.astype(down.dtype), None, None
+    acc = (jnp.zeros_like(xs), jnp.zeros(up.shape, f32), jnp.zeros(down.shape, f32))
+    dxs, g_up, g_down = _used_steps(n_used, G, S, compute, update, acc)
+    return dxs.reshape(S * G, *xb.shape[1:])[:nb], g_up.astype(up.dtype), g_down.astype(down.dtype), None, None
 
 
 sorted_experts.defvjp(_sorted_experts_fwd, _sorted_experts_bwd)
