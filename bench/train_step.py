@@ -36,6 +36,26 @@ def bench_config() -> NemotronHConfig:
                            moe_shared_expert_intermediate_size=1024, routed_scaling_factor=1.0)
 
 
+def build(cfg: NemotronHConfig, B: int, T: int):
+    """The jitted AdamW train step on random tokens -> (step(params, opt, batch) -> (params, opt, loss), params,
+    opt state, batch, the tokens [B, T+1] as numpy)."""
+    params = init(cfg, jax.random.key(0))
+    tx = optax.adamw(1e-4)
+    opt = tx.init(params)
+    toks = np.random.default_rng(0).integers(0, cfg.vocab_size, (B, T + 1)).astype(np.int32)
+    batch = {"tokens": jnp.asarray(toks[:, :-1]), "targets": jnp.asarray(toks[:, 1:]),
+             "loss_mask": jnp.ones((B, T), bool), "segment_ids": jnp.ones((B, T), jnp.int32)}
+    opts = Options()
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))  # as the SFT step donates its state
+    def step(p, o, b):
+        (loss, _), g = jax.value_and_grad(lambda p: token_loss(p, b, cfg, opts), has_aux=True)(p)
+        u, o = tx.update(g, o, p)
+        return optax.apply_updates(p, u), o, loss
+
+    return step, params, opt, batch, toks
+
+
 def timed(fn, warmup: int, iters: int) -> tuple[float, float]:
     """(median seconds per step, minor page faults per timed step) after `warmup` untimed steps."""
     for _ in range(warmup):
@@ -63,21 +83,7 @@ def main():
     a = ap.parse_args()
     cfg = bench_config()
     B, T = a.batch, a.seq
-    params = init(cfg, jax.random.key(0))
-    tx = optax.adamw(1e-4)
-    opt = tx.init(params)
-    rng = np.random.default_rng(0)
-    toks = rng.integers(0, cfg.vocab_size, (B, T + 1)).astype(np.int32)
-    batch = {"tokens": jnp.asarray(toks[:, :-1]), "targets": jnp.asarray(toks[:, 1:]),
-             "loss_mask": jnp.ones((B, T), bool), "segment_ids": jnp.ones((B, T), jnp.int32)}
-    opts = Options()
-
-    @functools.partial(jax.jit, donate_argnums=(0, 1))  # as the SFT step donates its state
-    def step(p, o, b):
-        (loss, _), g = jax.value_and_grad(lambda p: token_loss(p, b, cfg, opts), has_aux=True)(p)
-        u, o = tx.update(g, o, p)
-        return optax.apply_updates(p, u), o, loss
-
+    step, params, opt, batch, toks = build(cfg, B, T)
     t0 = time.perf_counter()
     params, opt, _ = step(params, opt, batch)
     jax.block_until_ready(params)
