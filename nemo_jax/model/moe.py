@@ -207,8 +207,9 @@ def sorted_experts(xb, up, down, owner, n_used):
     blocks holding slots; the rest are padding) -> yb [nb, bs, D] fp32.
 
     The fast path of `_block_steps` (which computes every block, padding included): the backward saves xb
-    and the up-projection outputs like `_block_steps` (BLOCK_UP) does, and transposes the expert weights
-    once, not per step."""
+    and the up-projection outputs like `_block_steps` (BLOCK_UP) does, reads each step's G experts' weights
+    (no transposed copy of all of them: that would double the expert weights' memory in the backward) and
+    accumulates the weight gradients in fp32."""
     return _expert_loop(xb, up, down, owner, n_used, save=False)[0]
 
 
@@ -221,7 +222,6 @@ def _sorted_experts_bwd(res, dyb):
     xb, u_all, up, down, owner, n_used = res
     nb = xb.shape[0]
     f32, dt = jnp.float32, xb.dtype
-    up_t, down_t = jnp.swapaxes(up, 1, 2), jnp.swapaxes(down, 1, 2)  # [E, I, D], [E, D, I]
     xs, owners = _steps(xb, owner)
     us, dys = (_steps(a, owner)[0] for a in (u_all, dyb))
     S, G = owners.shape
@@ -231,9 +231,9 @@ def _sorted_experts_bwd(res, dyb):
         r = jax.nn.relu(us[s])
         dy = dys[s].astype(dt)
         g_down = jnp.einsum("gbi,gbd->gid", r * r, dy, preferred_element_type=f32)
-        du = (jnp.einsum("gbd,gdi->gbi", dy, down_t[own], preferred_element_type=f32) * (2 * r).astype(f32)).astype(dt)
+        du = (jnp.einsum("gbd,gid->gbi", dy, down[own], preferred_element_type=f32) * (2 * r).astype(f32)).astype(dt)
         g_up = jnp.einsum("gbd,gbi->gdi", xs[s], du, preferred_element_type=f32)
-        return jnp.einsum("gbi,gid->gbd", du, up_t[own], preferred_element_type=f32).astype(dt), g_up, g_down
+        return jnp.einsum("gbi,gdi->gbd", du, up[own], preferred_element_type=f32).astype(dt), g_up, g_down
 
     def update(s, grads, acc):
         (dx, gu, gd), (dxs, g_up, g_down), own = grads, acc, owners[s]
