@@ -106,15 +106,15 @@ def test_compiled_flops_close_to_useful_flops():
     def f(pe, x):
         return moe_lib.experts_forward(pe, x, w, idx, cfg, jnp.float32, "sorted")[0]
 
-    cost = jax.jit(f).lower(p["experts"], x).compile().cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    from nemo_jax.plan.hlo import analyse  # loops by trip count (XLA's cost analysis counts a body once)
+
+    flops = analyse(jax.jit(f).lower(p["experts"], x).compile().as_text(), 1).flops
     useful = 2 * T * k * D * I * 2
-    # padded blocks <= 1.5x the useful matmuls, plus the buffer-sized weighting and scatter-add back to tokens
-    assert cost["flops"] <= 1.55 * useful, (cost["flops"], useful)
+    # padded blocks <= 1.5x the useful matmuls (the block loop's padding steps counted: a `cond` counts as its
+    # dearer branch), plus the buffer-sized weighting and scatter-add back to tokens
+    assert 1.0 * useful <= flops <= 1.55 * useful, (flops, useful)
     dense = jax.jit(lambda pe, x: moe_lib.experts_forward(pe, x, w, idx, cfg, jnp.float32, "dense")[0])
-    dcost = dense.lower(p["experts"], x).compile().cost_analysis()
-    dcost = dcost[0] if isinstance(dcost, (list, tuple)) else dcost
-    assert dcost["flops"] > 5 * useful  # the test can tell the difference
+    assert analyse(dense.lower(p["experts"], x).compile().as_text(), 1).flops > 5 * useful  # tells them apart
 
 
 @pytest.mark.parametrize("mesh_shape,dispatch,ep_mode", [
