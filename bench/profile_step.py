@@ -22,6 +22,8 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_
 
 import jax  # noqa: E402
 
+from nemo_jax.plan.hlo import parse_module  # noqa: E402
+
 from train_step import bench_config, build  # noqa: E402
 
 
@@ -44,14 +46,14 @@ def source_of_ops(hlo: str) -> dict[str, tuple[str, str]]:
             for k, v in tables.get("FileLocations", {}).items()}
     frames = {k: locs[field(v, "file_location_id")] for k, v in tables.get("StackFrames", {}).items()}
     ops = {}
-    for line in hlo.splitlines():
-        m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = .*?metadata=\{([^}]*)\}", line)
-        if re.match(r"\s*(?:ROOT )?%?[\w.\-]+ = ", line) and re.search(r" (while|conditional|call)\(", line):
-            ops[line.split("=")[0].split("%")[-1].strip()] = None  # a loop: its body's thunks count instead
-        elif m:
-            name = re.search(r'op_name="([^"]*)"', m.group(2))
-            frame = re.search(r"stack_frame_id=(\d+)", m.group(2))
-            ops[m.group(1)] = (name.group(1) if name else "", frames.get(int(frame.group(1)), "?") if frame else "?")
+    for ins in (i for instrs in parse_module(hlo)[0].values() for i in instrs):
+        meta = re.search(r"metadata=\{([^}]*)\}", ins.attrs)
+        if ins.opcode in ("while", "conditional", "call"):
+            ops[ins.name] = None  # control flow: the thunks it runs count instead
+        elif meta:
+            name = re.search(r'op_name="([^"]*)"', meta.group(1))
+            frame = re.search(r"stack_frame_id=(\d+)", meta.group(1))
+            ops[ins.name] = (name.group(1) if name else "", frames.get(int(frame.group(1)), "?") if frame else "?")
     return ops
 
 

@@ -6,9 +6,9 @@ measured in the same run (a 2048^3 matmul).
     python bench/train_step.py [--seq 1024 --batch 1 --warmup 5 --iters 5]
 
 Both sides run in this one process with the allocator and XLA:CPU settings of `nemo_jax.hostmem` (as the
-`nemo-jax` command uses them); `NEMO_JAX_SYSTEM_MALLOC=1` measures without the allocator settings,
-`XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=dot,reduce` (XLA's default) without the XLA ones. Each side is warmed up (the first
-steps grow the heap) and the median step is reported.
+`nemo-jax` command uses them); `NEMO_JAX_SYSTEM_MALLOC=1` measures without the allocator settings, and an
+`XLA_FLAGS` that sets `--xla_cpu_experimental_ynn_fusion_type` itself without ours (it is only added when the
+fusion type is unset). Each side is warmed up (the first steps grow the heap) and the median step is reported.
 """
 
 import argparse
