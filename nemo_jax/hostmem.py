@@ -13,13 +13,16 @@ It must run before jax starts its thread pools (threads that already own an aren
 as environment variables, for other entry points:
 `MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=1099511627776 MALLOC_TOP_PAD_=67108864`.
 
-`tune_xla_cpu` hands XLA:CPU's library fusions (YNNPACK) matmuls and elementwise ops but not reductions: with
-its default set, a reduction fused with its elementwise producers runs 3-4x slower than XLA's own loop (the
-backward of an RMSNorm on [1024, 512]: 12.4 ms vs 3.5 ms; of the Mamba gated norm on [1024, 2048]: 51 vs
-22 ms) and the bench train step takes ~10% longer. Same results to rounding (exp, rsqrt, silu within ~1e-6
-relative). Like the allocator settings it must run before `import jax`, applies to CPU-only processes, and is
-left alone when XLA_FLAGS already sets the fusion type or the installed jaxlib does not know the flag (an
-unknown XLA flag aborts the process).
+`tune_xla_cpu` hands XLA:CPU's library fusions (YNNPACK) the matmuls only, and leaves elementwise ops and
+reductions to XLA's own loop fusions. With YNNPACK's default set, a reduction fused with its elementwise
+producers runs 3-4x slower than XLA's loop (the backward of an RMSNorm on [1024, 512]: 12.4 ms vs 3.5 ms; of
+the Mamba gated norm on [1024, 2048]: 51 vs 22 ms), and a chain of elementwise ops about 2x slower (a*x + b*y
+over [4, 1024, 512]: 1.16 vs 0.63 ms; AdamW's update of the bench model: 138 vs 80 ms). The bench train step:
+median 2.78 s vs 3.04 s with matmuls and elementwise ops in YNNPACK (`dot,eltwise`, which was itself ~10%
+faster than the default set). Same results to rounding (exp, rsqrt, silu within ~1e-6 relative). Like the
+allocator settings it must run before `import jax`, applies to CPU-only processes, and is left alone when
+XLA_FLAGS already sets the fusion type or the installed jaxlib does not know the flag (an unknown XLA flag
+aborts the process).
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ def keep_freed_memory() -> bool:
 
 
 YNN_FUSIONS = "xla_cpu_experimental_ynn_fusion_type"
-YNN_SETTING = f"--{YNN_FUSIONS}=dot,eltwise"
+YNN_SETTING = f"--{YNN_FUSIONS}=dot"
 
 
 def _jaxlib_knows(flag: str) -> bool:

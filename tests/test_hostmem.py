@@ -99,7 +99,7 @@ def test_xla_cpu_setting_applies_and_keeps_values():
     for a, b in zip(vals, ref):
         assert abs(a - b) <= 1e-5 * abs(b), (vals, ref)
     # a fusion type chosen in XLA_FLAGS is the user's
-    own = f"--{hostmem.YNN_FUSIONS}=dot"
+    own = f"--{hostmem.YNN_FUSIONS}=dot,eltwise"
     assert _xla_probe("tune", XLA_FLAGS=own)[:2] == ("False", own)
     if hostmem.YNN_SETTING not in os.environ.get("XLA_FLAGS", "").split():
         assert hostmem.tune_xla_cpu() is False  # too late: this process imported jax

@@ -25,29 +25,37 @@ class KVCache(NamedTuple):
 
 def _attend(q, k, v, mask, dtype):
     """q [b, l, kv, r, hd], k/v [b, s, kv, hd], mask [b, l, s] -> [b, l, kv*r*hd]."""
+    b, l = q.shape[:2]
+    out = _attend_heads(q.transpose(0, 2, 3, 1, 4), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask, dtype)
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, l, -1)
+
+
+def _attend_heads(q, k, v, mask, dtype):
+    """Heads-major `_attend`: q [b, kv, r, l, hd], k/v [b, kv, s, hd], mask [b, l, s] -> [b, kv, r, l, hd] in
+    `dtype`. Both einsums are batched matmuls over (b, kv) with the r query heads of a KV head as rows."""
     hd = q.shape[-1]
-    logits = jnp.einsum("blkrh,bskh->bkrls", q, k, preferred_element_type=jnp.float32) * (hd ** -0.5)
+    logits = jnp.einsum("bkrlh,bksh->bkrls", q, k, preferred_element_type=jnp.float32) * (hd ** -0.5)
     logits = jnp.where(mask[:, None, None], logits, _NEG)
     probs = jax.nn.softmax(logits, axis=-1)
-    out = jnp.einsum("bkrls,bskh->blkrh", probs.astype(dtype), v, preferred_element_type=jnp.float32)
-    b, l = q.shape[:2]
-    return out.astype(dtype).reshape(b, l, -1)
+    return jnp.einsum("bkrls,bksh->bkrlh", probs.astype(dtype), v, preferred_element_type=jnp.float32).astype(dtype)
 
 
 def _attend_blocked(q, k, v, segment_ids, dtype, block: int):
     """Causal `_attend` in query blocks: block [s, e) reads only keys [0, e), so the upper triangle is never
-    computed (about half the logits, softmax and FLOPs of the full [l, l] form)."""
-    l = q.shape[1]
+    computed (about half the logits, softmax and FLOPs of the full [l, l] form). Heads-major throughout (one
+    transpose in and one out, not one per block and einsum)."""
+    b, l = q.shape[:2]
     block = max(block, -(-l // MAX_BLOCKS))
     pos = jnp.arange(l)
+    qh, kh, vh = q.transpose(0, 2, 3, 1, 4), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
     outs = []
     for s in range(0, l, block):
         e = min(l, s + block)
         mask = (pos[s:e, None] >= pos[None, :e])[None]
         if segment_ids is not None:
             mask = mask & (segment_ids[:, s:e, None] == segment_ids[:, None, :e])
-        outs.append(_attend(q[:, s:e], k[:, :e], v[:, :e], mask, dtype))
-    return jnp.concatenate(outs, axis=1)
+        outs.append(_attend_heads(qh[:, :, :, s:e], kh[:, :, :e], vh[:, :, :e], mask, dtype))
+    return jnp.concatenate(outs, axis=3).transpose(0, 3, 1, 2, 4).reshape(b, l, -1)
 
 
 def _attend_context(q, k, v, segment_ids, dtype, block: int, mesh):
