@@ -12,7 +12,7 @@ from nemo_jax.hostmem import keep_freed_memory, tune_xla_cpu  # noqa: E402  (bef
 
 # the same process-wide allocator settings as the `nemo-jax` command (they apply to torch's side too)
 HOST_MALLOC_KEEPS_FREED = keep_freed_memory()
-XLA_CPU_TUNED = tune_xla_cpu()  # as the `nemo-jax` command (XLA:CPU library fusions without reductions)
+XLA_CPU_TUNED = tune_xla_cpu()  # as the `nemo-jax` command (XLA:CPU library fusions for matmuls only)
 
 
 def timeit(fn, *, warmup: int = 1, iters: int = 5) -> float:

@@ -133,7 +133,7 @@ def main():
     print(f"train step, {count_params(cfg) / 1e6:.1f}M params, pattern {cfg.pattern}, batch {B} x seq {T}, fp32, "
           f"{jax.devices()[0].device_kind}; fp32 matmul peak (2048^3): {peak / 1e9:.1f} GFLOP/s; "
           f"our compile: {compile_s:.1f} s; host malloc keeps freed memory: {common.HOST_MALLOC_KEEPS_FREED}; "
-          f"XLA:CPU library fusions without reductions: {common.XLA_CPU_TUNED}")
+          f"XLA:CPU library fusions for matmuls only: {common.XLA_CPU_TUNED}")
     common.table(rows)
     print(f"ours / transformers tokens/s: {ratio}  (goal >= 1.5x and >= 75% of peak)")
 
