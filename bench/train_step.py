@@ -56,6 +56,15 @@ def build(cfg: NemotronHConfig, B: int, T: int):
     return step, params, opt, batch, toks
 
 
+def hf_model(cfg: NemotronHConfig):
+    """The same config as a transformers NemotronHForCausalLM (random weights), in train mode."""
+    import transformers
+
+    d = {k: v for k, v in cfg.to_hf_dict().items() if k not in ("architectures", "model_type")}
+    d["time_step_limit"] = tuple(cfg.time_step_limit)
+    return transformers.NemotronHForCausalLM(transformers.NemotronHConfig(**d)).train()
+
+
 def timed(fn, warmup: int, iters: int) -> tuple[float, float]:
     """(median seconds per step, minor page faults per timed step) after `warmup` untimed steps."""
     for _ in range(warmup):
@@ -105,12 +114,8 @@ def main():
     if not a.no_torch:
         try:
             import torch
-            import transformers
 
-            d = {k: v for k, v in cfg.to_hf_dict().items() if k not in ("architectures", "model_type")}
-            d["time_step_limit"] = tuple(cfg.time_step_limit)
-            hc = transformers.NemotronHConfig(**d)
-            m = transformers.NemotronHForCausalLM(hc).train()
+            m = hf_model(cfg)
             topt = torch.optim.AdamW(m.parameters(), lr=1e-4)
             tt = torch.tensor(toks[:, :-1], dtype=torch.long)
             tl = torch.tensor(toks[:, 1:], dtype=torch.long)
