@@ -70,9 +70,9 @@ def test_capacity_drops_are_counted():
 
 @pytest.mark.parametrize("max_slots", [None, 120])
 def test_sorted_block_loop_matches_the_block_steps_reference(max_slots):
-    """The sorted dispatch's fast path (`sorted_experts`: a loop over the used blocks only, hand-written
+    """The sorted dispatch's fast path (`sorted_experts`: loops over the used row windows only, hand-written
     backward) equals the loop-free `_block_steps` reference in values, gradients and drops, on skewed routing
-    (uneven blocks, padding) and with a slot bound that drops slots."""
+    (uneven experts, windows overhanging an expert's end) and with a slot bound that drops slots."""
     E, D, I, T, k = 8, 32, 48, 100, 2
     ks = jax.random.split(jax.random.key(0), 4)
     pe = {"up_proj": jax.random.normal(ks[0], (E, D, I)) * 0.2, "down_proj": jax.random.normal(ks[1], (E, I, D)) * 0.2}

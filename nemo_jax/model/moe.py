@@ -2,11 +2,12 @@
 shared expert, optional latent projections.
 
 Dispatch paths (all give the same values when nothing is dropped):
-* "sorted" (default, dropless): token-slots sorted by expert into blocks of `bs` slots, each block owned by
-  one expert. Padding is at most E*(bs-1) slots, and bs is chosen as n_slots / (2E), so compiled FLOPs stay
-  <= 1.5x the useful expert FLOPs. The blocks run in a loop that skips the padding blocks at run time
-  (`sorted_experts`, with a hand-written backward); with expert adapters, and as the loop-free reference,
-  in ceil(n_blocks / E) batched steps of <= E blocks (`_block_steps`).
+* "sorted" (default, dropless): token-slots sorted by expert. The fast path (`sorted_experts`, with a
+  hand-written backward) runs each expert's rows in row windows of bs = n_slots / (2E) rows, the remainder
+  in windows of bs / 4 (padding work <= E*bs/4 rows), in loops whose static bounds (what HLO costs count)
+  cover <= 1.5x the useful expert FLOPs and whose unused steps are skipped at run time. With expert
+  adapters, and as the loop-free reference, each expert's slots are padded to whole blocks of bs, run in
+  ceil(n_blocks / E) batched steps of <= E blocks (`_block_steps`).
 * "capacity": per-expert buffers of `ceil(cf * n_slots / E)` slots; overflow is dropped and counted.
 * "ragged": `jax.lax.ragged_dot` on the sorted slots (native grouped GEMM on TPU; XLA on CPU and on GPU
   without the cuDNN grouped-GEMM fusion lowers it to dense work over all experts).
@@ -16,6 +17,7 @@ Dispatch paths (all give the same values when nothing is dropped):
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -68,14 +70,18 @@ def block_size(n_slots: int, n_experts: int, per_expert: int = 2) -> int:
 
 
 def _slot_layout(flat_e, E: int, dispatch: str, capacity_factor: float, valid=None, max_slots: int | None = None,
-                 blocks_per_expert: int = 2):
+                 blocks_per_expert: int = 2, padded: bool = True):
     """Where each token-slot goes in the expert buffer.
 
     flat_e [n] expert of each slot (in [0, E)); valid [n] (optional) marks slots this buffer serves; max_slots
-    (sorted dispatch) bounds the slots the buffer holds (else n, the worst case): the overflow is dropped.
-    blocks_per_expert sets the sorted block size (`block_size`): finer blocks pad less and take more steps.
-    Returns dest [n] (slot index, out of range = dropped), keep [n], (block_expert [nb], n_used), nb, bs:
-    the expert of each block and the number of blocks holding slots (the first ones; the rest are padding).
+    (sorted dispatch) bounds the slots the buffer holds (else n, the worst case): the slots past the first
+    max_slots in expert order are dropped. A sorted buffer holds the slots in expert order, each expert's
+    padded to whole blocks of `block_size(cap, E, blocks_per_expert)` (`padded`: the block loop's layout) or
+    not (the row windows' layout, `sorted_experts`).
+    Returns dest [n] (slot index, out of range = dropped), keep [n], owners, nb, bs: the buffer is nb blocks of
+    bs slots; owners is (block_expert [nb], n_used) (padded: the expert of each block and the number of blocks
+    holding slots, the first ones) or (start [E], rows [E]) (unpadded, nb = 1: where each expert's kept rows
+    start and how many there are).
     """
     n = flat_e.shape[0]
     bucket = flat_e if valid is None else jnp.where(valid, flat_e, E)  # foreign slots sort last
@@ -91,12 +97,16 @@ def _slot_layout(flat_e, E: int, dispatch: str, capacity_factor: float, valid=No
         keep = ok & (rank < bs)
         return jnp.where(keep, flat_e * bs + rank, E * bs), keep, (jnp.arange(E), E), E, bs
     cap = n if max_slots is None else max(1, min(n, max_slots))
+    e = jnp.minimum(flat_e, E - 1)
+    keep = ok & (start[e] + rank < cap)
+    rows = jnp.clip(cap - start, 0, counts).astype(jnp.int32)  # each expert's slots inside the bound
+    if not padded:
+        return jnp.where(keep, start[e] + rank, cap), keep, (start.astype(jnp.int32), rows), 1, cap
     bs = block_size(cap, E, blocks_per_expert)
-    nb = min(n, (cap + E * (bs - 1)) // bs)
-    padded = (counts + bs - 1) // bs * bs
-    pend = jnp.cumsum(padded)
-    dest = (pend - padded)[jnp.minimum(flat_e, E - 1)] + rank
-    keep = ok & (dest < nb * bs)
+    nb = -(-(cap + E * (bs - 1)) // bs)  # every kept slot fits, whatever the padding
+    padded_rows = (rows + bs - 1) // bs * bs
+    pend = jnp.cumsum(padded_rows)
+    dest = (pend - padded_rows)[e] + rank
     block_expert = jnp.minimum(jnp.searchsorted(pend, jnp.arange(nb) * bs, side="right"), E - 1)
     return jnp.where(keep, dest, nb * bs), keep, (block_expert, jnp.minimum(pend[-1] // bs, nb)), nb, bs
 
@@ -151,97 +161,127 @@ def _block_steps(xb, pe: dict, dtype, block_expert, unroll: bool = False):
     return ys.reshape(steps * G, *ys.shape[2:])[:nb]
 
 
-MAX_LOOP_STEPS = 32  # the block loop runs in at most this many steps of G blocks each (per-step overhead)
+def window_sizes(cap: int, E: int, blocks_per_expert: int = 2) -> tuple[int, ...]:
+    """The row windows of the sorted fast path: whole windows of `block_size` rows, then windows of a quarter
+    of that for each expert's remainder (padding <= E x bs / 4 rows at run time; the static loop bounds, which
+    HLO costs count, cover cap + E x bs rows)."""
+    bs = block_size(cap, E, blocks_per_expert)
+    return (bs, bs // 4) if bs >= 4 else (bs,)
 
 
-def _steps(xb, owner):
-    """Blocks in loop steps: xb [nb, bs, D] -> [S, G, bs, D], owner [nb] -> [S, G] (padding blocks: zeros,
-    expert 0), S <= MAX_LOOP_STEPS steps of G blocks (one block per step when nb allows)."""
-    nb = xb.shape[0]
-    G = -(-nb // MAX_LOOP_STEPS)
-    S = -(-nb // G)
-    pad = S * G - nb
-    return (jnp.pad(xb, ((0, pad), (0, 0), (0, 0))).reshape(S, G, *xb.shape[1:]),
-            jnp.pad(owner, (0, pad)).reshape(S, G))
+def _row_windows(start, rows, n: int, sizes: tuple[int, ...]):
+    """Windows over n rows sorted by expert (expert e's at start[e] .. start[e] + rows[e]): each expert's rows
+    in whole windows of sizes[0], what is left in whole windows of sizes[1], ..., the last size's windows
+    overhanging the expert's end (those rows are masked). -> per size: (size, steps (a static bound),
+    expert [steps], offset [steps], end [steps] (its expert's last row + 1; 0 on unused steps), used (the first
+    `used` steps hold rows))."""
+    E = rows.shape[0]
+    out, base, left = [], start, rows
+    for i, sz in enumerate(sizes):
+        last = i == len(sizes) - 1
+        count = -(-left // sz) if last else left // sz  # [E] windows of this size per expert
+        steps = (n + E * (sz - 1)) // sz if last else n // sz
+        if i:
+            steps = min(steps, E * -(-(sizes[i - 1] - 1) // sz))
+        ends = jnp.cumsum(count)
+        j = jnp.arange(steps)
+        e = jnp.minimum(jnp.searchsorted(ends, j, side="right"), E - 1)
+        end = jnp.where(j < ends[-1], start[e] + rows[e], 0)  # unused steps: no rows
+        out.append((sz, steps, e, base[e] + (j - (ends - count)[e]) * sz, end, ends[-1]))
+        base, left = base + count * sz, left - count * sz
+    return out
 
 
-def _used_steps(n_used, G: int, S: int, compute, update, init):
-    """fori_loop over the S steps of G blocks (a static trip count, so HLO costs count every block: an upper
-    bound): step s's results `compute(s)` (small arrays) where it holds one of the first n_used blocks, zeros
-    on the rest (padding, skipped at run time), folded into the loop state by `update(s, results, acc)`
-    outside the `cond` (a `cond` that returned the whole state would copy it on every step)."""
-    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(compute, 0))
+def _used_steps(n_used, S: int, compute, update, init):
+    """fori_loop over S steps (a static trip count, so HLO costs count every step: an upper bound): the first
+    n_used fold `compute(s)` into the loop state by `update(s, results, acc)`, the rest are skipped at run time
+    (a `cond` that passes the state through: XLA:CPU aliases it, no copy)."""
 
     def body(s, acc):
-        return update(s, jax.lax.cond(s * G < n_used, compute, lambda s: zeros, s), acc)
+        return jax.lax.cond(s < n_used, lambda acc: update(s, compute(s), acc), lambda acc: acc, acc)
 
     return jax.lax.fori_loop(0, S, body, init)
 
 
-def _expert_loop(xb, up, down, owner, n_used, save: bool):
-    """The sorted dispatch's experts without padding work: block i of xb [nb, bs, D] (in the compute dtype)
-    through expert owner[i]'s up / down [E, D, I] / [E, I, D], in steps of G blocks (`_steps`), the steps
-    holding the first n_used blocks only (the rest stay zero).
-    -> (yb [nb, bs, D] fp32, the up-projection outputs [nb, bs, I] if `save`)."""
-    nb, bs, _ = xb.shape
-    xs, owners = _steps(xb, owner)
-    S, G = owners.shape
-    f32 = jnp.float32
+def _windowed(arrays, start, rows, sizes, compute, init):
+    """`compute(expert, slices, mine)` over the row windows (`_row_windows`) of the [n, ...] arrays: slices are the
+    window's rows of each array (padded by the largest window, so no window is clamped), mine [size, 1] marks
+    the rows of the window's expert; its per-row results ([size, ...] each) go into the [n + pad, ...]
+    accumulators `init` on those rows only, anything else it returns (per-expert sums) is added at its
+    expert. `compute(...)` -> (per-row results, per-expert results); init: (the row accumulators, the
+    per-expert accumulators [E, ...]). -> the accumulators."""
+    n, P = arrays[0].shape[0], sizes[0]
+    padded = [jnp.pad(a, ((0, P),) + ((0, 0),) * (a.ndim - 1)) for a in arrays]
+    acc = init
+    for sz, steps, expert, offset, end, used in _row_windows(start, rows, n, sizes):
+        mine = lambda s, sz=sz, offset=offset, end=end: ((offset[s] + jnp.arange(sz)) < end[s])[:, None]  # noqa: E731
 
-    def compute(s):
-        u = jnp.einsum("gbd,gdi->gbi", xs[s], up[owners[s]], preferred_element_type=f32).astype(xb.dtype)
-        return jnp.einsum("gbi,gid->gbd", relu2(u), down[owners[s]], preferred_element_type=f32), u
+        def step(s, expert=expert, offset=offset, sz=sz, mine=mine):
+            return compute(expert[s], [jax.lax.dynamic_slice_in_dim(a, offset[s], sz) for a in padded], mine(s))
 
-    def update(s, y_u, acc):
-        return tuple(jax.lax.dynamic_update_index_in_dim(a, r, s, 0) for a, r in zip(acc, y_u))
+        def update(s, out, acc, expert=expert, offset=offset, sz=sz, mine=mine):
+            (row_out, per_expert), (row_acc, expert_acc) = out, acc
+            row_acc = tuple(jax.lax.dynamic_update_slice_in_dim(
+                a, jnp.where(mine(s), r, jax.lax.dynamic_slice_in_dim(a, offset[s], sz)), offset[s], 0)
+                for a, r in zip(row_acc, row_out))
+            return row_acc, tuple(a.at[expert[s]].add(r) for a, r in zip(expert_acc, per_expert))
 
-    acc = (jnp.zeros((S, G, bs, down.shape[-1]), f32),) + ((jnp.zeros((S, G, bs, up.shape[-1]), xb.dtype),) if save else ())
-    out = [a.reshape(S * G, *a.shape[2:])[:nb] for a in _used_steps(n_used, G, S, compute, update, acc)]
-    return out[0], (out[1] if save else None)
+        acc = _used_steps(used, steps, step, update, acc)
+    return acc
 
 
-@jax.custom_vjp
-def sorted_experts(xb, up, down, owner, n_used):
-    """relu^2 experts over the sorted dispatch's blocks, only the used ones (`_expert_loop`): xb [nb, bs, D],
-    up [E, D, I], down [E, I, D] (all in the compute dtype), owner [nb] (each block's expert), n_used (the
-    blocks holding slots; the rest are padding) -> yb [nb, bs, D] fp32.
+def _expert_rows(xs, up, down, start, rows, sizes, save: bool):
+    """relu^2 experts on rows xs [n, D] sorted by expert (compute dtype) in row windows: -> (ys [n, D] fp32,
+    the up-projection outputs [n, I] if `save`); rows outside every expert's range stay zero."""
+    n, f32 = xs.shape[0], jnp.float32
 
-    The fast path of `_block_steps` (which computes every block, padding included): the backward saves xb
-    and the up-projection outputs like `_block_steps` (BLOCK_UP) does, reads each step's G experts' weights
-    (no transposed copy of all of them: that would double the expert weights' memory in the backward) and
+    def compute(e, x, mine):
+        u = jnp.dot(x[0], up[e], preferred_element_type=f32).astype(xs.dtype)
+        return (jnp.dot(relu2(u), down[e], preferred_element_type=f32),) + ((u,) if save else ()), ()
+
+    pad = n + sizes[0]
+    init = (jnp.zeros((pad, down.shape[-1]), f32),) + ((jnp.zeros((pad, up.shape[-1]), xs.dtype),) if save else ())
+    out, _ = _windowed([xs], start, rows, sizes, compute, (init, ()))
+    return out[0][:n], (out[1][:n] if save else None)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(5,))
+def sorted_experts(xs, up, down, start, rows, sizes):
+    """relu^2 experts on the sorted dispatch's unpadded rows: xs [n, D] in expert order (expert e's rows at
+    start[e] .. start[e] + rows[e]; the rest are not computed and give zeros), up [E, D, I], down [E, I, D]
+    (all in the compute dtype) -> ys [n, D] fp32. Each expert's rows run in windows of `sizes` (whole windows
+    of sizes[0], the remainder in the smaller ones: little padding work, few loop steps), the windows past
+    the used ones skipped at run time.
+
+    The fast path of `_block_steps` (which computes every padded block): the backward saves xs and the
+    up-projection outputs like `_block_steps` (BLOCK_UP) does, reads each window's expert weights (no
+    transposed copy of all of them: that would double the expert weights' memory in the backward) and
     accumulates the weight gradients in fp32."""
-    return _expert_loop(xb, up, down, owner, n_used, save=False)[0]
+    return _expert_rows(xs, up, down, start, rows, sizes, save=False)[0]
 
 
-def _sorted_experts_fwd(xb, up, down, owner, n_used):
-    yb, u = _expert_loop(xb, up, down, owner, n_used, save=True)
-    return yb, (xb, u, up, down, owner, n_used)
+def _sorted_experts_fwd(xs, up, down, start, rows, sizes):
+    ys, u = _expert_rows(xs, up, down, start, rows, sizes, save=True)
+    return ys, (xs, u, up, down, start, rows)
 
 
-def _sorted_experts_bwd(res, dyb):
-    xb, u_all, up, down, owner, n_used = res
-    nb = xb.shape[0]
-    f32, dt = jnp.float32, xb.dtype
-    xs, owners = _steps(xb, owner)
-    us, dys = (_steps(a, owner)[0] for a in (u_all, dyb))
-    S, G = owners.shape
+def _sorted_experts_bwd(sizes, res, dys):
+    xs, u_all, up, down, start, rows = res
+    f32, dt = jnp.float32, xs.dtype
 
-    def compute(s):
-        own = owners[s]
-        r = jax.nn.relu(us[s])
-        dy = dys[s].astype(dt)
-        g_down = jnp.einsum("gbi,gbd->gid", r * r, dy, preferred_element_type=f32)
-        du = (jnp.einsum("gbd,gid->gbi", dy, down[own], preferred_element_type=f32) * (2 * r).astype(f32)).astype(dt)
-        g_up = jnp.einsum("gbd,gbi->gdi", xs[s], du, preferred_element_type=f32)
-        return jnp.einsum("gbi,gdi->gbd", du, up[own], preferred_element_type=f32).astype(dt), g_up, g_down
+    def compute(e, xud, mine):
+        x, u, dy = xud
+        r = jax.nn.relu(u)
+        dy = jnp.where(mine, dy, 0).astype(dt)  # the window's other rows are other experts'
+        g_down = jnp.einsum("bi,bd->id", r * r, dy, preferred_element_type=f32)
+        du = (jnp.einsum("bd,id->bi", dy, down[e], preferred_element_type=f32) * (2 * r).astype(f32)).astype(dt)
+        g_up = jnp.einsum("bd,bi->di", x, du, preferred_element_type=f32)
+        return (jnp.einsum("bi,di->bd", du, up[e], preferred_element_type=f32).astype(dt),), (g_up, g_down)
 
-    def update(s, grads, acc):
-        (dx, gu, gd), (dxs, g_up, g_down), own = grads, acc, owners[s]
-        return jax.lax.dynamic_update_index_in_dim(dxs, dx, s, 0), g_up.at[own].add(gu), g_down.at[own].add(gd)
-
-    acc = (jnp.zeros_like(xs), jnp.zeros(up.shape, f32), jnp.zeros(down.shape, f32))
-    dxs, g_up, g_down = _used_steps(n_used, G, S, compute, update, acc)
-    return dxs.reshape(S * G, *xb.shape[1:])[:nb], g_up.astype(up.dtype), g_down.astype(down.dtype), None, None
+    n = xs.shape[0]
+    init = ((jnp.zeros((n + sizes[0], xs.shape[1]), dt),), (jnp.zeros(up.shape, f32), jnp.zeros(down.shape, f32)))
+    (dxs,), (g_up, g_down) = _windowed([xs, u_all, dys], start, rows, sizes, compute, init)
+    return dxs[:n], g_up.astype(up.dtype), g_down.astype(down.dtype), None, None
 
 
 sorted_experts.defvjp(_sorted_experts_fwd, _sorted_experts_bwd)
@@ -255,8 +295,9 @@ def _buffered_experts(pe, x, w, idx, E: int, dtype, dispatch: str, capacity_fact
     flat_e = idx.reshape(-1)
     fvalid = None if valid is None else valid.reshape(-1)
     tok = jnp.arange(T * k) // k
+    fast = dispatch == "sorted" and not unroll and not any(k.endswith("_lora") for k in pe)
     dest, keep, owners, nb, bs = _slot_layout(flat_e, E, dispatch, capacity_factor, fvalid, max_slots,
-                                              blocks_per_expert)
+                                              blocks_per_expert, padded=not fast)
     # each buffer slot reads its token (the inverse of dest): never materialises x for every slot of the
     # group, most of which (under expert parallelism) belong to other devices' experts ...
     src = jnp.full((nb * bs,), T, jnp.int32).at[dest].set(tok.astype(jnp.int32), mode="drop")
@@ -264,10 +305,10 @@ def _buffered_experts(pe, x, w, idx, E: int, dtype, dispatch: str, capacity_fact
     xb = buf.reshape(nb, bs, -1)
     if dispatch == "capacity":
         yb = _experts_mlp("gbd,gdi->gbi", "gbi,gid->gbd", xb, pe, dtype)
-    elif unroll or any(k.endswith("_lora") for k in pe):
-        yb = _block_steps(xb, pe, dtype, owners[0], unroll)
+    elif fast:  # buf: the bs (= the slot bound) rows in expert order, unpadded
+        yb = sorted_experts(buf, pe["up_proj"], pe["down_proj"], *owners, window_sizes(bs, E, blocks_per_expert))
     else:
-        yb = sorted_experts(xb, pe["up_proj"], pe["down_proj"], *owners)
+        yb = _block_steps(xb, pe, dtype, owners[0], unroll)
     # and adds its weighted output back to that token: buffer-sized, never [T * k, Din]
     slot = jnp.full((nb * bs,), T * k, jnp.int32).at[dest].set(jnp.arange(T * k, dtype=jnp.int32), mode="drop")
     wb = jnp.take(jnp.pad(w.reshape(-1), (0, 1)), slot, mode="clip")  # 0 for empty slots
