@@ -23,6 +23,20 @@ from nemo_jax.model.model import _Ctx, apply_layer
 from train_step import bench_config, hf_model
 
 
+# pause after each timed call: torch's OpenMP threads keep spinning for a while after its ops and, on a small
+# machine, slow down whatever runs next (ours ran 1.2-1.45x slower right after a torch piece without it)
+SETTLE_S = 0.2
+
+
+def adamw_update(tx):
+    """The AdamW step as the train step runs it: params and state donated (updated in place)."""
+    def update(p, o, g):
+        u, o = tx.update(g, o, p)
+        return optax.apply_updates(p, u), o
+
+    return jax.jit(update, donate_argnums=(0, 1))
+
+
 def ours(cfg, params, T: int) -> dict:
     """{piece: zero-argument callable that runs it once and blocks}."""
     h = jnp.asarray(np.random.default_rng(0).standard_normal((1, T, cfg.hidden_size)), jnp.float32)
@@ -39,8 +53,8 @@ def ours(cfg, params, T: int) -> dict:
     out["lm_head + CE"] = lambda: jax.block_until_ready(head(params["lm_head"]["kernel"], h))
     tx = optax.adamw(1e-4)
     grads = jax.tree.map(jnp.ones_like, params)
-    update = jax.jit(lambda p, o, g: (lambda u, o: (optax.apply_updates(p, u), o))(*tx.update(g, o, p)))
-    state = [params, tx.init(params)]
+    update = adamw_update(tx)
+    state = [jax.tree.map(jnp.copy, params), tx.init(params)]
 
     def adamw():
         state[0], state[1] = update(state[0], state[1], grads)
@@ -102,6 +116,7 @@ def main():
                 t0 = time.perf_counter()
                 side[n]()
                 times[(s, n)].append(time.perf_counter() - t0)
+                time.sleep(SETTLE_S)
     count = {k: cfg.layer_kinds.count(k) for k in ("mamba", "moe", "attention", "mlp")}
     rows, tot = [], {s: 0.0 for s in sides}
     for n in names:

@@ -103,10 +103,12 @@ def test_eval_in_micro_batches_is_exact_and_smaller():
     assert temps[4] < 0.6 * temps[1], temps
 
 
-@pytest.mark.parametrize("rows,T,chunk,row_shards", [(4, 24, 16, 1), (4, 24, 16, 4), (3, 7, 1024, 1), (2, 9, 4, 2)])
-def test_chunked_cross_entropy_matches_full_logits(rows, T, chunk, row_shards):
-    """Chunks along the sequence (c = chunk / local rows, padded tail) give the full-logits NLL in values and
-    gradients (the reference: log_softmax over all logits at once)."""
+@pytest.mark.parametrize("rows,T,chunk,row_shards,temp", [(4, 24, 16, 1, 1.0), (4, 24, 16, 4, 1.0), (3, 7, 1024, 1, 0.7),
+                                                          (2, 9, 4, 2, 1.0)])
+def test_chunked_cross_entropy_matches_full_logits(rows, T, chunk, row_shards, temp):
+    """Chunks along the sequence (c = chunk / local rows, padded tail), with the hand-written softmax - onehot
+    backward, give the full-logits NLL in values and gradients (the reference: autodiff of log_softmax over
+    all logits at once)."""
     from nemo_jax.model.layers import chunked_cross_entropy, logits_from_hidden
 
     rng = np.random.default_rng(rows * T)
@@ -116,10 +118,11 @@ def test_chunked_cross_entropy_matches_full_logits(rows, T, chunk, row_shards):
     wts = jnp.asarray(rng.random((rows, T)), jnp.float32)
 
     def full(h, head):
-        lp = jax.nn.log_softmax(logits_from_hidden(h, head), axis=-1)
+        lp = jax.nn.log_softmax(logits_from_hidden(h, head) / temp, axis=-1)
         return -jnp.take_along_axis(lp, tgt[..., None], axis=-1)[..., 0]
 
-    chunked = lambda h, head: chunked_cross_entropy(h, head, tgt, chunk=chunk, row_shards=row_shards)
+    chunked = lambda h, head: chunked_cross_entropy(h, head, tgt, chunk=chunk, row_shards=row_shards,
+                                                    temperature=temp)
     np.testing.assert_allclose(chunked(h, head), full(h, head), rtol=1e-5, atol=1e-5)
     g1 = jax.grad(lambda h, p: jnp.sum(chunked(h, p) * wts), argnums=(0, 1))(h, head)
     g2 = jax.grad(lambda h, p: jnp.sum(full(h, p) * wts), argnums=(0, 1))(h, head)
