@@ -15,13 +15,18 @@ def linear(x: jax.Array, p: dict, dtype) -> jax.Array:
 
 
 def _linear32(x: jax.Array, p: dict, dtype) -> jax.Array:
-    """x [..., in] (in `dtype`) @ kernel (+ unmerged LoRA) -> fp32 [..., out]."""
-    y = jnp.einsum("...i,io->...o", x, p["kernel"].astype(dtype), preferred_element_type=jnp.float32)
+    """x [..., in] (in `dtype`) @ kernel (+ unmerged LoRA) -> fp32 [..., out].
+
+    The lead axes are flattened into one token axis first: the kernel's gradient is then a dot with one
+    contracting axis, not two ([B, T]), which XLA:CPU runs as a plain matmul (a [1, 1024, 512] x [512, 2048]
+    linear fwd+bwd: 43 vs 57 ms)."""
+    lead, x = x.shape[:-1], x.reshape(-1, x.shape[-1])
+    y = jnp.einsum("ti,io->to", x, p["kernel"].astype(dtype), preferred_element_type=jnp.float32)
     if "lora_a" in p:
-        xa = jnp.einsum("...i,ir->...r", x, p["lora_a"].astype(dtype), preferred_element_type=jnp.float32)
-        y = y + p["lora_scale"] * jnp.einsum("...r,ro->...o", xa.astype(dtype), p["lora_b"].astype(dtype),
+        xa = jnp.einsum("ti,ir->tr", x, p["lora_a"].astype(dtype), preferred_element_type=jnp.float32)
+        y = y + p["lora_scale"] * jnp.einsum("tr,ro->to", xa.astype(dtype), p["lora_b"].astype(dtype),
                                              preferred_element_type=jnp.float32)
-    return y
+    return y.reshape(*lead, y.shape[-1])
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
