@@ -195,7 +195,8 @@ def _row_windows(start, rows, n: int, sizes: tuple[int, ...]):
 def _used_steps(n_used, S: int, compute, update, init):
     """fori_loop over S steps (a static trip count, so HLO costs count every step: an upper bound): the first
     n_used fold `compute(s)` into the loop state by `update(s, results, acc)`, the rest are skipped at run time
-    (a `cond` that passes the state through: XLA:CPU aliases it, no copy)."""
+    (a `cond` that passes the state through; on XLA:CPU this ran faster and with fewer temporaries than a `cond`
+    over each step's small results with the update outside it: the bench's routed experts 112 vs 126 ms)."""
 
     def body(s, acc):
         return jax.lax.cond(s < n_used, lambda acc: update(s, compute(s), acc), lambda acc: acc, acc)
