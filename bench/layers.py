@@ -26,6 +26,7 @@ from train_step import bench_config, hf_model
 # pause after each timed call: torch's OpenMP threads keep spinning for a while after its ops and, on a small
 # machine, slow down whatever runs next (ours ran 1.2-1.45x slower right after a torch piece without it)
 SETTLE_S = 0.2
+KINDS = ("mamba", "moe", "attention", "mlp")  # one layer of each kind, timed alone
 
 
 def adamw_update(tx):
@@ -42,7 +43,7 @@ def ours(cfg, params, T: int) -> dict:
     h = jnp.asarray(np.random.default_rng(0).standard_normal((1, T, cfg.hidden_size)), jnp.float32)
     ctx = _Ctx(cfg, Options(), segment_ids=jnp.ones((1, T), jnp.int32))
     out = {}
-    for kind in ("mamba", "moe", "attention", "mlp"):
+    for kind in KINDS:
         p = jax.tree.map(lambda a: a[0], params["layers"][kind])
         f = jax.jit(jax.value_and_grad(lambda p, h, kind=kind: jnp.sum(apply_layer(kind, p, h, ctx)[0] * h),
                                        argnums=(0, 1)))
@@ -71,7 +72,7 @@ def theirs(cfg, T: int) -> dict:
     h = torch.tensor(np.random.default_rng(0).standard_normal((1, T, cfg.hidden_size)), dtype=torch.float32,
                      requires_grad=True)
     out = {}
-    for kind in ("mamba", "moe", "attention", "mlp"):
+    for kind in KINDS:
         i = cfg.layer_kinds.index(kind)
         block = m.model.layers[i]
 
@@ -117,7 +118,7 @@ def main():
                 side[n]()
                 times[(s, n)].append(time.perf_counter() - t0)
                 time.sleep(SETTLE_S)
-    count = {k: cfg.layer_kinds.count(k) for k in ("mamba", "moe", "attention", "mlp")}
+    count = {k: cfg.layer_kinds.count(k) for k in KINDS}
     rows, tot = [], {s: 0.0 for s in sides}
     for n in names:
         med = {s: float(np.median(times[(s, n)])) for s in sides}

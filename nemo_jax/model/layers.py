@@ -75,7 +75,7 @@ def nll_from_logits(logits: jax.Array, targets: jax.Array) -> jax.Array:
     The backward is one elementwise pass, softmax - onehot(target); autodiff's scatters the target's gradient
     into a zero [..., V] array and adds the softmax in further passes (lm_head + cross-entropy forward+backward
     at 1024 tokens x V = 16384 on CPU: 387 ms with autodiff's, 278 ms with this)."""
-    return jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return _nll_fwd(logits, targets)[0]
 
 
 def _nll_fwd(logits, targets):
