@@ -20,9 +20,10 @@ def _small_recipe(path):
         r = yaml.safe_load(f)
     r["base"]["overrides"] = ["steps=4", "eval_every=0", "checkpoint.every=0", "data.seq_len=128"]
     r["sft"]["overrides"] = ["steps=2", "lora.targets=[]", "eval_every=0", "checkpoint.every=0", "data.seq_len=128"]
-    for e in r["experts"]:
-        e["overrides"] = [o for o in e["overrides"] if not o.startswith("steps=")] + [
-            "steps=2", "rollout.group_size=2", "rollout.groups_per_step=2", "logging.tensorboard=false"]
+    for e in r["experts"]:  # both experts with the same shapes: the second reuses the first's compiled programs
+        keep = [o for o in e["overrides"] if not o.startswith(("steps=", "rollout.max_new_tokens=", "rollout.seq_len="))]
+        e["overrides"] = keep + ["steps=2", "rollout.group_size=2", "rollout.groups_per_step=2",
+                                 "rollout.max_new_tokens=16", "rollout.seq_len=128", "logging.tensorboard=false"]
     for e in r["eval"]["envs"]:
         e["args"] = dict(e["args"], n_train=8, n_eval=3)
     r["eval"]["attempts"], r["eval"]["max_new_tokens"] = 1, 8

@@ -376,48 +376,75 @@ def _ragged_lora(x, w, lora, counts, dtype):
     return y + lora["lora_scale"] * jax.lax.ragged_dot(xa, lora["lora_b"], counts, preferred_element_type=jnp.float32)
 
 
+def _stored_axes(cfg) -> dict:
+    """Logical axes of the routed-expert leaves `_ep_shard_map` receives: the base weights' (mixer_specs), and
+    of an expert adapter `X_lora` those the adapter layout gives it (A [E, in, r], B [E, r, out])."""
+    from nemo_jax.model.spec import mixer_specs
+
+    base = {k: v.axes for k, v in mixer_specs(cfg, "moe")["experts"].items()}
+    for k, ax in list(base.items()):
+        base[f"{k}_lora"] = {"lora_a": (*ax[:-1], None), "lora_b": (*ax[:-2], None, ax[-1])}
+    return base
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _sum_partials(y, axis: str, n: int):
+    """Inside shard_map: psum of y's partial sums over `axis` (the experts' hidden dim split over it). The
+    backward scales the cotangent by n instead of psumming it: y leaves shard_map replicated over `axis`,
+    whose transpose (check_vma=False) hands every peer the same cotangent divided by n."""
+    return jax.lax.psum(y, axis)
+
+
+_sum_partials.defvjp(lambda y, axis, n: (jax.lax.psum(y, axis), None), lambda axis, n, _, g: (g * n,))
+
+
 def _ep_shard_map(pe, x, w, idx, cfg, dtype, mesh, body):
     """What both expert-parallel paths share: run body(pe, x, w, idx, El) -> (y [Tl, D], dropped slots) per
     device inside shard_map, tokens split over the token axes, and sum the drop counts over them. Returns None
     when the experts or the tokens do not split over the mesh (then the plain path runs under GSPMD).
 
-    The base expert weights enter in their stored sharding (experts over `expert`, their other dims over
-    fsdp / tensor) and are made whole inside, per layer, in the compute dtype: with in_specs of P("expert")
-    GSPMD resharded the whole scanned weight stack before the layer loop (every layer's experts gathered at
-    once, in fp32). Adapter matrices (small) enter split on their expert axis; scales replicated.
+    Expert weights and adapter matrices enter in their stored sharding (experts over `expert`, D over fsdp /
+    context, the hidden dim I over `tensor`) and are gathered per layer, in the compute dtype, over all but
+    `tensor` (with in_specs of P("expert") GSPMD resharded the whole scanned weight stack before the layer
+    loop: every layer's experts gathered at once, in fp32). With I split over tensor each peer runs its I / tp
+    of every expert (up's columns, down's rows: Megatron-style) on the same tokens, and the partial outputs
+    are summed over tensor; the input's cotangent is summed by shard_map's transpose. Without that split
+    (tensor = 1, or I not dividing) the experts are whole on every device.
     """
     from jax.sharding import PartitionSpec as P
 
-    from nemo_jax.model.spec import mixer_specs
     from nemo_jax.parallel.rules import Rules
 
     ep, E = mesh.shape["expert"], cfg.n_routed_experts
     tok_axes = tuple(a for a in TOKEN_AXES if mesh.shape.get(a, 1) > 1)
     if E % ep or x.shape[0] % math.prod(mesh.shape[a] for a in tok_axes):
         return None
-    base = mixer_specs(cfg, "moe")["experts"]
-    stored = {k: Rules().spec(base[k].axes, pe[k].shape, mesh) for k in ("up_proj", "down_proj")}
+    axes = _stored_axes(cfg)
     keys = lambda path: tuple(getattr(q, "key", None) for q in path)  # noqa: E731
 
     def spec_of(path, a):
         k = keys(path)
         if k[-1] == "lora_scale":
             return P()
-        return stored[k[0]] if len(k) == 1 and k[0] in stored else P("expert")
+        ax = axes[k[0]] if len(k) == 1 else axes[k[0]][k[1]]
+        return Rules().spec(ax, a.shape, mesh)
 
-    def gather(path, a):  # a stored base weight -> its local experts whole
-        if len(keys(path)) != 1 or keys(path)[0] not in stored:
-            return a
-        return gather_shards(a, stored[keys(path)[0]], first_dim=1)
+    specs = jax.tree_util.tree_map_with_path(spec_of, pe)
+    tp = mesh.shape["tensor"] if specs["up_proj"][-1] == "tensor" else 1
+    local_specs = jax.tree.map(lambda s: P(*(None if tp > 1 and a == "tensor" else a for a in s)), specs,
+                               is_leaf=lambda s: isinstance(s, P))
 
     def local(pe, x, w, idx):
-        pe = jax.tree_util.tree_map_with_path(gather, _cast_experts(pe, dtype))
+        pe = jax.tree.map(lambda a, s: gather_shards(a, s, first_dim=1), _cast_experts(pe, dtype), local_specs)
         y, dropped = body(pe, x, w, idx, E // ep)
+        y = y.astype(jnp.float32)
+        if tp > 1:
+            y = _sum_partials(y, "tensor", tp)
         return y.astype(dtype), jax.lax.psum(dropped.astype(jnp.int32), tok_axes)
 
     t_spec = P(tok_axes)
-    fn = jax.shard_map(local, mesh=mesh, in_specs=(jax.tree_util.tree_map_with_path(spec_of, pe), t_spec, t_spec,
-                                                   t_spec), out_specs=(t_spec, P()), check_vma=False)
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(specs, t_spec, t_spec, t_spec), out_specs=(t_spec, P()),
+                       check_vma=False)
     return fn(pe, x, w, idx)
 
 

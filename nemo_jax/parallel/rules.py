@@ -1,8 +1,10 @@
 """Logical axis names -> mesh axes. One small rules object; two logical axes of one tensor may not share a
-mesh axis, and a mesh axis whose size does not divide the dimension is dropped for that tensor."""
+mesh axis, and a dimension takes the longest prefix of its mesh axes whose sizes multiply to a divisor of it
+(fsdp=4 x expert=2 on a dimension of 12 keeps fsdp only; of 6, neither)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import jax
@@ -13,10 +15,11 @@ MESH_AXES = ("data", "fsdp", "tensor", "expert", "context")
 DEFAULT_RULES = {
     "layers": None,
     "vocab": "tensor",
-    # weights' D dim over fsdp and context: the context group is a data-parallel group for the weights (each
-    # device sees other tokens of the same rows), so its members split the weights, gradients (reduce-scatter
-    # instead of an all-reduce) and optimiser state as FSDP does; without it context=8 held 8x the bytes
-    "embed": ("fsdp", "context"),
+    # weights' D dim over fsdp, context and expert: the context and expert groups are data-parallel groups for
+    # the dense weights (their members see other tokens), so they split the weights, gradients (reduce-scatter
+    # instead of an all-reduce) and optimiser state as FSDP does; without it context=8 or expert=8 held 8x the
+    # bytes of every non-expert weight. Routed experts' D dim is `expert_in` (their E dim takes `expert`).
+    "embed": ("fsdp", "context", "expert"),
     "q_heads": "tensor",
     "kv_heads": "tensor",
     "mlp": "tensor",
@@ -33,13 +36,13 @@ DEFAULT_RULES = {
     "latent": None,
     # the vision tower (small next to the LM): weights split over the FSDP group on Dv, replicated over tensor
     # (the fused q|k|v output would not split at head boundaries)
-    "vision_embed": ("fsdp", "context"),
+    "vision_embed": ("fsdp", "context", "expert"),
     "vision_qkv": None,
     "vision_mlp": "tensor",
     "vision_norm": None,
     "vision_patch": None,
     "vision_positions": None,
-    "vision_merged": ("fsdp", "context"),
+    "vision_merged": ("fsdp", "context", "expert"),
     "projector": "tensor",
     # activations
     "batch": ("data", "fsdp", "expert"),
@@ -65,12 +68,8 @@ class Rules:
                     raise ValueError(f"sharding rules: mesh axis {x!r} used twice in {axes}")
             if mesh is not None:
                 ms = tuple(x for x in ms if x in mesh.shape and mesh.shape[x] > 1)
-                if shape is not None:
-                    size = 1
-                    for x in ms:
-                        size *= mesh.shape[x]
-                    if shape[i] % size:
-                        ms = ()
+                while shape is not None and ms and shape[i] % math.prod(mesh.shape[x] for x in ms):
+                    ms = ms[:-1]
             used.update(ms)
             out.append(None if not ms else (ms[0] if len(ms) == 1 else ms))
         return P(*out)
