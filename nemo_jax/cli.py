@@ -8,7 +8,7 @@ import os
 import sys
 
 from nemo_jax.extras import MissingDependency
-from nemo_jax.hostmem import keep_freed_memory, tune_xla_cpu
+from nemo_jax.hostmem import choose_platforms, keep_freed_memory, tune_xla_cpu
 
 
 def _dtype(name: str | None):
@@ -343,6 +343,7 @@ def cmd_data_prepare(args):
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    choose_platforms()  # before cpu_only() is asked and before jax starts
     keep_freed_memory()  # CPU-only processes: see nemo_jax.hostmem
     tune_xla_cpu()
     try:

@@ -42,6 +42,25 @@ _SETTINGS = ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1), (_M_T
 _ACCELERATOR_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "jax_rocm7_plugin", "libtpu")
 
 
+# device nodes of accelerators jax can drive (NVIDIA GPUs, TPU chips: /dev/accel* on v4/v5p, vfio on v5e/v6e)
+_ACCELERATOR_NODES = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/accel0", "/dev/vfio")
+
+
+def choose_platforms() -> str | None:
+    """On a machine without accelerators but with an accelerator plugin installed (e.g. `nemo_jax[plan-gpu]` for
+    deviceless plans on a laptop), jax would try the plugin's backend and fail ("Unable to load CUDA"): set
+    JAX_PLATFORMS=cpu there. -> the value set, or None (JAX_PLATFORMS already set, an accelerator present, or no
+    plugin installed: jax's own choice is right)."""
+    if os.environ.get("JAX_PLATFORMS", "").strip() or "jax" in sys.modules:
+        return None
+    if not any(importlib.util.find_spec(m) for m in _ACCELERATOR_PLUGINS):
+        return None
+    if any(os.path.exists(n) for n in _ACCELERATOR_NODES):
+        return None
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    return "cpu"
+
+
 def cpu_only() -> bool:
     """Whether jax will run on the CPU alone (decided without importing jax)."""
     platforms = os.environ.get("JAX_PLATFORMS", "").strip()

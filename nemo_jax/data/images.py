@@ -17,6 +17,7 @@ import os
 import numpy as np
 
 from nemo_jax.config.vision import VisionConfig
+from nemo_jax.vision_layout import layout
 
 
 class ImageError(ValueError):
@@ -171,8 +172,6 @@ class RowImages:
 
     def row(self, loaded: list) -> dict[str, np.ndarray]:
         """The row arrays for the (pixels, grids) of its documents, in row order."""
-        from nemo_jax.model.vision import layout
-
         pix = np.zeros((self.max_patches, self.v.patch_dim), np.float32)
         grids, n = [], 0
         for p, g in loaded:

@@ -25,40 +25,14 @@ layer order, so `layers/moe/mixer/experts/up_proj/kernel` is `[n_moe, E, in, I]`
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Callable
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from nemo_jax.config.model import NemotronHConfig
+from nemo_jax.paramspec import Init, ParamSpec  # noqa: F401  (re-exported: the model's spec type)
 
 EMBEDDING_AXES = ("vocab", "embed")  # the token embedding table [V, D]
-
-Init = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
-
-
-@dataclass(frozen=True)
-class ParamSpec:
-    shape: tuple[int, ...]
-    axes: tuple[str | None, ...]
-    init: Init
-    dtype: jnp.dtype = jnp.float32
-
-    def __post_init__(self):
-        if len(self.shape) != len(self.axes):
-            raise ValueError(f"shape {self.shape} and axes {self.axes} differ in rank")
-
-    def stacked(self, n: int) -> "ParamSpec":
-        """The same tensor for n layers, stacked on a leading `layers` axis."""
-        base = self.init
-
-        def init(key, shape, dtype):
-            return jax.vmap(lambda k: base(k, shape[1:], dtype))(jax.random.split(key, shape[0]))
-
-        return ParamSpec((n, *self.shape), ("layers", *self.axes), init, self.dtype)
-
 
 def _normal(std: float) -> Init:
     return lambda key, shape, dtype: (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from nemo_jax.paramspec import ParamSpec
+
 MESH_AXES = ("data", "fsdp", "tensor", "expert", "context")
 
 DEFAULT_RULES = {
@@ -85,8 +87,6 @@ class Rules:
 
 def param_shardings(specs_tree, mesh, rules: Rules | None = None):
     """ParamSpec tree -> NamedSharding tree."""
-    from nemo_jax.model.spec import ParamSpec
-
     rules = rules or Rules()
     return jax.tree.map(lambda s: rules.sharding(mesh, s.axes, s.shape), specs_tree,
                         is_leaf=lambda x: isinstance(x, ParamSpec))
