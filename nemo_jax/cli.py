@@ -265,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--keys", action="append", default=None,
                    help="only these metrics (comma-separated, repeatable), e.g. loss,eval_loss")
     s.add_argument("--out", default=None, help="output dir (default: RUN_DIR/plots of the first run)")
-    s.add_argument("--smoothing", type=float, default=0.6, help="EMA weight of the smoothed curves, in [0, 1)")
+    s.add_argument("--smoothing", type=float, default=0.6, help="EMA weight of the smoothed curves of dense series (sparse series such as eval and schedules such as the learning rate are drawn as logged), in [0, 1)")
     s.set_defaults(fn=cmd_plot)
 
     s = sub.add_parser("import-hf", help="HF safetensors checkpoint -> native checkpoint")

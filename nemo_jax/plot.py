@@ -1,7 +1,11 @@
 """Figures of runs' metrics.jsonl with matplotlib (the `plot` extra): `nemo-jax plot RUN_DIR [RUN_DIR ...]`.
 
-One figure per group of metrics (loss, optimizer, throughput, expert load, rewards), one panel per unit, each
-run's raw values faint and an exponential moving average solid; several run directories are overlaid.
+One figure per group of metrics (loss, optimizer, throughput, expert load, rewards), one panel per unit; several run
+directories are overlaid. Dense series (logged at most steps: loss, grad norm, throughput, rewards) are drawn raw
+and faint with an exponential moving average solid on top; sparse series (eval metrics, logged every few hundred
+steps) are drawn raw with markers, so each point is a real value and the curve ends at the last one; schedules
+(the learning rate) are never smoothed. A figure shows only the panels with data (no MFU panel without a known
+device peak).
 `bar_chart` draws grouped bars (e.g. a recipe's stages x environments).
 """
 
@@ -20,33 +24,38 @@ X_LABEL = "optimizer step"
 
 @dataclass(frozen=True)
 class Panel:
+    title: str  # what the panel shows (the figure's title joins those of the panels drawn)
     ylabel: str  # with the unit
     patterns: tuple[str, ...]  # metric names (fnmatch patterns) drawn on this panel
     scale: float = 1.0  # multiply values by this (e.g. fraction -> percent)
+    smooth: bool = True  # False: a schedule or setting, drawn as logged
 
 
 @dataclass(frozen=True)
 class Group:
     name: str  # file name: <out>/<name>.png
-    title: str
     panels: tuple[Panel, ...]
 
 
 GROUPS = (
-    Group("loss", "Loss", (Panel("cross-entropy (nats/token)", ("loss", "eval_loss")),)),
-    Group("optim", "Gradient norm and learning rate", (
-        Panel("gradient norm (global L2, before clipping)", ("grad_norm",)),
-        Panel("learning rate (per step)", ("lr",)))),
-    Group("throughput", "Throughput and MFU", (
-        Panel("throughput (tokens/s)", ("tokens_per_sec",)),
-        Panel("MFU (% of dense bf16 peak)", ("mfu",), 100.0))),
-    Group("expert_load", "MoE expert load", (
-        Panel("tokens per expert / mean (ratio)", ("expert_load_max_over_mean", "expert_load_min_over_mean")),
-        Panel("balance loss (dimensionless)", ("aux_loss",)))),
-    Group("reward", "Rewards", (
-        Panel("reward (per rollout)", ("reward*", "*_reward", "*/reward*")),
-        Panel("response length (tokens)", ("response_len*", "*/response_len*")))),
+    Group("loss", (Panel("Loss", "cross-entropy (nats/token)", ("loss", "eval_loss")),)),
+    Group("optim", (
+        Panel("Gradient norm", "gradient norm (global L2, before clipping)", ("grad_norm",)),
+        Panel("learning rate", "learning rate (per step)", ("lr",), smooth=False))),
+    Group("throughput", (
+        Panel("Throughput", "throughput (tokens/s)", ("tokens_per_sec",)),
+        Panel("MFU", "MFU (% of dense bf16 peak)", ("mfu",), 100.0))),
+    Group("expert_load", (
+        Panel("MoE expert load", "tokens per expert / mean (ratio)",
+              ("expert_load_max_over_mean", "expert_load_min_over_mean")),
+        Panel("balance loss", "balance loss (dimensionless)", ("aux_loss",)))),
+    Group("reward", (
+        Panel("Rewards", "reward (per rollout)", ("reward*", "*_reward", "*/reward*", "eval_reward*", "eval_pass*",
+                                                  "eval_success*", "eval_consistency")),
+        Panel("response length", "response length (tokens)", ("response_len*", "*/response_len*")))),
 )
+
+SPARSE = 0.25  # a series logged at fewer than this share of the steps of the run's densest series is sparse
 
 
 def _matplotlib():
@@ -96,6 +105,17 @@ def series(records: list[dict], key: str, scale: float = 1.0) -> tuple[list[int]
     return steps, [by_step[s] for s in steps]
 
 
+def is_sparse(records: list[dict], key: str) -> bool:
+    """Whether `key` is logged at few of the run's logged steps (eval metrics): drawn raw, never smoothed."""
+    counts = {}
+    for r in records:
+        for k, v in r.items():
+            if k != "step" and _number(v):
+                counts[k] = counts.get(k, 0) + 1
+    dense = max(counts.values(), default=0)
+    return counts.get(key, 0) < max(2, SPARSE * dense)
+
+
 def ema(values: list[float], weight: float) -> list[float]:
     """Debiased exponential moving average (TensorBoard's smoothing); weight 0 returns the values."""
     out, acc = [], 0.0
@@ -137,7 +157,7 @@ def plan_figures(present: set[str], keys: list[str] | None = None) -> list[tuple
     if keys is not None:
         rest = [k for k in keys if k not in placed]
         if rest:
-            plan.append((Group("other", "Other metrics", ()), [(Panel(k, (k,)), [k]) for k in rest]))
+            plan.append((Group("other", ()), [(Panel(k, k, (k,)), [k]) for k in rest]))
     return plan
 
 
@@ -148,37 +168,50 @@ def _save(fig, canvas_cls, path: str):
     os.replace(tmp, path)
 
 
-def _draw_panel(ax, panel: Panel, keys: list[str], runs: list[tuple[str, list[dict]]], smoothing: float, colors):
-    """One run: a colour per metric. Several runs: a colour per run and a line style per metric."""
+def _draw_panel(ax, panel: Panel, keys: list[str], runs: list[tuple[str, list[dict]]], smoothing: float,
+                colors) -> bool:
+    """One run: a colour per metric. Several runs: a colour per run and a line style per metric. -> whether any
+    curve was smoothed."""
     from matplotlib.ticker import MaxNLocator  # present: plot_runs checked with _matplotlib()
 
     styles = ["-", "--", ":", "-."]
+    smoothed = False
     for ri, (label, records) in enumerate(runs):
         for ki, key in enumerate(keys):
             color = colors[(ri if len(runs) > 1 else ki) % len(colors)]
+            style = styles[ki % len(styles)]
             steps, values = series(records, key, panel.scale)
             if not steps:
                 continue
             name = key if len(runs) == 1 else f"{label}: {key}"
-            marker = "o" if len(steps) < 8 else None
-            ax.plot(steps, values, color=color, alpha=0.3, linewidth=1, linestyle=styles[ki % len(styles)])
-            ax.plot(steps, ema(values, smoothing), color=color, linewidth=2, linestyle=styles[ki % len(styles)],
-                    marker=marker, markersize=4, label=name)
+            if not panel.smooth or not smoothing or is_sparse(records, key):  # every point a real value
+                ax.plot(steps, values, color=color, linewidth=1.5, linestyle=style,
+                        marker="o" if is_sparse(records, key) or len(steps) < 8 else None, markersize=4, label=name)
+                continue
+            ax.plot(steps, values, color=color, alpha=0.3, linewidth=1, linestyle=style)
+            ax.plot(steps, ema(values, smoothing), color=color, linewidth=2, linestyle=style, label=name)
+            smoothed = True
     ax.set_ylabel(panel.ylabel)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize="small")
+    return smoothed
 
 
-def plot_runs(run_dirs: list[str], out_dir: str | None = None, keys: list[str] | None = None,
-              smoothing: float = 0.6) -> list[str]:
-    """One PNG per metric group for the runs in `run_dirs` (overlaid) -> the paths written, in `out_dir`
-    (default: RUN_DIR/plots of the first run). `keys` restricts the figures to these metric names."""
+def figure_title(panels: list[Panel]) -> str:
+    """The titles of the panels drawn: "Throughput" alone, "Throughput and MFU" when MFU was logged."""
+    names = [p.title for p in panels]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
+def figures(run_dirs: list[str], keys: list[str] | None = None, smoothing: float = 0.6) -> list[tuple[str, object]]:
+    """(name, matplotlib Figure) per metric group for the runs in `run_dirs` (overlaid); `keys` restricts the
+    figures to these metric names."""
     if not run_dirs:
         raise ValueError("plot: give at least one run directory")
     if not 0.0 <= smoothing < 1.0:
         raise ValueError(f"plot: smoothing {smoothing} must be in [0, 1)")
-    Figure, Canvas = _matplotlib()
+    Figure, _ = _matplotlib()
     runs = list(zip(run_labels(run_dirs), [read_metrics(d) for d in run_dirs]))
     present = set().union(*(scalar_keys(r) for _, r in runs))
     if keys is not None:
@@ -189,18 +222,30 @@ def plot_runs(run_dirs: list[str], out_dir: str | None = None, keys: list[str] |
     plan = plan_figures(present, keys)
     if not plan:
         raise ValueError(f"plot: no metrics to draw in {', '.join(map(metrics_path, run_dirs))}")
-    out_dir = out_dir or os.path.join(run_dirs[0], "plots")
-    os.makedirs(out_dir, exist_ok=True)
     colors = [f"C{i}" for i in range(10)]
-    paths = []
+    out = []
     for group, panels in plan:
         fig = Figure(figsize=(8, 3.2 * len(panels)), layout="constrained")
         axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
-        for ax, (panel, ks) in zip(axes, panels):
-            _draw_panel(ax, panel, ks, runs, smoothing, colors)
+        smoothed = [_draw_panel(ax, panel, ks, runs, smoothing, colors) for ax, (panel, ks) in zip(axes, panels)]
         axes[-1].set_xlabel(X_LABEL)
-        fig.suptitle(f"{group.title}  (faint: raw, solid: EMA {smoothing:g})")
-        path = os.path.join(out_dir, f"{group.name}.png")
+        title = figure_title([p for p, _ in panels]) if group.name != "other" else "Other metrics"
+        fig.suptitle(title + (f"  (faint: raw, solid: EMA {smoothing:g})" if any(smoothed) else ""))
+        out.append((group.name, fig))
+    return out
+
+
+def plot_runs(run_dirs: list[str], out_dir: str | None = None, keys: list[str] | None = None,
+              smoothing: float = 0.6) -> list[str]:
+    """One PNG per metric group (`figures`) -> the paths written, in `out_dir` (default: RUN_DIR/plots of the
+    first run)."""
+    figs = figures(run_dirs, keys, smoothing)
+    _, Canvas = _matplotlib()
+    out_dir = out_dir or os.path.join(run_dirs[0], "plots")
+    os.makedirs(out_dir, exist_ok=True)
+    paths = []
+    for name, fig in figs:
+        path = os.path.join(out_dir, f"{name}.png")
         _save(fig, Canvas, path)
         paths.append(path)
     return paths

@@ -17,7 +17,7 @@ from nemo_jax.cli import main as cli_main
 from nemo_jax.config.load import load_config
 from nemo_jax.config.train import LoggingSection, SFTConfig, WandbSection
 from nemo_jax.extras import MissingDependency
-from nemo_jax.plot import bar_chart, plot_runs
+from nemo_jax.plot import bar_chart, figures, plot_runs
 from nemo_jax.train.metrics import MetricsLogger, check_logging
 from nemo_jax.train.sft import Trainer
 
@@ -242,6 +242,27 @@ def test_plot_two_runs_overlaid_and_keys(runs, capsys):
     paths = plot_runs([runs["a"], runs["b"]], out, keys=["train_objective"])
     assert [os.path.basename(p) for p in paths] == ["other.png"]
     png_ok(paths[0])
+
+
+def test_plot_draws_sparse_and_schedule_series_as_logged(tmp_path):
+    """Eval points (sparse) and the learning rate (a schedule) are drawn raw: the eval curve ends at the real final
+    eval loss, not at an EMA of seven points; dense series keep their smoothed curve; no MFU panel without MFU."""
+    run = tmp_path / "run"
+    run.mkdir()
+    recs = [{"step": s, "loss": 6.0 * 0.97 ** s, "lr": 1e-3 * min(1.0, s / 20), "grad_norm": 1.0 + (s % 3),
+             "tokens_per_sec": 1000.0 + s} for s in range(1, 301)]
+    recs += [{"step": s, "eval_loss": v} for s, v in ((0, 6.26), (50, 2.0), (100, 0.9), (150, 0.5), (200, 0.3),
+                                                      (250, 0.2), (300, 0.10))]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    figs = dict(figures([str(run)], smoothing=0.6))
+    assert set(figs) == {"loss", "optim", "throughput"}
+    assert figs["throughput"]._suptitle.get_text().startswith("Throughput  (")  # no "and MFU" without MFU
+    lines = {ln.get_label(): ln for ln in figs["loss"].axes[0].get_lines() if not ln.get_label().startswith("_")}
+    x, y = lines["eval_loss"].get_data()
+    assert list(x) == [0, 50, 100, 150, 200, 250, 300] and y[-1] == 0.10 and lines["eval_loss"].get_marker() == "o"
+    assert abs(lines["loss"].get_data()[1][-1] - 6.0 * 0.97 ** 300) > 1e-6  # the dense loss is smoothed (EMA)
+    lr = {ln.get_label(): ln for ln in figs["optim"].axes[1].get_lines()}["lr"]
+    assert list(lr.get_data()[1]) == [r["lr"] for r in recs if "lr" in r]  # the schedule as logged
 
 
 def test_plot_errors_are_clear(runs, capsys, monkeypatch, tmp_path):
