@@ -2,16 +2,30 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def linear(x: jax.Array, p: dict, dtype) -> jax.Array:
-    """x [..., in] @ kernel [in, out] -> [..., out] in `dtype` (fp32 accumulation).
+    """x [..., in] @ kernel [in, out] -> [..., out] in `dtype` (fp32 accumulation on the device, the result
+    rounded once to `dtype`).
 
-    With LoRA leaves beside the kernel (see nemo_jax.lora): + lora_scale * (x @ lora_a) @ lora_b, unmerged.
+    The product is asked for in `dtype`, not in fp32 then cast: its gradients are then `dtype` matmuls too. The
+    transpose of an fp32-output product multiplies the fp32 cotangent with the `dtype` operand: under bf16 both
+    backward matmuls ran in fp32 and every weight gradient was reduce-scattered in fp32.
+    With LoRA leaves beside the kernel (see nemo_jax.lora): + lora_scale * (x @ lora_a) @ lora_b, unmerged (summed
+    in fp32, rounded once).
     """
-    return _linear32(x.astype(dtype), p, dtype).astype(dtype)
+    lead, x2 = x.shape[:-1], x.reshape(-1, x.shape[-1]).astype(dtype)
+    y = jnp.einsum("ti,io->to", x2, p["kernel"].astype(dtype), preferred_element_type=dtype)
+    if "lora_a" in p:
+        xa = jnp.einsum("ti,ir->tr", x2, p["lora_a"].astype(dtype), preferred_element_type=dtype)
+        lora = jnp.einsum("tr,ro->to", xa, p["lora_b"].astype(dtype), preferred_element_type=jnp.float32)
+        y = (y.astype(jnp.float32) + p["lora_scale"] * lora).astype(dtype)
+    return y.reshape(*lead, y.shape[-1])
 
 
 def _linear32(x: jax.Array, p: dict, dtype) -> jax.Array:
@@ -127,3 +141,127 @@ def chunked_cross_entropy(h: jax.Array, lm_head: dict, targets: jax.Array, chunk
     else:
         nll = jax.lax.map(lambda a: jax.checkpoint(one)(*a), (hc.swapaxes(0, 1), tc.swapaxes(0, 1))).swapaxes(0, 1)
     return nll.reshape(B, -1)[:, :T]
+
+
+# --------------------------------------------------------------------------- cross-entropy, the fast path
+def cross_entropy(h: jax.Array, lm_head: dict, targets: jax.Array, *, mesh=None, chunk: int = 1024,
+                  temperature: float = 1.0) -> jax.Array:
+    """`chunked_cross_entropy` (the reference) per device: h [B, T, D] (compute dtype), targets [B, T] ->
+    nll [B, T] fp32 = -log softmax(h @ lm_head / temperature)[target].
+
+    On a mesh it runs inside `shard_map` on each device's own tokens (rows over the batch axes, the sequence
+    over `context`): the lm_head enters in its stored sharding, is gathered once in the compute dtype over the
+    axes that split its hidden dim, and keeps its vocabulary split over `tensor` (vocab-parallel: the softmax's
+    max, sum and target logit are combined over `tensor`). The gradient of the gathered head is summed over the
+    tokens of all chunks into one fp32 [D, V / tensor] buffer and leaves by the gather's transpose, a
+    reduce-scatter in the compute dtype. Under GSPMD the head was gathered in fp32, every chunk produced its own
+    fp32 [D, V] gradient (and a transposed copy) and the summed gradient was all-reduced in fp32. Falls back to
+    the reference for a head with a LoRA adapter or rows that do not split over the mesh."""
+    from jax.sharding import PartitionSpec as P
+
+    from nemo_jax.parallel.mesh import BATCH_AXES, context_shards, gather_shards
+
+    B, T, D = h.shape
+    if "lora_a" in lm_head:
+        return chunked_cross_entropy(h, lm_head, targets, chunk, _rows_split(mesh, B), temperature,
+                                     context_shards(mesh, T))
+    dtype = h.dtype
+    if mesh is None or mesh.size == 1:
+        return _vocab_ce(h.reshape(-1, D), lm_head["kernel"].astype(dtype), targets.reshape(-1), jnp.int32(0), None,
+                         chunk, temperature).reshape(B, T)
+    rows = tuple(a for a in BATCH_AXES if mesh.shape.get(a, 1) > 1)
+    if B % _rows_split(mesh, B, rows):
+        return chunked_cross_entropy(h, lm_head, targets, chunk, 1, temperature, context_shards(mesh, T))
+    from nemo_jax.model.spec import LM_HEAD_AXES
+    from nemo_jax.parallel.rules import Rules
+
+    stored = Rules().spec(LM_HEAD_AXES, lm_head["kernel"].shape, mesh)
+    vocab_axis = stored[1]
+    if isinstance(vocab_axis, tuple):
+        vocab_axis = vocab_axis[0] if len(vocab_axis) == 1 else None
+    seq = "context" if context_shards(mesh, T) > 1 else None
+
+    def local(h, w, t):
+        w = gather_shards(w.astype(dtype), P(stored[0], None))  # [D, V / tensor]
+        off = jnp.int32(0) if vocab_axis is None else jax.lax.axis_index(vocab_axis) * w.shape[1]
+        b, l, d = h.shape
+        return _vocab_ce(h.reshape(-1, d), w, t.reshape(-1), off, vocab_axis, chunk, temperature).reshape(b, l)
+
+    tok = P(rows or None, seq)
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(rows or None, seq, None), stored, tok), out_specs=tok,
+                         check_vma=False)(h, lm_head["kernel"], targets)
+
+
+def _rows_split(mesh, rows: int, axes=None) -> int:
+    if mesh is None:
+        return 1
+    import math
+
+    from nemo_jax.parallel.mesh import BATCH_AXES
+
+    n = math.prod(mesh.shape[a] for a in (axes if axes is not None else BATCH_AXES) if mesh.shape.get(a, 1) > 1)
+    return n if rows % n == 0 else 1
+
+
+def _ce_chunks(x, c: int):
+    """[N, ...] -> [N / c, c, ...] (zero-padded rows)."""
+    pad = (-x.shape[0]) % c
+    return jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1)).reshape(-1, c, *x.shape[1:])
+
+
+def _ce_stats(hc, w, tc, offset, axis, temperature):
+    """One chunk: hc [c, D], w [D, Vl] (the vocab slice from `offset`), tc [c] -> (logits [c, Vl] fp32, lse [c],
+    target logit [c]), combined over the vocab split `axis` (None: whole)."""
+    logits = jnp.einsum("cd,dv->cv", hc, w, preferred_element_type=jnp.float32) / temperature
+    m = jax.lax.stop_gradient(logits.max(-1))
+    if axis is not None:
+        m = jax.lax.pmax(m, axis)
+    s = jnp.exp(logits - m[:, None]).sum(-1)
+    local = tc - offset
+    hit = (local >= 0) & (local < w.shape[1])
+    z = jnp.where(hit, jnp.take_along_axis(logits, jnp.clip(local, 0, w.shape[1] - 1)[:, None], axis=-1)[:, 0], 0.0)
+    if axis is not None:
+        s, z = jax.lax.psum(s, axis), jax.lax.psum(z, axis)
+    return logits, m + jnp.log(s), z
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _vocab_ce(h, w, targets, offset, axis, chunk: int, temperature: float):
+    """h [N, D], w [D, Vl] (vocab columns offset.. of the vocabulary, split over `axis`), targets [N] -> nll [N]
+    fp32, `chunk` rows of logits at a time. Backward: per chunk, dlogits = (softmax - onehot) * g / temperature in
+    w's dtype, dh = dlogits @ w^T (summed over `axis`), dw += h^T @ dlogits in one fp32 buffer."""
+    return _vocab_ce_fwd(h, w, targets, offset, axis, chunk, temperature)[0]
+
+
+def _vocab_ce_fwd(h, w, targets, offset, axis, chunk, temperature):
+    N = h.shape[0]
+    c = max(1, min(N, chunk))
+    _, lse, z = jax.lax.map(lambda a: _ce_stats(a[0], w, a[1], offset, axis, temperature),
+                            (_ce_chunks(h, c), _ce_chunks(targets, c)))
+    return (lse - z).reshape(-1)[:N], (h, w, targets, offset, lse)
+
+
+def _vocab_ce_bwd(axis, chunk, temperature, res, g):
+    h, w, targets, offset, lse = res
+    N, c = h.shape[0], lse.shape[1]
+    if axis is not None:
+        # inside shard_map (check_vma=False) the nll leaves replicated over `axis`, and its transpose hands every
+        # peer cotangent / n; h entered replicated over `axis`, so the transpose sums the peers' dh (each from its
+        # vocab slice): scale g back, and leave dh partial
+        g = g * jax.lax.psum(1, axis)
+
+    def one(dw, a):
+        hc, tc, lc, gc = a
+        logits = jnp.einsum("cd,dv->cv", hc, w, preferred_element_type=jnp.float32) / temperature
+        onehot = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1) == (tc - offset)[:, None]
+        dlog = ((jnp.exp(logits - lc[:, None]) - onehot) * (gc / temperature)[:, None]).astype(w.dtype)
+        dh = jnp.einsum("cv,dv->cd", dlog, w, preferred_element_type=jnp.float32)
+        return dw + jnp.einsum("cd,cv->dv", hc, dlog, preferred_element_type=jnp.float32), dh.astype(h.dtype)
+
+    dw, dh = jax.lax.scan(one, jnp.zeros(w.shape, jnp.float32),
+                          (_ce_chunks(h, c), _ce_chunks(targets, c), lse, _ce_chunks(g, c)))
+    zero_int = lambda x: np.zeros(np.shape(x), jax.dtypes.float0)  # noqa: E731
+    return dh.reshape(-1, h.shape[1])[:N], dw.astype(w.dtype), zero_int(targets), zero_int(offset)
+
+
+_vocab_ce.defvjp(_vocab_ce_fwd, _vocab_ce_bwd)

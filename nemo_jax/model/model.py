@@ -16,7 +16,6 @@ activation). `scan=False` is the plain unrolled reference path (no remat).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -477,7 +476,7 @@ def mtp_hidden(params: dict, h: jax.Array, tokens: jax.Array, cfg, segment_ids=N
     final_layernorm. h is the main model's final-normed hidden state. Returns a list of [B, T, D].
     `embeddings` (the main model's input embeddings, with image features) are shifted instead of
     looking the next tokens up."""
-    ctx = _Ctx(cfg, dataclasses.replace(opts, scan=False), segment_ids=segment_ids)
+    ctx = _Ctx(cfg, opts, segment_ids=segment_ids)  # the main stack's remat policy and MoE dispatch
     outs, prev = [], h
     for d, p in enumerate(params["mtp"]):
         if embeddings is None:

@@ -533,8 +533,8 @@ def _all_to_all_experts(pe, x, w, idx, cfg, dtype, dispatch, capacity_factor, me
         cf = capacity_factor * Tl / (ep * R) if dispatch == "capacity" else capacity_factor
         y_recv, dropped_recv = _buffered_experts(pe, recv_x, recv_w, jnp.maximum(recv_e, 0), El, dtype, dispatch,
                                                  cf, recv_e >= 0, bound, unroll, blocks_per_expert=4)
-        back = a2a(y_recv.astype(jnp.float32))
-        y = jnp.zeros((Tl + 1, back.shape[-1]), jnp.float32).at[src].add(back)[:Tl]
+        back = a2a(y_recv.astype(dtype))  # the weighted sums travel back in the compute dtype (and their cotangents)
+        y = jnp.zeros((Tl + 1, back.shape[-1]), jnp.float32).at[src].add(back.astype(jnp.float32))[:Tl]
         unsent = jnp.sum(hits & ~sent[:, None, :])  # slots of rows past R
         return y, unsent + dropped_recv
 

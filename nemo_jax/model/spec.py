@@ -33,6 +33,7 @@ from nemo_jax.config.model import NemotronHConfig
 from nemo_jax.paramspec import Init, ParamSpec  # noqa: F401  (re-exported: the model's spec type)
 
 EMBEDDING_AXES = ("vocab", "embed")  # the token embedding table [V, D]
+LM_HEAD_AXES = ("embed", "vocab")  # the lm_head kernel [D, V]
 
 def _normal(std: float) -> Init:
     return lambda key, shape, dtype: (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
@@ -145,7 +146,7 @@ def param_specs(cfg: NemotronHConfig) -> dict:
         "embeddings": {"embedding": ParamSpec((V, D), EMBEDDING_AXES, _normal(std))},
         "layers": layer_stack_specs(cfg, cfg.layer_kinds),
         "norm_f": norm(D),
-        "lm_head": dense(D, V, "embed", "vocab", std),
+        "lm_head": dense(D, V, *LM_HEAD_AXES, std),
     }
     if cfg.num_nextn_predict_layers:
         specs["mtp"] = [mtp_specs(cfg) for _ in range(cfg.num_nextn_predict_layers)]

@@ -44,7 +44,7 @@ def make_learner_grads(cfg, opts: Options, loss_cfg: PolicyLossConfig, grad_accu
                             ref_logprobs=ref, ref_kl_coef=c.ref_kl_coef)
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
-    return lambda params, frozen, batch: accumulate(grad_fn, params, frozen, batch, grad_accum)
+    return lambda params, frozen, batch: accumulate(grad_fn, params, frozen, batch, grad_accum, opts.dtype)
 
 
 def make_learner_step(cfg, opts: Options, tx, sched, loss_cfg: PolicyLossConfig, grad_accum: int = 1,

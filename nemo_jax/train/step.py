@@ -8,10 +8,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from nemo_jax.model.layers import chunked_cross_entropy
+from nemo_jax.model.layers import cross_entropy
 from nemo_jax.model.model import Options, hidden_states, input_embeddings, mtp_hidden
 from nemo_jax.model.vision import LAYOUT_KEYS
-from nemo_jax.parallel.mesh import context_shards, row_shards
 
 
 class TrainState(NamedTuple):
@@ -51,30 +50,16 @@ def compute_weights(params, dtype):
     return jax.tree_util.tree_map_with_path(cast, params)
 
 
-def whole_head(head: dict, mesh) -> dict:
-    """The lm_head with its hidden dim gathered once per micro-batch (FSDP), its vocab dim on `tensor`: used
-    inside the CE chunk loop as stored, GSPMD re-gathered it for every chunk (forward, recompute, backward)."""
-    if mesh is None:
-        return head
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    V, t = head["kernel"].shape[1], mesh.shape.get("tensor", 1)
-    spec = P(None, "tensor" if t > 1 and V % t == 0 else None)
-    return dict(head, kernel=jax.lax.with_sharding_constraint(head["kernel"], NamedSharding(mesh, spec)))
-
-
 def token_nll(params, batch, cfg, opts: Options, temperature: float = 1.0):
-    """-> (nll [b, T] = -log softmax(logits / temperature)[target], h, lm_head, aux): the model's per-token
-    loss on batch tokens/targets/segment_ids [b, T], the vocabulary projected in chunks (never all logits)."""
+    """-> (nll [b, T] = -log softmax(logits / temperature)[target], h, aux): the model's per-token loss on batch
+    tokens/targets/segment_ids [b, T], the vocabulary projected in chunks per device (never all logits)."""
     params = compute_weights(params, opts.dtype)
-    head = whole_head(params["lm_head"], opts.mesh)
     emb = batch_embeddings(params, batch, cfg, opts)
     h, aux = hidden_states(params, batch["tokens"], cfg, batch["segment_ids"], opts=opts, embeddings=emb)
     if emb is not None:
         aux["embeddings"] = emb
-    nll = chunked_cross_entropy(h, head, batch["targets"], row_shards=row_shards(opts.mesh, h.shape[0]),
-                                temperature=temperature, seq_shards=context_shards(opts.mesh, h.shape[1]))
-    return nll, h, head, aux
+    nll = cross_entropy(h, params["lm_head"], batch["targets"], mesh=opts.mesh, temperature=temperature)
+    return nll, h, aux
 
 
 def batch_embeddings(params, batch, cfg, opts: Options):
@@ -89,9 +74,8 @@ def batch_embeddings(params, batch, cfg, opts: Options):
 def token_loss(params, batch, cfg, opts: Options, mtp_coef: float = 0.0):
     """-> (sum of masked NLL, aux). batch: tokens/targets/loss_mask/segment_ids [b, T]."""
     params = compute_weights(params, opts.dtype)  # once (token_nll's cast is then a no-op)
-    nll, h, head, aux = token_nll(params, batch, cfg, opts)
+    nll, h, aux = token_nll(params, batch, cfg, opts)
     emb = aux.pop("embeddings", None)  # image features at their placeholders: the MTP heads see them too
-    rows = row_shards(opts.mesh, h.shape[0])
     mask = batch["loss_mask"].astype(jnp.float32)
     total = jnp.sum(nll * mask)
     if mtp_coef and cfg.num_nextn_predict_layers and "mtp" in params:
@@ -101,8 +85,7 @@ def token_loss(params, batch, cfg, opts: Options, mtp_coef: float = 0.0):
             tgt = jnp.pad(batch["targets"][:, 1 + d:], ((0, 0), (0, 1 + d)))
             m = jnp.pad(batch["loss_mask"][:, 1 + d:], ((0, 0), (0, 1 + d))) & (
                 jnp.pad(seg[:, 1 + d:], ((0, 0), (0, 1 + d))) == seg)
-            mnll = chunked_cross_entropy(hm, head, tgt, row_shards=rows,
-                                         seq_shards=context_shards(opts.mesh, hm.shape[1]))
+            mnll = cross_entropy(hm, params["lm_head"], tgt, mesh=opts.mesh)
             aux[f"mtp{d}_nll_sum"] = jnp.sum(mnll * m)
             total = total + mtp_coef * aux[f"mtp{d}_nll_sum"]
     return total, aux
@@ -123,23 +106,36 @@ def combine_stat(key: str):
     return jnp.maximum if key.endswith("_max") else jnp.minimum if key.endswith("_min") else jnp.add
 
 
-def accumulate(grad_fn, params, frozen, batch, n: int):
-    """Run grad_fn(params, frozen, micro_batch) -> ((loss, stats), grads) over n micro-batches of `batch` in one
-    scan -> ((summed loss, stats), summed grads). Stats are summed, except keys ending in `_max` / `_min`."""
+def accumulate(grad_fn, params, frozen, batch, n: int, dtype=jnp.float32):
+    """Run grad_fn(params, frozen, micro_batch) -> ((loss, stats), grads) over n micro-batches of `batch` ->
+    ((summed loss, stats), summed grads in the params' dtypes). Stats are summed, except keys ending in `_max` /
+    `_min`.
+
+    The matmul weights are cast to the compute `dtype` once, before the micro-batches (`compute_weights`), and
+    the gradients are taken with respect to those copies: the fp32 masters never enter the micro-batch loop
+    (as loop-invariant operands of a scan XLA copied them, in fp32, 7.4 GiB per device for Super), and each
+    weight gradient leaves its matmul, and its reduce-scatter, in `dtype`. The micro-batch gradients add up in
+    fp32. One micro-batch runs without a loop (no accumulator at all)."""
+    wp = compute_weights(params, dtype)
+    to_master = lambda g: jax.tree.map(lambda a, p: a.astype(p.dtype), g, params)  # noqa: E731
+    if n == 1:
+        out, g = grad_fn(wp, frozen, batch)
+        return out, to_master(g)
     micro = split_micro(batch, n)
-    (_, stats0), _ = jax.eval_shape(grad_fn, params, frozen, jax.tree.map(lambda x: x[0], micro))
+    (_, stats0), _ = jax.eval_shape(grad_fn, wp, frozen, jax.tree.map(lambda x: x[0], micro))
     init = jax.tree_util.tree_map_with_path(
         lambda path, s: jnp.full(s.shape, {jnp.maximum: -jnp.inf, jnp.minimum: jnp.inf}.get(
             combine_stat(path[-1].key), 0), s.dtype), stats0)
 
     def acc(carry, mb):
         (l_sum, st_sum), g_sum = carry
-        (l, st), g = grad_fn(params, frozen, mb)
+        (l, st), g = grad_fn(wp, frozen, mb)
         st_sum = {k: combine_stat(k)(st_sum[k], v) for k, v in st.items()}
-        return ((l_sum + l, st_sum), jax.tree.map(jnp.add, g_sum, g)), None
+        return ((l_sum + l, st_sum), jax.tree.map(lambda a, b: a + b.astype(a.dtype), g_sum, g)), None
 
-    out, _ = jax.lax.scan(acc, ((jnp.zeros((), jnp.float32), init), jax.tree.map(jnp.zeros_like, params)), micro)
-    return out
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.promote_types(p.dtype, jnp.float32)), params)
+    (out, g), _ = jax.lax.scan(acc, ((jnp.zeros((), jnp.float32), init), zeros), micro)
+    return out, to_master(g)
 
 
 def apply_update(state: TrainState, grads, objective, tx, post=None):
@@ -185,7 +181,7 @@ def make_train_step(cfg, opts: Options, tx, sched, ocfg, grad_accum: int = 1, co
     def step(state: TrainState, batch, frozen=None):
         n_tokens = jnp.maximum(jnp.sum(batch["loss_mask"]).astype(jnp.float32), 1.0)
         (loss, st), grads = accumulate(lambda p, f, mb: grad_fn(p, f, mb, n_tokens), state.params, frozen, batch,
-                                       grad_accum)
+                                       grad_accum, opts.dtype)
         post = None
         if n_moe and ocfg.bias_update_rate and combine is None:  # a frozen base keeps its router bias
             post = lambda p: _update_correction_bias(p, st["load"], ocfg.bias_update_rate)  # noqa: E731
