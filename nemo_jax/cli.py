@@ -8,7 +8,7 @@ import os
 import sys
 
 from nemo_jax.extras import MissingDependency
-from nemo_jax.hostmem import choose_platforms, keep_freed_memory, tune_xla_cpu
+from nemo_jax.hostmem import choose_platforms, keep_freed_memory, tune_xla_cpu, tune_xla_gpu
 
 
 def _dtype(name: str | None):
@@ -346,6 +346,7 @@ def main(argv=None):
     choose_platforms()  # before cpu_only() is asked and before jax starts
     keep_freed_memory()  # CPU-only processes: see nemo_jax.hostmem
     tune_xla_cpu()
+    tune_xla_gpu()
     try:
         args.fn(args)
     except (ValueError, FileNotFoundError, MissingDependency) as e:

@@ -110,3 +110,40 @@ def tune_xla_cpu() -> bool:
         return False
     os.environ["XLA_FLAGS"] = f"{flags} {YNN_SETTING}".strip()
     return True
+
+
+# XLA:GPU settings for training steps on H100 / H200 / B200 (NVLink inside a node, InfiniBand or RoCE between
+# nodes). The `nemo-jax` command adds them on a GPU host (`tune_xla_gpu`) and `nemo-jax plan --target gpu` compiles
+# with them, so a plan is the program a cluster runs; the launchers leave them to the command.
+GPU_XLA_FLAGS = (
+    "--xla_gpu_enable_latency_hiding_scheduler=true",  # overlap FSDP all-gathers / reduce-scatters with compute
+    "--xla_gpu_enable_triton_gemm=false",  # cuBLAS GEMMs (Triton's gemm fusions found no tiling for the fp32
+    #                                        HIGHEST-precision SSD segment sums: "Couldn't find output tile sizes")
+    "--xla_gpu_enable_command_buffer=",  # no CUDA graphs: they pin memory and hurt with the MoE dispatch
+    "--xla_gpu_all_reduce_combine_threshold_bytes=134217728",  # combine small collectives (128 MiB)
+    "--xla_gpu_all_gather_combine_threshold_bytes=134217728",
+    "--xla_gpu_reduce_scatter_combine_threshold_bytes=134217728",
+)
+
+
+def gpu_host() -> bool:
+    """Whether jax will run on NVIDIA GPUs (decided without importing jax)."""
+    platforms = os.environ.get("JAX_PLATFORMS", "").strip()
+    if platforms:
+        return platforms.split(",")[0].strip() in ("cuda", "gpu")
+    return (any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin"))
+            and os.path.exists("/dev/nvidiactl"))
+
+
+def tune_xla_gpu(force: bool = False) -> bool:
+    """Add GPU_XLA_FLAGS to XLA_FLAGS (each unless XLA_FLAGS sets that flag already) where jax will use GPUs, or
+    always with `force` (a deviceless GPU compile). Returns whether they are in effect; must run before jax starts
+    its backends."""
+    if not (force or gpu_host()) or "jax" in sys.modules and not force:
+        return False
+    flags = os.environ.get("XLA_FLAGS", "")
+    have = {f.split("=")[0] for f in flags.split()}
+    add = [f for f in GPU_XLA_FLAGS if f.split("=")[0] not in have]
+    os.environ["XLA_FLAGS"] = " ".join([flags] + add).strip()
+    return True
+

@@ -103,3 +103,20 @@ def test_xla_cpu_setting_applies_and_keeps_values():
     assert _xla_probe("tune", XLA_FLAGS=own)[:2] == ("False", own)
     if hostmem.YNN_SETTING not in os.environ.get("XLA_FLAGS", "").split():
         assert hostmem.tune_xla_cpu() is False  # too late: this process imported jax
+
+
+def test_gpu_flags_added_once_and_user_flags_win(monkeypatch):
+    """On a GPU host (or for a deviceless GPU compile) the command adds the XLA:GPU flags the launchers used to
+    set (latency-hiding scheduler, collective combining); a flag the user set in XLA_FLAGS keeps its value."""
+    from nemo_jax import hostmem
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=true")
+    assert hostmem.tune_xla_gpu(force=True)
+    flags = os.environ["XLA_FLAGS"].split()
+    assert "--xla_gpu_enable_latency_hiding_scheduler=true" in flags
+    assert "--xla_gpu_enable_triton_gemm=true" in flags and "--xla_gpu_enable_triton_gemm=false" not in flags
+    hostmem.tune_xla_gpu(force=True)
+    assert os.environ["XLA_FLAGS"].split() == flags  # idempotent
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.setenv("XLA_FLAGS", "")
+    assert not hostmem.tune_xla_gpu() and os.environ["XLA_FLAGS"] == ""  # a CPU process is left alone

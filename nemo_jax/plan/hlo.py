@@ -28,10 +28,12 @@ ELEMENTWISE = {"add", "subtract", "multiply", "divide", "maximum", "minimum", "c
                "round-nearest-afz", "atan2", "shift-left", "shift-right-logical", "shift-right-arithmetic"}
 TRANSCENDENTAL = {"exponential", "log", "tanh", "logistic", "sqrt", "rsqrt", "cbrt", "sine", "cosine", "tan",
                   "exponential-minus-one", "log-plus-one", "power", "erf"}
-COLLECTIVES = {"all-reduce": "all-reduce", "all-reduce-start": "all-reduce", "all-gather": "all-gather",
-               "all-gather-start": "all-gather", "reduce-scatter": "reduce-scatter", "all-to-all": "all-to-all",
-               "collective-permute": "collective-permute", "collective-permute-start": "collective-permute",
-               "ragged-all-to-all": "all-to-all"}
+COLLECTIVES = {"all-reduce": "all-reduce", "all-gather": "all-gather", "reduce-scatter": "reduce-scatter",
+               "all-to-all": "all-to-all", "collective-permute": "collective-permute", "ragged-all-to-all": "all-to-all"}
+COLLECTIVES.update({k + "-start": v for k, v in list(COLLECTIVES.items())})  # async forms (XLA:GPU, TPU)
+# library matmuls XLA:GPU emits as custom calls (with triton gemm fusions off, or for the shapes cuBLAS wins):
+# their backend_config carries the dot's dimension numbers
+GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8", "__cudnn$matmul")
 
 
 def _arrays(type_str: str) -> list[tuple[str, tuple[int, ...]]]:
@@ -56,6 +58,7 @@ class Instr:
     opcode: str
     operands: list[str]
     attrs: str
+    literal: str = ""  # the text inside the parentheses (a constant's value)
 
 
 @dataclass
@@ -81,14 +84,14 @@ class HloCost:
         return out
 
 
-def _split_operands(s: str) -> tuple[list[str], str]:
-    """The text after 'opcode(' -> (operand names, attribute text after the closing paren)."""
+def _split_operands(s: str) -> tuple[list[str], str, str]:
+    """The text after 'opcode(' -> (operand names, attribute text after the closing paren, the text inside)."""
     depth, i = 1, 0
     while i < len(s) and depth:
         depth += {"(": 1, ")": -1}.get(s[i], 0)
         i += 1
     inner, attrs = s[:i - 1], s[i:]
-    return re.findall(r"%([\w.\-]+)", inner), attrs
+    return re.findall(r"%([\w.\-]+)", inner), attrs, inner
 
 
 def parse_module(text: str) -> tuple[dict[str, list[Instr]], dict[str, dict[str, str]], str]:
@@ -114,8 +117,8 @@ def parse_module(text: str) -> tuple[dict[str, list[Instr]], dict[str, dict[str,
         m = _INSTR.match(line)
         if m:
             name, typ, opcode, rest = m.groups()
-            operands, attrs = _split_operands(rest)
-            comps[cur].append(Instr(name, typ, opcode, operands, attrs))
+            operands, attrs, inner = _split_operands(rest)
+            comps[cur].append(Instr(name, typ, opcode, operands, attrs, inner))
             types[cur][name] = typ
     if entry is None:
         raise ValueError("HLO text without an ENTRY computation")
@@ -130,6 +133,78 @@ def _called(attrs: str, key: str) -> list[str]:
 def _trip_count(attrs: str) -> int | None:
     m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', attrs)
     return int(m.group(1)) if m else None
+
+
+def _constant(comps, comp: str, name: str, depth: int = 0):
+    """The integer value of `name` in `comp` when it is a constant (through copies / converts), else None."""
+    ins = next((i for i in comps.get(comp, ()) if i.name == name), None)
+    if ins is None or depth > 4:
+        return None
+    if ins.opcode == "constant":
+        return int(ins.literal) if re.fullmatch(r"-?\d+", ins.literal.strip()) else None
+    if ins.opcode in ("copy", "convert", "bitcast") and ins.operands:
+        return _constant(comps, comp, ins.operands[0], depth + 1)
+    return None
+
+
+def _inferred_trip_count(comps, comp: str, ins) -> int | None:
+    """A while loop's trip count when XLA did not annotate it (libtpu leaves many unannotated): the condition
+    compares a counter (tuple element i) with a constant bound, the body adds a constant step to it, and the
+    loop's init tuple starts it at a constant (`for i in range(lo, hi, step)`); None when the loop is not of
+    that form."""
+    cond, body = (_called(ins.attrs, k) for k in ("condition", "body"))
+    if not cond or not body or cond[0] not in comps or body[0] not in comps:
+        return None
+    root = next((i for i in comps[cond[0]] if i.opcode == "compare"), None)
+    if root is None or len(root.operands) != 2:
+        return None
+    d = re.search(r"direction=(\w+)", root.attrs)
+    by_name = {i.name: i for i in comps[cond[0]]}
+    gte = by_name.get(root.operands[0])
+    bound = _constant(comps, cond[0], root.operands[1])
+    if gte is None or gte.opcode != "get-tuple-element" or bound is None or not d or d.group(1) not in ("LT", "LE"):
+        return None
+    idx = int(re.search(r"index=(\d+)", gte.attrs).group(1))
+    # the counter's step: body root tuple element idx = add(get-tuple-element(param, idx), constant)
+    broot = next((i for i in reversed(comps[body[0]]) if i.opcode == "tuple"), None)
+    step = 1
+    if broot is not None and idx < len(broot.operands):
+        bnames = {i.name: i for i in comps[body[0]]}
+        upd = bnames.get(broot.operands[idx])
+        if upd is not None and upd.opcode == "add":
+            consts = [_constant(comps, body[0], o) for o in upd.operands]
+            step = next((c for c in consts if c), 1)
+    init_tuple = next((i for i in comps[comp] if ins.operands and i.name == ins.operands[0]), None)
+    start = 0
+    if init_tuple is not None and init_tuple.opcode == "tuple" and idx < len(init_tuple.operands):
+        start = _constant(comps, comp, init_tuple.operands[idx])
+        if start is None:
+            return None
+    hi = bound + (1 if d.group(1) == "LE" else 0)
+    return max(0, -(-(hi - start) // max(step, 1)))
+
+
+def _conv_flops(ins, ty) -> float:
+    """2 x output elements x (input features x window) per output element: the rhs dims labelled `i` (input
+    feature) or with a digit (spatial window) in dim_labels (e.g. bf_io->bf for a dot, b01f_01io->b01f)."""
+    m = re.search(r"dim_labels=[^_]+_([^-]+)->", ins.attrs)
+    rhs = _arrays(ty.get(ins.operands[1], "")) if len(ins.operands) > 1 else []
+    if not m or not rhs or len(m.group(1)) != len(rhs[0][1]):
+        return 0.0
+    k = math.prod(n for lab, n in zip(m.group(1), rhs[0][1]) if lab == "i" or lab.isdigit())
+    return 2.0 * _elements(ins.type) * k
+
+
+def _gemm_flops(ins, ty) -> float:
+    """2 x output elements x contracted elements of a library matmul custom call (dimension numbers in its
+    backend_config); its output is the first array of the result tuple."""
+    m = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', ins.attrs)
+    lhs = _arrays(ty.get(ins.operands[0], "")) if ins.operands else []
+    if not m or not lhs:
+        return 0.0
+    k = math.prod(lhs[0][1][int(d)] for d in re.findall(r"\d+", m.group(1)))
+    out = _arrays(ins.type)
+    return 2.0 * math.prod(out[0][1]) * k if out else 0.0
 
 
 def replica_groups(attrs: str, n_devices: int) -> list[list[int]]:
@@ -205,10 +280,16 @@ def analyse(text: str, n_devices: int) -> HloCost:
             elif op == "reduce":
                 n_in = sum(_elements(ty.get(o, "")) for o in ins.operands[:max(1, len(ins.operands) // 2)])
                 flops += max(0, n_in - _elements(ins.type))
+            elif op == "convolution":  # libtpu lowers dots to convolutions (dim_labels=bf_io->bf, ...)
+                flops += _conv_flops(ins, ty)
+            elif op == "custom-call" and any(f'custom_call_target="{t}"' in ins.attrs for t in GEMM_TARGETS):
+                flops += _gemm_flops(ins, ty)
             elif op in ("fusion", "call", "async-start", "custom-call"):
                 sub(_called(ins.attrs, "calls") + _called(ins.attrs, "to_apply"))
             elif op == "while":
                 n = _trip_count(ins.attrs)
+                if n is None:
+                    n = _inferred_trip_count(comps, comp, ins)
                 if n is None:
                     cost.unknown_trip_counts += 1
                     n = 1

@@ -66,15 +66,31 @@ def _spans_nodes(groups, per_node: int | None) -> bool:
     return per_node is not None and any(len({d // per_node for d in g}) > 1 for g in groups)
 
 
+# Which collectives a step can hide behind compute: the weights' all-gathers (FSDP, prefetched a layer ahead by
+# XLA's latency-hiding scheduler) and the gradients' reduce-scatters (issued as each layer's backward ends). The
+# rest sit on the critical path: an all-to-all's result (the MoE dispatch), a tensor-parallel all-reduce or a
+# context-parallel permute is needed by the very next op.
+OVERLAPPABLE = ("all-gather", "reduce-scatter")
+
+
 def roofline(flops: float, collectives, kind: DeviceKind) -> dict:
-    """-> seconds for compute, collectives, and the step with / without overlap."""
-    comm = 0.0
+    """-> seconds: `compute` (FLOPs at the dense bf16 peak), `collectives` (every collective at its link's ring
+    bandwidth), `exposed` (the critical-path collectives, plus the overlappable ones that outlast the compute),
+    `overlapped` (communication hidden behind compute), `with_overlap` (the step: compute + exposed) and
+    `without_overlap` (compute + every collective, nothing hidden)."""
+    hidden = path = 0.0
     for c in collectives:
         bw = kind.inter_bw if _spans_nodes(c.groups, kind.per_node) else kind.intra_bw
-        comm += c.count * c.bytes * _TRAFFIC[c.kind](max(c.group, 1)) / bw
+        t = c.count * c.bytes * _TRAFFIC[c.kind](max(c.group, 1)) / bw
+        if c.kind in OVERLAPPABLE:
+            hidden += t
+        else:
+            path += t
     compute = flops / kind.peak
-    return {"compute": compute, "collectives": comm, "with_overlap": max(compute, comm),
-            "without_overlap": compute + comm}
+    overlapped = min(compute, hidden)
+    exposed = path + hidden - overlapped
+    return {"compute": compute, "collectives": hidden + path, "exposed": exposed, "overlapped": overlapped,
+            "with_overlap": compute + exposed, "without_overlap": compute + hidden + path}
 
 
 def analyse_compiled(compiled, n_devices: int, kind: DeviceKind, inputs: dict, model_flops: float,
