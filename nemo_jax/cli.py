@@ -165,11 +165,19 @@ def cmd_eval(a):
 
 
 def cmd_plan(a):
+    from nemo_jax.plan.plan import default_target, native_target
+
+    a.target = a.target or default_target(a.device_kind)
+    if a.target != "cpu" and native_target(a.device_kind) != a.target:
+        raise ValueError(f"--target {a.target} cannot compile for --device-kind {a.device_kind} (its target is "
+                         f"{native_target(a.device_kind)}, or cpu for an estimate)")
+    if a.target == "gpu":
+        tune_xla_gpu(force=True)  # the flags a GPU run sets (nemo_jax.hostmem.GPU_XLA_FLAGS): the same program
     import jax
 
     jax.config.update("jax_platforms", "cpu")
     try:  # the simulated devices: possible only before jax starts its backends (plan then says how many it has)
-        jax.config.update("jax_num_cpu_devices", a.devices)
+        jax.config.update("jax_num_cpu_devices", a.devices if a.target == "cpu" else 1)
     except RuntimeError as e:
         print(f"note: {e}", file=sys.stderr)
     from nemo_jax.plan import cli_plan
@@ -232,7 +240,12 @@ def build_parser() -> argparse.ArgumentParser:
                        "simulated devices (ahead-of-time compile on this CPU machine)")
     s.add_argument("--config", default=None, help="SFT YAML config (default: the embedded tiny CPU config)")
     s.add_argument("--devices", type=int, required=True, help="number of devices of the job")
-    s.add_argument("--device-kind", required=True, choices=("h100", "h200", "b200", "tpu-v5p"))
+    s.add_argument("--device-kind", required=True, choices=("h100", "h200", "b200", "tpu-v5p", "tpu-v5e", "tpu-v6e"))
+    s.add_argument("--target", choices=("gpu", "tpu", "cpu"), default=None,
+                   help="compiler: the device kind's own (gpu: XLA:GPU via jax-cuda12-plugin, tpu: libtpu; "
+                        "deviceless) or cpu (simulated CPU devices, an estimate); default: the kind's own when "
+                        "nemo_jax[plan-gpu] / [plan-tpu] is installed, else cpu")
+    s.add_argument("--jobs", type=int, default=1, help="--search: compile this many candidates at once")
     s.add_argument("--mesh", default=None, help="mesh preset YAML or sizes like fsdp=8,expert=8")
     s.add_argument("--json", action="store_true", help="print every figure as JSON (stable keys)")
     s.add_argument("--search", action="store_true", help="try mesh shapes and remat policies, rank those that fit")

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import sys
 
-from nemo_jax.plan.plan import (DEVICE_KINDS, ESTIMATES, format_plan, format_search, plan_sampler, plan_sft,  # noqa: F401
-                                search)
+from nemo_jax.plan.plan import (DEVICE_KINDS, ESTIMATES, TARGET_NOTE, default_target, format_plan,  # noqa: F401
+                                format_search, plan_sampler, plan_sft, search)
 
 # the keys every `--json` plan carries at its top level (those of the training step)
 PLAN_KEYS = ("fits", "per_device_bytes", "flops_per_step", "model_flops_per_step", "collective_bytes",
@@ -19,11 +19,14 @@ def cli_plan(a, overrides: list[str]) -> dict:
 
     c = load_sft_config(a.config, overrides)
     kind = DEVICE_KINDS[a.device_kind]
+    target = a.target
     say = (lambda *x: print(*x, file=sys.stderr)) if a.json else print
     head = {"config": a.config or "embedded tiny CPU config", "devices": a.devices, "device_kind": a.device_kind,
+            "target": target, "target_note": TARGET_NOTE[target], "estimate": target == "cpu",
             "headroom": a.headroom, "estimates": ESTIMATES}
+    say(f"plan: {a.devices} x {kind.name}, target {target} ({TARGET_NOTE[target]})")
     if a.search:
-        rows = search(c, a.devices, kind, a.max_candidates, a.headroom, progress=say)
+        rows = search(c, a.devices, kind, a.max_candidates, a.headroom, progress=say, target=target, jobs=a.jobs)
         out = {**head, "candidates": rows, "best": rows[0] if rows and rows[0]["fits"] else None}
         if a.json:
             print(json.dumps(out, indent=1))
@@ -32,10 +35,10 @@ def cli_plan(a, overrides: list[str]) -> dict:
             if out["best"] is None:
                 print("no candidate fits: try more devices, a smaller data.batch_size or more optim.grad_accum")
         return out
-    programs = [plan_sft(c, a.devices, kind, a.headroom)]
+    programs = [plan_sft(c, a.devices, kind, a.headroom, target)]
     if a.sampler:
         programs += plan_sampler(c, a.devices, kind, a.rollout_batch or c.data.batch_size,
-                                 a.context or c.data.seq_len, a.headroom)
+                                 a.context or c.data.seq_len, a.headroom, target)
     out = {**head, **{k: programs[0][k] for k in PLAN_KEYS}, "fits_all": all(p["fits"] for p in programs),
            "programs": programs}
     if a.json:

@@ -35,14 +35,33 @@ class DeviceKind:
     intra_bw: float  # bytes/s per device, one direction, inside a node (NVLink) or a slice (ICI)
     inter_bw: float  # bytes/s per device between nodes (InfiniBand); unused when a slice is one ICI domain
     per_node: int | None  # devices per node (None: every device on one ICI domain)
+    key: str = ""  # its name in DEVICE_KINDS
 
 
 DEVICE_KINDS = {
-    "h100": DeviceKind("H100 SXM 80GB", 79.1 * GiB, 989e12, 450e9, 50e9, 8),
-    "h200": DeviceKind("H200 SXM 141GB", 139.8 * GiB, 989e12, 450e9, 50e9, 8),
-    "b200": DeviceKind("B200 180GB", 178.4 * GiB, 2250e12, 900e9, 50e9, 8),
-    "tpu-v5p": DeviceKind("TPU v5p", 95.0 * GiB, 459e12, 200e9, 200e9, None),
+    "h100": DeviceKind("H100 SXM 80GB", 79.1 * GiB, 989e12, 450e9, 50e9, 8, "h100"),
+    "h200": DeviceKind("H200 SXM 141GB", 139.8 * GiB, 989e12, 450e9, 50e9, 8, "h200"),
+    "b200": DeviceKind("B200 180GB", 178.4 * GiB, 2250e12, 900e9, 50e9, 8, "b200"),
+    "tpu-v5p": DeviceKind("TPU v5p", 95.0 * GiB, 459e12, 200e9, 200e9, None, "tpu-v5p"),
+    "tpu-v5e": DeviceKind("TPU v5e", 15.75 * GiB, 197e12, 100e9, 100e9, None, "tpu-v5e"),
+    "tpu-v6e": DeviceKind("TPU v6e", 31.25 * GiB, 918e12, 224e9, 224e9, None, "tpu-v6e"),
 }
+# the compiler a plan's program is compiled by: the device kind's own (XLA:GPU through jax-cuda12-plugin, libtpu)
+# without the device (`nemo_jax.plan.targets`), or XLA:CPU on simulated devices (an estimate: it computes bf16
+# matmuls and every collective in fp32 and schedules and fuses differently)
+TARGETS = ("gpu", "tpu", "cpu")
+
+
+def native_target(device_kind: str) -> str:
+    return "tpu" if device_kind.startswith("tpu") else "gpu"
+
+
+def default_target(device_kind: str) -> str:
+    """The device kind's real backend when its compile-only plugin is installed, else "cpu"."""
+    from nemo_jax.plan.targets import plugin_installed
+
+    t = native_target(device_kind)
+    return t if plugin_installed(t) else "cpu"
 # ring algorithms: bytes each device sends per byte of the collective's buffer, for a group of n
 _TRAFFIC = {"all-reduce": lambda n: 2 * (n - 1) / n, "all-gather": lambda n: (n - 1) / n,
             "reduce-scatter": lambda n: (n - 1) / n, "all-to-all": lambda n: (n - 1) / n,
@@ -133,7 +152,15 @@ def model_config(c):
     return NemotronHConfig.from_file(model_config_path(c.model.config))
 
 
-def _devices(n: int):
+def _devices(n: int, target: str = "cpu", device_kind: str = "h100"):
+    """n devices to compile for: compile-only devices of the target (gpu / tpu), or simulated CPU devices."""
+    if target != "cpu":
+        from nemo_jax.plan.targets import get_topology
+
+        if native_target(device_kind) != target:
+            raise ValueError(f"--target {target} cannot compile for device kind {device_kind!r} "
+                             f"(its target is {native_target(device_kind)}, or cpu)")
+        return get_topology(target, device_kind, n)
     devs = jax.devices("cpu")
     if len(devs) < n:
         raise RuntimeError(f"plan: {n} simulated devices asked, but jax started with {len(devs)} CPU devices; run "
@@ -147,15 +174,75 @@ def _per_node(c, kind: DeviceKind, n: int) -> int:
     return c.mesh.devices_per_node or (kind.per_node if kind.per_node and n % kind.per_node == 0 else 0)
 
 
-def plan_sft(c, n_devices: int, kind: DeviceKind, headroom: float = 0.1) -> dict:
-    """Compile the config's SFT (or LoRA SFT) step for n_devices simulated devices and report its figures."""
+def _code_version() -> str:
+    """A hash of the nemo_jax sources: a cached plan is reused only by the code that made it."""
+    import hashlib
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    h = hashlib.sha256(jax.__version__.encode())
+    for d, _, files in sorted(os.walk(root)):
+        for f in sorted(files):
+            if f.endswith((".py", ".txtpb")):
+                with open(os.path.join(d, f), "rb") as fh:
+                    h.update(f.encode() + fh.read())
+    return h.hexdigest()[:16]
+
+
+def cache_dir() -> str:
+    return os.environ.get("NEMO_JAX_PLAN_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "nemo_jax", "plans"))
+
+
+def _cached(what: str, key: dict, compute):
+    """compute() -> a JSON-able result, reused from cache_dir() for the same (what, key, code): a plan's figures
+    depend only on the config, the device count and kind, the target and the code."""
+    import hashlib
+    import json
+
+    from nemo_jax.fsutil import atomic_write_text
+
+    digest = hashlib.sha256(json.dumps({"what": what, "code": _code_version(), **key}, sort_keys=True,
+                                       default=str).encode()).hexdigest()[:24]
+    path = os.path.join(cache_dir(), f"{what}-{digest}.json")
+    try:
+        with open(path) as f:
+            out = json.load(f)
+        out["cached"] = True
+        return out
+    except (OSError, ValueError):
+        pass
+    out = compute()
+    try:
+        atomic_write_text(path, json.dumps(out))
+    except OSError:  # a read-only home: plans still work, uncached
+        pass
+    out["cached"] = False
+    return out
+
+
+def _plan_key(c, n_devices: int, kind: DeviceKind, target: str, headroom: float, **extra) -> dict:
+    """What a compiled program depends on: the model, data shape, optimiser, mesh and LoRA sections."""
+    keep = ("model", "data", "optim", "mesh", "lora")
+    return {"config": {k: dataclasses.asdict(c)[k] for k in keep}, "model_config": model_config(c).to_hf_dict(),
+            "n": n_devices, "kind": kind.key or kind.name, "target": target, "headroom": headroom, **extra}
+
+
+def plan_sft(c, n_devices: int, kind: DeviceKind, headroom: float = 0.1, target: str = "cpu",
+             cache: bool = True) -> dict:
+    """Compile the config's SFT (or LoRA SFT) step for n_devices devices of `kind` with the `target`'s compiler
+    (gpu / tpu: deviceless, the real backend; cpu: simulated CPU devices, an estimate) and report its figures.
+    Results are cached by (config, devices, kind, target, code)."""
+    run = lambda: _plan_sft(c, n_devices, kind, headroom, target)  # noqa: E731
+    return _cached("sft", _plan_key(c, n_devices, kind, target, headroom), run) if cache else run()
+
+
+def _plan_sft(c, n_devices: int, kind: DeviceKind, headroom: float, target: str) -> dict:
     from nemo_jax.parallel.mesh import make_mesh
     from nemo_jax.parallel.rules import Rules
     from nemo_jax.train.metrics import model_flops_per_token
     from nemo_jax.train.sft import step_program
 
     cfg = model_config(c)
-    mesh = make_mesh(c.mesh.sizes(), _devices(n_devices), _per_node(c, kind, n_devices))
+    mesh = make_mesh(c.mesh.sizes(), _devices(n_devices, target, kind.key), _per_node(c, kind, n_devices))
     prog = step_program(c, cfg, mesh, Rules())
     state, batch, frozen = prog.abstract_inputs(c.data.batch_size, c.data.seq_len)
     t0 = time.perf_counter()
@@ -169,14 +256,23 @@ def plan_sft(c, n_devices: int, kind: DeviceKind, headroom: float = 0.1) -> dict
     out = analyse_compiled(compiled, n_devices, kind, inputs, model_flops_per_token(cfg, c.data.seq_len) * tokens,
                            trainable_fp32)
     out.update(program="lora_sft_step" if frozen is not None else "sft_step", compile_s=compile_s,
-               tokens_per_step=tokens, mesh=dict(mesh.shape), remat=c.model.remat, grad_accum=c.optim.grad_accum)
+               tokens_per_step=tokens, mesh=dict(mesh.shape), remat=c.model.remat, grad_accum=c.optim.grad_accum,
+               target=target, estimate=target == "cpu", kernels=c.model.kernels)
     out["fits"] = out["per_device_bytes"]["total"] <= (1 - headroom) * kind.memory
     return out
 
 
-def plan_sampler(c, n_devices: int, kind: DeviceKind, batch: int, context: int, headroom: float = 0.1) -> list[dict]:
+def plan_sampler(c, n_devices: int, kind: DeviceKind, batch: int, context: int, headroom: float = 0.1,
+                 target: str = "cpu", cache: bool = True) -> list[dict]:
     """Compile the sampler's prefill (a full `context` prompt) and one-token decode step for `batch` rows,
     with the weights in the compute dtype and the decode state on the mesh."""
+    run = lambda: {"programs": _plan_sampler(c, n_devices, kind, batch, context, headroom, target)}  # noqa: E731
+    key = _plan_key(c, n_devices, kind, target, headroom, rows=batch, context=context)
+    return (_cached("sampler", key, run) if cache else run())["programs"]
+
+
+def _plan_sampler(c, n_devices: int, kind: DeviceKind, batch: int, context: int, headroom: float,
+                  target: str) -> list[dict]:
     from nemo_jax import generate as G
     from nemo_jax.model.cache import state_shapes, state_shardings
     from nemo_jax.model.spec import abstract_params, param_specs
@@ -186,7 +282,7 @@ def plan_sampler(c, n_devices: int, kind: DeviceKind, batch: int, context: int, 
     from nemo_jax.train.sft import options_from
 
     cfg = model_config(c)
-    mesh = make_mesh(c.mesh.sizes(), _devices(n_devices), _per_node(c, kind, n_devices))
+    mesh = make_mesh(c.mesh.sizes(), _devices(n_devices, target, kind.key), _per_node(c, kind, n_devices))
     opts = dataclasses.replace(options_from(c.model, mesh), remat="none")
     sh = param_shardings(param_specs(cfg), mesh, Rules())
     params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, opts.dtype, sharding=s), abstract_params(cfg), sh)
@@ -205,7 +301,7 @@ def plan_sampler(c, n_devices: int, kind: DeviceKind, batch: int, context: int, 
         r = analyse_compiled(compiled, n_devices, kind, {"params": params, "decode_state": st}, fwd_flops)
         tps = batch * length / r["step_time_s"]["with_overlap"] if r["step_time_s"]["with_overlap"] else None
         r.update(program=f"sampler_{name}", compile_s=compile_s, rows=batch, context=context, tokens_per_s=tps,
-                 mesh=dict(mesh.shape))
+                 mesh=dict(mesh.shape), target=target, estimate=target == "cpu")
         r["fits"] = r["per_device_bytes"]["total"] <= (1 - headroom) * kind.memory
         out.append(r)
     return out
@@ -229,54 +325,165 @@ def candidate_meshes(n: int, kind: DeviceKind, n_experts: int) -> list[dict]:
     return out
 
 
+class _MeshShape:
+    """What `Rules.spec` reads of a mesh (its axis sizes), without devices."""
+
+    def __init__(self, sizes: dict):
+        self.shape = sizes
+
+
+def state_lower_bound(c, n_devices: int) -> int:
+    """Bytes per device of the training state alone (trainable params, two Adam moments, one gradient, and a
+    frozen base under LoRA), from the shardings the mesh gives each leaf: no compile. A candidate above the
+    device's memory cannot fit whatever the compiler does."""
+    from nemo_jax.model.spec import ParamSpec, param_specs
+    from nemo_jax.parallel.mesh import resolve_sizes
+    from nemo_jax.parallel.rules import Rules
+
+    cfg = model_config(c)
+    mesh = _MeshShape(resolve_sizes(c.mesh.sizes(), n_devices))
+    rules = Rules()
+
+    def shard(s: ParamSpec, itemsize: int) -> int:
+        spec = rules.spec(s.axes, s.shape, mesh)
+        split = math.prod(math.prod(mesh.shape[a] for a in ((x,) if isinstance(x, str) else x)) for x in spec if x)
+        return math.prod(s.shape) * itemsize // split
+
+    specs = jax.tree.leaves(param_specs(cfg), is_leaf=lambda x: isinstance(x, ParamSpec))
+    if not c.lora.targets:
+        return sum(shard(s, 4 * 4) for s in specs)  # params, mu, nu, gradient: fp32 each
+    base = 2 if c.lora.base_dtype == "bfloat16" else 4
+    return sum(shard(s, base) for s in specs)  # the adapters are small next to the frozen base
+
+
 def search(c, n_devices: int, kind: DeviceKind, max_candidates: int = 12, headroom: float = 0.1,
-           remats=("layer", "save_matmuls", "none"), progress=print) -> list[dict]:
-    """Compile up to `max_candidates` (mesh, remat) variants of the config's step; -> one row each, those that
-    fit first, ranked by the roofline step time with overlap."""
+           remats=("layer", "save_matmuls", "none"), progress=print, target: str = "cpu", jobs: int = 1,
+           grad_accums: tuple[int, ...] | None = None) -> list[dict]:
+    """Try (mesh, remat, grad_accum) variants of the config's step -> one row per compiled candidate, those that
+    fit first, ranked by the roofline step time with overlap. Fewer micro-batches gather every weight and
+    reduce-scatter every gradient fewer times per step (one micro-batch: once) at the price of activation
+    memory; the search tries the config's `optim.grad_accum` and the counts dividing it.
+
+    Candidates whose training state alone (`state_lower_bound`) exceeds the device's memory are dropped before
+    anything compiles; up to `max_candidates` of the rest are compiled, `jobs` at a time (each in its own
+    process), each result cached (`plan_sft`)."""
     from nemo_jax.config.train import MeshSection
+    from nemo_jax.parallel.mesh import batch_shards_of
 
     cfg = model_config(c)
     meshes = candidate_meshes(n_devices, kind, cfg.n_routed_experts if "moe" in cfg.layer_kinds else 0)
-    # cheap order before compiling: fewest tensor-parallel collectives, then most expert parallelism
-    meshes.sort(key=lambda m: (m["tensor"], m["data"], -m["expert"]))
-    first = [(m, remats[0]) for m in meshes]
-    rest = [(m, r) for m in meshes for r in remats[1:]]
-    cands = (first[:max(1, (max_candidates + 1) // 2)] + rest + first[(max_candidates + 1) // 2:])[:max_candidates]
-    rows = []
-    for i, (m, remat) in enumerate(cands):
-        ci = dataclasses.replace(c, mesh=MeshSection(**m), model=dataclasses.replace(c.model, remat=remat))
+    meshes.sort(key=lambda m: (m["tensor"], m["data"], -m["expert"]))  # fewest TP collectives, most EP
+    ga0 = c.optim.grad_accum
+    accums = grad_accums or tuple(a for a in range(1, ga0 + 1) if ga0 % a == 0)[::-1]
+    variants = []
+    for r_i, remat in enumerate(remats):
+        for m in meshes:
+            for ga in accums:
+                if c.data.batch_size % (ga * batch_shards_of(m)):
+                    continue
+                ci = dataclasses.replace(c, mesh=MeshSection(**m), model=dataclasses.replace(c.model, remat=remat),
+                                         optim=dataclasses.replace(c.optim, grad_accum=ga))
+                variants.append((r_i, ci))
+    limit = (1 - headroom) * kind.memory
+    fitting = [(r_i, ci) for r_i, ci in variants if state_lower_bound(ci, n_devices) <= limit]
+    pruned = len(variants) - len(fitting)
+    if pruned:
+        progress(f"{pruned} of {len(variants)} candidates pruned: their training state alone exceeds "
+                 f"{limit / GiB:.1f} GiB per device")
+    fitting.sort(key=lambda x: x[0])  # the first remat policy's candidates first
+    cands = [ci for _, ci in fitting][:max_candidates]
+
+    def one(i_ci):
+        i, ci = i_ci
+        sizes = {k: v for k, v in dataclasses.asdict(ci.mesh).items() if k != "devices_per_node"}
+        label = f"{sizes} remat={ci.model.remat} grad_accum={ci.optim.grad_accum}"
         try:
-            r = plan_sft(ci, n_devices, kind, headroom)
-        except ValueError as e:  # e.g. the batch does not divide over this mesh's batch shards
-            progress(f"[{i + 1}/{len(cands)}] {m} remat={remat}: skipped ({e})")
-            continue
-        rows.append(r)
-        progress(f"[{i + 1}/{len(cands)}] {m} remat={remat}: {r['per_device_bytes']['total'] / GiB:.1f} GiB, "
-                 f"{'fits' if r['fits'] else 'does not fit'}, {r['step_time_s']['with_overlap']:.3f} s "
-                 f"(compile {r['compile_s']:.0f} s)")
+            r = plan_sft(ci, n_devices, kind, headroom, target) if jobs <= 1 else _plan_in_process(
+                ci, n_devices, kind, headroom, target)
+        except ValueError as e:
+            progress(f"[{i + 1}/{len(cands)}] {label}: skipped ({e})")
+            return None
+        how = "cached" if r.get("cached") else f"compiled in {r['compile_s']:.0f} s"
+        progress(f"[{i + 1}/{len(cands)}] {label}: {r['per_device_bytes']['total'] / GiB:.1f} GiB, "
+                 f"{'fits' if r['fits'] else 'does not fit'}, {r['step_time_s']['with_overlap']:.3f} s ({how})")
+        return r
+
+    if jobs <= 1:
+        rows = [one(x) for x in enumerate(cands)]
+    else:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(jobs) as pool:
+            rows = list(pool.map(one, enumerate(cands)))
+    rows = [r for r in rows if r is not None]
     rows.sort(key=lambda r: (not r["fits"], r["step_time_s"]["with_overlap"]))
     return rows
 
 
+def _plan_in_process(c, n_devices: int, kind: DeviceKind, headroom: float, target: str) -> dict:
+    """`plan_sft` in a fresh `nemo-jax plan` process (a compile per process: `--jobs` compiles in parallel, and a
+    CPU plan needs its own simulated device count). The config travels as a resolved YAML file."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+
+    from nemo_jax.config.load import dump_yaml
+
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        f.write(dump_yaml(c))
+    try:
+        cmd = [sys.executable, "-m", "nemo_jax.cli", "plan", "--config", f.name, "--devices", str(n_devices),
+               "--device-kind", kind.key, "--target", target, "--headroom", str(headroom), "--json"]
+        p = subprocess.run(cmd, capture_output=True, text=True)
+    finally:
+        os.unlink(f.name)
+    if p.returncode:
+        raise ValueError(p.stderr.strip().splitlines()[-1] if p.stderr.strip() else f"exit {p.returncode}")
+    return json.loads(p.stdout)["programs"][0]
+
+
 # ----------------------------------------------------------------------------- text
-def _gib(b) -> str:
-    return f"{b / GiB:.2f}"
+def fmt_bytes(b: float) -> str:
+    """Bytes in the unit that shows them: 1.50 GiB, 12.3 MiB, 640 KiB, 96 B."""
+    for unit, size in (("GiB", GiB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(b) >= size:
+            v = b / size
+            return f"{v:.2f} {unit}" if v < 10 else f"{v:.1f} {unit}" if v < 100 else f"{v:.0f} {unit}"
+    return f"{int(b)} B"
+
+
+def fmt_seconds(t: float) -> str:
+    """Seconds in the unit that shows them: 2.35 s, 14.2 ms, 310 us."""
+    for unit, size in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if abs(t) >= size:
+            v = t / size
+            return f"{v:.3g} {unit}"
+    return f"{t * 1e9:.3g} ns" if t else "0 s"
+
+
+TARGET_NOTE = {"gpu": "XLA:GPU deviceless compile", "tpu": "libtpu deviceless compile",
+               "cpu": "XLA:CPU on simulated devices: an estimate (bf16 matmuls and collectives run in fp32 there)"}
 
 
 def format_plan(r: dict, kind: DeviceKind) -> str:
     b = r["per_device_bytes"]
     t, m = r["step_time_s"], r["mfu"]
+    target = r.get("target", "cpu")
+    how = "cached" if r.get("cached") else f"compiled in {r['compile_s']:.1f} s"
     lines = [f"## {r['program']}  mesh {r['mesh']}" + (f"  remat {r['remat']}" if "remat" in r else "")
-             + f"  on {kind.name}  (compiled in {r['compile_s']:.1f} s)",
-             "per device (GiB): " + "  ".join(f"{k} {_gib(v)}" for k, v in b.items() if k != "capacity")
-             + f"  of {_gib(b['capacity'])}  -> " + ("fits" if r["fits"] else "DOES NOT FIT"),
+             + (f"  grad_accum {r['grad_accum']}" if "grad_accum" in r else "")
+             + f"  on {kind.name}  [{TARGET_NOTE[target]}; {how}]",
+             "per device: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in b.items() if k != "capacity")
+             + f" of {fmt_bytes(b['capacity'])} -> " + ("fits" if r["fits"] else "DOES NOT FIT"),
              f"FLOPs per step: {r['flops_per_step']:.3e} per device, {r['flops_per_step_all_devices']:.3e} all devices; "
              f"model {r['model_flops_per_step']:.3e} (ratio {r['flops_ratio']:.2f})" if r["flops_ratio"] else "",
-             "collectives per step per device: " + (", ".join(f"{k} {_gib(v)} GiB" for k, v in
+             "collectives per step per device: " + (", ".join(f"{k} {fmt_bytes(v)}" for k, v in
                                                               sorted(r["collective_bytes"].items())) or "none"),
-             f"step time: compute {t['compute']:.4f} s, collectives {t['collectives']:.4f} s -> "
-             f"{t['with_overlap']:.4f} s overlapped .. {t['without_overlap']:.4f} s serial; "
-             f"MFU {100 * m['with_overlap']:.1f}% .. {100 * m['without_overlap']:.1f}%"]
+             f"step time: compute {fmt_seconds(t['compute'])}, collectives {fmt_seconds(t['collectives'])} of which "
+             f"{fmt_seconds(t['overlapped'])} overlapped and {fmt_seconds(t['exposed'])} exposed -> "
+             f"{fmt_seconds(t['with_overlap'])} (serial {fmt_seconds(t['without_overlap'])}); "
+             f"MFU {100 * m['with_overlap']:.1f}% (serial {100 * m['without_overlap']:.1f}%)"]
     if r.get("tokens_per_s"):
         lines.append(f"rollout tokens/s (roofline): {r['tokens_per_s']:,.0f}")
     if r.get("unknown_loop_trip_counts"):
@@ -285,12 +492,13 @@ def format_plan(r: dict, kind: DeviceKind) -> str:
 
 
 def format_search(rows: list[dict]) -> str:
-    head = "| rank | data | fsdp | tensor | expert | remat | GiB/device | fits | step s (overlap) | step s (serial) | MFU |"
-    out = [head, "|" + "---|" * 11]
+    head = ("| rank | data | fsdp | tensor | expert | remat | grad_accum | memory/device | fits | step (overlap) | "
+            "step (serial) | MFU |")
+    out = [head, "|" + "---|" * 12]
     for i, r in enumerate(rows):
         m = r["mesh"]
         out.append(f"| {i + 1} | {m['data']} | {m['fsdp']} | {m['tensor']} | {m['expert']} | {r['remat']} | "
-                   f"{_gib(r['per_device_bytes']['total'])} | {'yes' if r['fits'] else 'no'} | "
-                   f"{r['step_time_s']['with_overlap']:.3f} | {r['step_time_s']['without_overlap']:.3f} | "
-                   f"{100 * r['mfu']['with_overlap']:.1f}% |")
+                   f"{r.get('grad_accum', 1)} | {fmt_bytes(r['per_device_bytes']['total'])} | "
+                   f"{'yes' if r['fits'] else 'no'} | {fmt_seconds(r['step_time_s']['with_overlap'])} | "
+                   f"{fmt_seconds(r['step_time_s']['without_overlap'])} | {100 * r['mfu']['with_overlap']:.1f}% |")
     return "\n".join(out)
