@@ -31,6 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 NEG = -1e30  # masked logit (model.attention._NEG)
+BLOCK_Q, BLOCK_K = 64, 64  # query rows / keys per block (powers of two >= 16: Triton's dot)
 _FAR = 2 ** 30  # position of padding keys: after every query, so never visited
 
 
@@ -210,12 +211,12 @@ def _flash_bwd(scale, bq, bk, interpret, res, cts):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def flash_attention(q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, scale: float, block_q: int = 64, block_k: int = 64,
-                    interpret: bool = False):
+def flash_attention(q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, scale: float, block_q: int | None = None,
+                    block_k: int | None = None, interpret: bool = False):
     """q [B, H, Lq, D] (rows), k/v [B, Lk, H, D] (as stored), q_pos/q_seg [B, Lq], kv_pos/kv_seg [B, Lk] int32
     (positions nondecreasing) -> (o [B, H, Lq, D] in q.dtype, lse [B, H, Lq] fp32). Differentiable in q, k, v
-    (both outputs). Blocks are powers of two >= 16 (Triton's dot), at most the padded lengths."""
-    bq = min(_pow2(block_q), _pow2(q.shape[2]))
-    bk = min(_pow2(block_k), _pow2(k.shape[1]))
+    (both outputs). Blocks (default BLOCK_Q / BLOCK_K) are powers of two >= 16, at most the padded lengths."""
+    bq = min(_pow2(block_q or BLOCK_Q), _pow2(q.shape[2]))
+    bk = min(_pow2(block_k or BLOCK_K), _pow2(k.shape[1]))
     i32 = lambda a: a.astype(jnp.int32)  # noqa: E731
     return _flash(q, k, v, i32(q_pos), i32(q_seg), i32(kv_pos), i32(kv_seg), float(scale), bq, bk, bool(interpret))

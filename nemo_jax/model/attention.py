@@ -378,7 +378,8 @@ def attention(p: dict, u: jax.Array, cfg, dtype, *, segment_ids=None, cache: KVC
     kernel = lambda op, **facts: "reference" if impl == "full" else kernels.impl(op, **facts)  # noqa: E731
     if cache is None and context_shards(mesh, l) > 1:
         if impl in CONTEXT_FORMS and (l // context_shards(mesh, l)) % 2 == 0:
-            out = CONTEXT_FORMS[impl](q, k, v, segment_ids, dtype, mesh, kernel("context_attention"), kernels.interpret)
+            out = CONTEXT_FORMS[impl](q, k, v, segment_ids, dtype, mesh, kernel("context_attention"),
+                                      kernels.interpret)
         else:
             out = _attend_context(q, k, v, segment_ids, dtype, l if impl == "full" else block, mesh)
         new_cache = None
@@ -392,7 +393,7 @@ def attention(p: dict, u: jax.Array, cfg, dtype, *, segment_ids=None, cache: KVC
     else:
         new_cache = KVCache(k.astype(cache.k.dtype), v.astype(cache.v.dtype))
         kern = kernel("cached_attention")
-        if impl != "full" and l <= block and kern != "reference":  # the cache as stored (slots before pos) + the chunk
+        if impl != "full" and l <= block and kern != "reference":  # the cache as stored (before pos) + the chunk
             before = valid_cache & (jnp.arange(cache.k.shape[1])[None] < pos[:, None])
             out = kernel_attn.cached(q, cache.k.astype(dtype), cache.v.astype(dtype), before, pos, dtype,
                                      new=(k, v, valid), mesh=mesh, interpret=kernels.interpret)

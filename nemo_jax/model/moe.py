@@ -303,7 +303,8 @@ def _buffered_experts(pe, x, w, idx, E: int, dtype, dispatch: str, capacity_fact
     fvalid = None if valid is None else valid.reshape(-1)
     tok = jnp.arange(T * k) // k
     gmm = kernels.impl("experts") if dispatch == "sorted" and not unroll else "reference"
-    fast = dispatch == "sorted" and not unroll and (gmm != "reference" or not any(k.endswith("_lora") for k in pe))
+    lora = any(k.endswith("_lora") for k in pe)
+    fast = dispatch == "sorted" and not unroll and (gmm != "reference" or not lora)
     dest, keep, owners, nb, bs = _slot_layout(flat_e, E, dispatch, capacity_factor, fvalid, max_slots,
                                               blocks_per_expert, padded=not fast)
     # each buffer slot reads its token (the inverse of dest): never materialises x for every slot of the

@@ -113,7 +113,8 @@ def get_topology(target: str, device_kind: str, n: int) -> list:
     target's plugin is not installed."""
     if not plugin_installed(target):
         extra = "plan-gpu" if target == "gpu" else "plan-tpu"
-        raise RuntimeError(f"compiling for {target} needs its plugin: pip install 'nemo_jax[{extra}]' (at jax's version)")
+        raise RuntimeError(f"compiling for {target} needs its plugin: pip install 'nemo_jax[{extra}]' "
+                           "(at jax's version)")
     return list(_topology(target, device_kind, n).devices)[:n]
 
 
