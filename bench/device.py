@@ -79,8 +79,12 @@ def _packed_batch(rng, vocab: int, B: int, T: int):
 
 
 class Bench:
+    """The programs of the table. Each row is prepared (inputs' shapes, the program lowered: Python, in this
+    thread), compiled (in a thread pool: the rows' XLA compiles overlap), then run one row at a time."""
+
     def __init__(self, a):
         import jax
+        from jax.sharding import Mesh
 
         self.a = a
         self.cfg = bench_config(a.tiny)
@@ -91,22 +95,11 @@ class Bench:
             self.device = get_topology("gpu", a.device_kind, 1)[0]
         else:
             self.device = jax.devices()[0]
-        from jax.sharding import Mesh
-
-        self.mesh = Mesh([self.device], ("data",))  # where the programs are compiled for (its platform: kernels)
+        self.mesh = Mesh([self.device], ("data",))  # what the programs are compiled for (its platform: kernels)
 
     # ----------------------------------------------------------------------------- helpers
     def left_s(self) -> float:
         return self.a.budget_s - (time.perf_counter() - self.t0)
-
-    def place(self, tree):
-        """Concrete arrays on the device, or (dry run) ShapeDtypeStructs on the compile-only device."""
-        import jax
-        from jax.sharding import SingleDeviceSharding
-
-        if self.a.dry_run:
-            return self.spec(tree)
-        return jax.device_put(tree, SingleDeviceSharding(self.device))
 
     def spec(self, tree):
         """ShapeDtypeStructs of a tree's leaves, placed on the device (what programs are lowered with)."""
@@ -116,33 +109,26 @@ class Bench:
         sh = SingleDeviceSharding(self.device)
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), tree)
 
-    def abstract_or_real(self, make):
-        """make() -> a pytree; in a dry run only its shapes (nothing is allocated)."""
-        import jax
-
-        return self.place(jax.eval_shape(make) if self.a.dry_run else make())
-
     def peak(self) -> float | None:
         """Dense bf16 FLOP/s of the device (None for CPUs: no MFU)."""
         from nemo_jax.train.metrics import device_peak_flops
 
         return device_peak_flops(self.device)
 
-    def plan(self, compiled, model_flops: float) -> dict:
-        """The plan's figures of a compiled program: memory, HLO FLOPs, roofline step time at the bf16 peak."""
+    def figures(self, compiled) -> dict:
+        """The plan's figures of a compiled program: its memory (arguments + temporaries + unaliased outputs,
+        as a deviceless compile for this device reports it) and the FLOPs of its HLO (loops counted)."""
         from nemo_jax.plan.hlo import analyse
 
         mem = compiled.memory_analysis()
         total = (mem.argument_size_in_bytes + mem.temp_size_in_bytes
                  + max(0, mem.output_size_in_bytes - mem.alias_size_in_bytes))
-        hlo_flops = analyse(compiled.as_text(), 1).flops
-        peak = self.peak()
-        counted = hlo_flops >= 0.9 * model_flops
-        flops = hlo_flops if counted else model_flops
-        return {"plan_gib": total / GiB, "plan_temp_gib": mem.temp_size_in_bytes / GiB, "hlo_flops": hlo_flops,
-                "plan_flops_from": "hlo" if counted else "model", "plan_step_s": flops / peak if peak else None}
+        return {"plan_gib": total / GiB, "plan_temp_gib": mem.temp_size_in_bytes / GiB,
+                "hlo_flops": analyse(compiled.as_text(), 1).flops}
 
-    def timed(self, run, warmup: int, iters: int) -> float:
+    @staticmethod
+    def timed(run, warmup: int, iters: int) -> float:
+        """Median seconds of run() (which blocks) after `warmup` untimed calls."""
         for _ in range(warmup):
             run()
         ts = []
@@ -156,10 +142,10 @@ class Bench:
         stats = None if self.a.dry_run else self.device.memory_stats()
         return stats["peak_bytes_in_use"] / GiB if stats and "peak_bytes_in_use" in stats else None
 
-    # ----------------------------------------------------------------------------- programs
-    def train_step(self, name: str, kernels: str, lora_rank: int = 0) -> dict:
+    # ----------------------------------------------------------------------------- rows
+    def train_step(self, name: str, kernels: str, lora_rank: int = 0):
         """The trainer's step (nemo_jax.train.step.make_train_step) on a packed batch: full SFT (fp32 params) or
-        LoRA (adapters trained, base frozen in bf16)."""
+        LoRA (adapters trained, base frozen in bf16). -> (row, compile(), run())."""
         import jax
         import jax.numpy as jnp
         import numpy as np
@@ -187,37 +173,41 @@ class Bench:
             state = TrainState(trainable, tx.init(trainable), z(), z(), z(), jax.random.key_data(jax.random.key(1)))
             frozen = (jax.tree.map(lambda x: x.astype(jnp.bfloat16), init(cfg, jax.random.key(0))) if lora_rank
                       else None)
-            return state, frozen
+            return state, frozen, {k: jnp.asarray(v) for k, v in _packed_batch(np.random.default_rng(0),
+                                                                                cfg.vocab_size, B, T).items()}
 
-        state, frozen = self.abstract_or_real(make)
-        batch = self.place({k: jnp.asarray(v) for k, v in _packed_batch(np.random.default_rng(0), cfg.vocab_size,
-                                                                          B, T).items()})
-        step = make_train_step(cfg, opts, tx, sched, o, 1, combine)
-        t = time.perf_counter()
-        compiled = jax.jit(step, donate_argnums=0).lower(state, batch, frozen).compile()
-        compile_s = time.perf_counter() - t
+        state, frozen, batch = self.spec(jax.eval_shape(make))
+        lowered = jax.jit(make_train_step(cfg, opts, tx, sched, o, 1, combine), donate_argnums=0).lower(
+            state, batch, frozen)
         tokens = B * T
         model_flops = model_flops_per_token(cfg, T) * tokens
-        row = {"row": name, "kernels": opts.kernels, "tokens_per_step": tokens, "compile_s": compile_s,
-               **self.plan(compiled, model_flops)}
-        if a.dry_run:
-            return row
-        holder = [state]
+        row = {"row": name, "kernels": opts.kernels, "tokens_per_step": tokens, "model_flops": model_flops}
+        held = {}
+
+        def compile_():
+            t = time.perf_counter()
+            held["compiled"] = lowered.compile()
+            row.update(compile_s=time.perf_counter() - t, **self.figures(held["compiled"]))
 
         def run():
-            s, m = compiled(holder[0], batch, frozen)
-            jax.block_until_ready(m["loss"])
-            holder[0] = s
+            compiled, peak = held.pop("compiled"), self.peak()
+            state, frozen, batch = jax.device_put(make(), self.device)
+            holder = [state]
 
-        step_s = self.timed(run, a.warmup, a.iters)
-        peak = self.peak()
-        row.update(step_s=step_s, tokens_per_s=tokens / step_s,
-                   mfu=model_flops / step_s / peak if peak else None, peak_gib=self.memory())
-        return row
+            def step():
+                s, m = compiled(holder[0], batch, frozen)
+                jax.block_until_ready(m["loss"])
+                holder[0] = s
 
-    def sampler(self) -> dict:
+            step_s = self.timed(step, a.warmup, a.iters)
+            row.update(step_s=step_s, tokens_per_s=tokens / step_s, peak_gib=self.memory(),
+                       mfu=model_flops / step_s / peak if peak else None)
+
+        return row, compile_, run
+
+    def sampler(self):
         """nemo_jax.generate at batch `--rollouts` (bf16 weights, kernels auto): prefill then sampled decode;
-        tokens/s of the decode, next to the plan's roofline of one decode step."""
+        tokens/s of the decode loop, next to the plan's figures of one decode step. -> (row, compile(), run())."""
         import jax
         import jax.numpy as jnp
         import numpy as np
@@ -232,68 +222,89 @@ class Bench:
         opts = Options(dtype=jnp.bfloat16, kernels=kernels_lib.resolve("auto", self.mesh))
         rows, prompt, new = a.rollouts, a.prompt, a.new_tokens
         width = -(-prompt // 32) * 32
-        params = self.abstract_or_real(lambda: jax.tree.map(lambda x: x.astype(jnp.bfloat16),
-                                                            init(cfg, jax.random.key(0))))
+        new_params = lambda: jax.tree.map(lambda x: x.astype(jnp.bfloat16), init(cfg, jax.random.key(0)))  # noqa: E731
         st = self.spec(state_shapes(cfg, rows, width + new, opts.dtype))
         toks, valid = self.spec((jax.ShapeDtypeStruct((rows, 1), jnp.int32), jax.ShapeDtypeStruct((rows, 1), bool)))
-        t = time.perf_counter()
-        decode = G._append.lower(self.spec(params), toks, valid, st, cfg=cfg, opts=opts).compile()
-        compile_s = time.perf_counter() - t
-        fwd_flops = model_flops_per_token(cfg, width + new) / 3 * rows  # one token per row, forward only
-        plan = self.plan(decode, fwd_flops)
+        lowered = G._append.lower(self.spec(jax.eval_shape(new_params)), toks, valid, st, cfg=cfg, opts=opts)
         row = {"row": f"sampler decode (batch {rows})", "kernels": opts.kernels, "tokens_per_step": rows,
-               "compile_s": compile_s, **plan,
-               "plan_tokens_per_s": rows / plan["plan_step_s"] if plan["plan_step_s"] else None}
-        if a.dry_run:
-            return row
+               "model_flops": model_flops_per_token(cfg, width + new) / 3 * rows}  # a token per row, forward only
         rng = np.random.default_rng(0)
         lengths = rng.integers(prompt // 2, prompt + 1, rows)
         prompts = [rng.integers(3, cfg.vocab_size, int(n)).tolist() for n in lengths]
         sp = G.SamplingParams(max_new_tokens=new, temperature=1.0)
+        held = {}
 
         def prefill():
-            logits, state = G.prefill(params, prompts, cfg, width + new, opts=opts, width=width)
+            logits, state = G.prefill(held["params"], prompts, cfg, width + new, opts=opts, width=width)
             return jax.block_until_ready(logits), state
 
         def decode(i, logits, state):  # generate() continuing a prefilled state: the decode loop alone
-            return G.generate(params, prompts, cfg, sp, key=jax.random.key(i), opts=opts, state=state,
+            return G.generate(held["params"], prompts, cfg, sp, key=jax.random.key(i), opts=opts, state=state,
                               last_logits=logits)
 
-        t = time.perf_counter()
-        decode(0, *prefill())  # compiles prefill and the decode step
-        row["compile_s"] += time.perf_counter() - t
-        t = time.perf_counter()
-        logits, state = prefill()
-        prefill_s = time.perf_counter() - t
-        t = time.perf_counter()
-        g = decode(1, logits, state)  # ends with the tokens on the host: every step is done
-        decode_s = time.perf_counter() - t
-        n = sum(len(x) for x in g.tokens)
-        row.update(step_s=decode_s / new, tokens_per_s=n / decode_s, prefill_s=prefill_s, peak_gib=self.memory())
-        return row
+        def compile_():
+            t = time.perf_counter()
+            row.update(self.figures(lowered.compile()))  # one decode step, as the plan compiles it
+            if not a.dry_run:  # generate's own programs (prefill, decode and sample), compiled by a first run
+                held["params"] = jax.device_put(new_params(), self.device)
+                decode(0, *prefill())
+            row["compile_s"] = time.perf_counter() - t
+
+        def run():
+            t = time.perf_counter()
+            logits, state = prefill()
+            prefill_s = time.perf_counter() - t
+            t = time.perf_counter()
+            g = decode(1, logits, state)  # ends with the tokens on the host: every step is done
+            decode_s = time.perf_counter() - t
+            held.clear()
+            row.update(step_s=decode_s / new, tokens_per_s=sum(len(x) for x in g.tokens) / decode_s,
+                       prefill_s=prefill_s, peak_gib=self.memory())
+
+        return row, compile_, run
+
+
+def plan_step(rows: list[dict], peak: float | None):
+    """The plan's roofline step time of each row: its FLOPs at the bf16 peak. A program with kernels hides their
+    FLOPs from the HLO counter (custom calls): it takes the same program's reference compile's FLOPs (marked
+    "reference") when the table has one, else the model's (marked "model")."""
+    ref = {r["row"].split(" kernels=")[0]: r for r in rows if r.get("kernels") == "reference" and "hlo_flops" in r}
+    for r in rows:
+        if "hlo_flops" not in r:
+            continue
+        if r["kernels"] == "reference":
+            r["plan_flops"], r["plan_flops_from"] = r["hlo_flops"], "hlo"
+        elif r["row"].split(" kernels=")[0] in ref:
+            r["plan_flops"], r["plan_flops_from"] = ref[r["row"].split(" kernels=")[0]]["hlo_flops"], "reference"
+        else:
+            r["plan_flops"], r["plan_flops_from"] = max(r["hlo_flops"], r["model_flops"]), "model"
+        r["plan_step_s"] = r["plan_flops"] / peak if peak else None
+        r["plan_tokens_per_s"] = r["tokens_per_step"] / r["plan_step_s"] if r["plan_step_s"] else None
 
 
 COLUMNS = (("row", "row", "{}"), ("kernels", "kernels", "{}"), ("tokens/s", "tokens_per_s", "{:,.0f}"),
-           ("step s", "step_s", "{:.4f}"), ("MFU", "mfu", "{:.1%}"), ("peak GiB", "peak_gib", "{:.1f}"),
-           ("plan GiB", "plan_gib", "{:.1f}"), ("plan step s", "plan_step_s", "{:.4f}"),
+           ("step s", "step_s", "{:.4f}"), ("MFU", "mfu", "{:.1%}"), ("peak GiB", "peak_gib", "{:.2f}"),
+           ("plan GiB", "plan_gib", "{:.2f}"), ("plan step s", "plan_step_s", "{:.4f}"),
            ("plan tokens/s", "plan_tokens_per_s", "{:,.0f}"), ("compile s", "compile_s", "{:.0f}"))
+
+
+MARKS = {"hlo": "", "reference": "+", "model": "*"}
 
 
 def _cell(row: dict, key: str, fmt: str) -> str:
     v = row.get(key)
-    if key == "plan_tokens_per_s" and v is None and row.get("plan_step_s"):
-        v = row["tokens_per_step"] / row["plan_step_s"]
     if v is None:
         return row.get("error", "")[:60] if key == "kernels" and "error" in row else "-"
     s = fmt.format(v)
-    return s + "*" if key in ("plan_step_s", "plan_tokens_per_s") and row.get("plan_flops_from") == "model" else s
+    return s + MARKS[row["plan_flops_from"]] if key in ("plan_step_s", "plan_tokens_per_s") else s
 
 
 def markdown(rows: list[dict], head: str) -> str:
     out = [head, "", "| " + " | ".join(c for c, _, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     out += ["| " + " | ".join(_cell(r, k, f) for _, k, f in COLUMNS) + " |" for r in rows]
     errors = [f"- {r['row']}: {r['error']}" for r in rows if "error" in r]
-    notes = ["", "\\* plan step from the model's FLOPs (the HLO counter does not see inside custom calls)"]
+    notes = ["", "plan step: the program's HLO FLOPs at the bf16 peak; + the reference program's (the HLO counter does "
+             "not see inside kernels), \\* the model's"]
     return "\n".join(out + (["", "errors:"] + errors if errors else []) + notes)
 
 
@@ -311,6 +322,7 @@ def main():
     ap.add_argument("--rollouts", type=int, default=None, help="sampler rows (default 64; --tiny 8)")
     ap.add_argument("--prompt", type=int, default=None, help="sampler prompt tokens (default 512; --tiny 16)")
     ap.add_argument("--new-tokens", type=int, default=None, help="sampled tokens per row (default 256; --tiny 8)")
+    ap.add_argument("--jobs", type=int, default=4, help="programs compiled at once (threads)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--budget-s", type=float, default=450.0, help="rows not started within this many seconds are "
@@ -334,31 +346,51 @@ def main():
     stats = None if a.dry_run else dev.memory_stats()
     info = {"device_kind": dev.device_kind, "platform": dev.platform, "jax": jax.__version__,
             # what a hand-written GPU spec (nemo_jax/plan/gpu_specs) can be checked against
-            "compute_capability": getattr(dev, "compute_capability", None), "core_count": getattr(dev, "core_count", None),
+            "compute_capability": getattr(dev, "compute_capability", None),
+            "core_count": getattr(dev, "core_count", None),
             "memory_gib": stats["bytes_limit"] / GiB if stats and "bytes_limit" in stats else None,
             "params": count_params(b.cfg), "pattern": b.cfg.pattern, "batch": a.batch, "seq": a.seq, "remat": a.remat,
             "dry_run": a.dry_run}
     head = (f"device bench: {info['device_kind']} ({info['platform']}, jax {info['jax']}"
             + (f", sm {info['compute_capability']}, {info['core_count']} SMs" if info["compute_capability"] else "")
-            + f"); model {info['params'] / 1e6:,.0f}M params ({info['pattern']}), SFT batch {a.batch} x {a.seq}, "
+            + f"); model {info['params'] / 1e6:,.1f}M params ({info['pattern']}), SFT batch {a.batch} x {a.seq}, "
             f"remat {a.remat}, bf16" + (" -- DRY RUN: compiled only, for a deviceless " + a.device_kind
                                         if a.dry_run else ""))
     print(head, flush=True)
-    jobs = [(lambda: b.train_step("sft_step kernels=auto", "auto")),
-            (lambda: b.train_step("sft_step kernels=reference", "reference")),
-            (lambda: b.train_step(f"lora_step r{a.lora_rank}", "auto", a.lora_rank)), b.sampler]
-    names = ["sft_step kernels=auto", "sft_step kernels=reference", "lora_step", "sampler"]
-    rows = []
-    for name, job in zip(names, jobs):
+    from concurrent.futures import ThreadPoolExecutor
+
+    specs = [("sft_step kernels=auto", lambda: b.train_step("sft_step kernels=auto", "auto")),
+             ("sft_step kernels=reference", lambda: b.train_step("sft_step kernels=reference", "reference")),
+             (f"lora_step r{a.lora_rank}", lambda: b.train_step(f"lora_step r{a.lora_rank}", "auto", a.lora_rank)),
+             ("sampler", b.sampler)]
+    rows, jobs = [], []
+    for name, prepare in specs:  # lowering (Python) here, one row at a time
+        try:
+            row, compile_, run = prepare()
+            jobs.append((row, compile_, run))
+        except Exception as e:  # a failing row (a kernel the device rejects, out of memory) is reported, not fatal
+            row = {"row": name, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+        rows.append(row)
+
+    def attempt(row, fn):
+        try:
+            fn()
+        except Exception as e:  # reported in the row (see above)
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+
+    with ThreadPoolExecutor(max_workers=max(1, min(a.jobs, len(jobs)))) as pool:  # XLA compiles release the GIL
+        list(pool.map(lambda j: attempt(j[0], j[1]), jobs))
+    print(f"  compiled in {time.perf_counter() - b.t0:.0f} s", flush=True)
+    for row, _, run in jobs:
+        if a.dry_run or "error" in row:
+            continue
         if b.left_s() <= 0:
-            rows.append({"row": name, "error": f"skipped: past the {a.budget_s:.0f} s budget"})
+            row["error"] = f"skipped: past the {a.budget_s:.0f} s budget"
             continue
         t = time.perf_counter()
-        try:
-            rows.append(job())
-        except Exception as e:  # a failing row (a kernel the device rejects, out of memory) is reported, not fatal
-            rows.append({"row": name, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"})
-        print(f"  {name}: {time.perf_counter() - t:.0f} s", flush=True)
+        attempt(row, run)
+        print(f"  {row['row']}: {time.perf_counter() - t:.0f} s", flush=True)
+    plan_step(rows, b.peak())
     sft = {r["row"]: r for r in rows if r["row"].startswith("sft_step") and "step_s" in r}
     if len(sft) == 2:
         ref, other = sft["sft_step kernels=reference"], sft["sft_step kernels=auto"]

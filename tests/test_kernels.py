@@ -65,8 +65,9 @@ def test_causal_attention_kernels_match_reference(impl, l, small_blocks):
 
     ref = lambda q, k, v: attn_lib._attend_blocked(q, k, v, seg, jnp.float32, 16)  # noqa: E731
     ker = lambda q, k, v: kernel_attn.causal(q, k, v, seg, jnp.float32, impl, interpret=True)  # noqa: E731
-    (_, o1), g1 = jax.value_and_grad(lambda *a: loss(ref, *a), argnums=(0, 1, 2), has_aux=True)(q, k, v)
-    (_, o2), g2 = jax.value_and_grad(lambda *a: loss(ker, *a), argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    run = lambda fn: jax.jit(jax.value_and_grad(lambda *a: loss(fn, *a), argnums=(0, 1, 2), has_aux=True))  # noqa: E731
+    (_, o1), g1 = run(ref)(q, k, v)
+    (_, o2), g2 = run(ker)(q, k, v)
     print(f"{impl}: max |out diff| {_maxdiff(o1, o2):.2e}, max |grad diff| {_maxdiff(g1, g2):.2e}")
     _close(o1, o2, 2e-5)
     _close(g1, g2, 1e-4)
@@ -94,8 +95,8 @@ def test_flash_kernel_lse_and_its_gradient(small_blocks):
     ker = lambda q, k, v: kernel_attn.flash_rows(q, k, v, q_pos, kv_pos, q_seg, kv_seg, interpret=True)  # noqa: E731
     w = jnp.cos(jnp.arange(lq * r))
     loss = lambda f: lambda *a: jnp.sum(f(*a)[0] ** 2) + jnp.sum(f(*a)[1] * w)  # noqa: E731
-    _close(ref(q, k, v), ker(q, k, v), 2e-5)
-    g1, g2 = (jax.grad(loss(f), argnums=(0, 1, 2))(q, k, v) for f in (ref, ker))
+    _close(ref(q, k, v), jax.jit(ker)(q, k, v), 2e-5)
+    g1, g2 = (jax.jit(jax.grad(loss(f), argnums=(0, 1, 2)))(q, k, v) for f in (ref, ker))
     print(f"flash lse: max |grad diff| {_maxdiff(g1, g2):.2e}")
     _close(g1, g2, 1e-4)
 
@@ -122,15 +123,18 @@ def test_cached_attention_kernel_matches_reference(small_blocks):
         u = jax.random.normal(ks[2], (b, l, cfg.hidden_size))
         valid = jnp.asarray(np.stack([np.ones(l, bool), np.arange(l) >= 1]))
         chunk = jnp.zeros((b, S), bool).at[jnp.arange(b)[:, None], pos[:, None] + jnp.arange(l)].set(valid)
-        run = lambda p, u, sel: attn_lib.attention(  # noqa: E731
-            p, u, cfg, jnp.float32, cache=cache, valid_cache=before | chunk, valid=valid, pos=pos, block=block,
-            kernels=sel)[0]
-        loss = lambda p, u, sel: jnp.sum(jnp.where(valid[..., None], run(p, u, sel), 0) ** 2)  # noqa: E731
-        o1, o2 = run(p, u, kernels_lib.REFERENCE), run(p, u, GPU)
-        print(f"cached l={l}: max |out diff| {_maxdiff(o1[valid], o2[valid]):.2e}")
+        def loss(p, u, sel, valid=valid, chunk=chunk, block=block):
+            out = attn_lib.attention(p, u, cfg, jnp.float32, cache=cache, valid_cache=before | chunk, valid=valid,
+                                     pos=pos, block=block, kernels=sel)[0]
+            return jnp.sum(jnp.where(valid[..., None], out, 0) ** 2), out
+
+        f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True), static_argnums=2)
+        (_, o1), g1 = f(p, u, kernels_lib.REFERENCE)
+        (_, o2), g2 = f(p, u, GPU)
+        print(f"cached l={l}: max |out diff| {_maxdiff(o1[valid], o2[valid]):.2e}, "
+              f"max |grad diff| {_maxdiff(g1, g2):.2e}")
         _close(o1[valid], o2[valid], 2e-5)
-        _close(jax.grad(loss, argnums=(0, 1))(p, u, kernels_lib.REFERENCE), jax.grad(loss, argnums=(0, 1))(p, u, GPU),
-               1e-4)
+        _close(g1, g2, 1e-4)
 
 
 @pytest.mark.parametrize("impl", ["blocked", "ring"])

@@ -59,27 +59,42 @@ def _rows(ref, start, n: int, length: int, dmask=None, other=0):
     return plgpu.load(ref.at[pl.ds(start, n)], mask=mask, other=other)
 
 
-def _logits(q, k, qp, qs, kp, ks, scale):
+def _query_block(q_ref, qp_ref, qs_ref, i, bq: int, dmask):
+    """Query block i: rows [bq, Dp], their positions and segments (rows past the end: segment -1)."""
+    Lq = q_ref.shape[0]
+    return (_rows(q_ref, i * bq, bq, Lq, dmask), _rows(qp_ref, i * bq, bq, Lq),
+            _rows(qs_ref, i * bq, bq, Lq, other=-1))
+
+
+def _key_block(k_ref, v_ref, kp_ref, ks_ref, j, bk: int, dmask):
+    """Key block j: keys and values [bk, Dp], their positions and segments (keys past the end: after every
+    query, segment -2)."""
+    Lk = k_ref.shape[0]
+    return (_rows(k_ref, j * bk, bk, Lk, dmask), _rows(v_ref, j * bk, bk, Lk, dmask),
+            _rows(kp_ref, j * bk, bk, Lk, other=_FAR), _rows(ks_ref, j * bk, bk, Lk, other=-2))
+
+
+def _logits(q, qp, qs, k, kp, ks, scale):
     """Masked fp32 logits [bq, bk] of a query block over a key block."""
     s = plgpu.dot(q, k, trans_b=True) * scale
     return jnp.where((qp[:, None] >= kp[None, :]) & (qs[:, None] == ks[None, :]), s, NEG)
 
 
+def _head_mask(ref, d: int):
+    """[1, Dp]: the real head-dim columns of a block padded to Dp."""
+    return (jnp.arange(ref.shape[-1]) < d)[None, :]
+
+
 def _fwd_kernel(hi_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref, o_ref, lse_ref, *, scale, bq, bk, d):
     i = pl.program_id(0)
     Lq, Dp = q_ref.shape
-    Lk = k_ref.shape[0]
-    dmask = (jnp.arange(Dp) < d)[None, :]
-    q = _rows(q_ref, i * bq, bq, Lq, dmask)
-    qp = _rows(qp_ref, i * bq, bq, Lq)
-    qs = _rows(qs_ref, i * bq, bq, Lq, other=-1)
+    dmask = _head_mask(q_ref, d)
+    q, qp, qs = _query_block(q_ref, qp_ref, qs_ref, i, bq, dmask)
 
     def body(j, carry):
         acc, m, l = carry
-        k = _rows(k_ref, j * bk, bk, Lk, dmask)
-        v = _rows(v_ref, j * bk, bk, Lk, dmask)
-        s = _logits(q, k, qp, qs, _rows(kp_ref, j * bk, bk, Lk, other=_FAR), _rows(ks_ref, j * bk, bk, Lk, other=-2),
-                    scale)
+        k, v, kp, ks = _key_block(k_ref, v_ref, kp_ref, ks_ref, j, bk, dmask)
+        s = _logits(q, qp, qs, k, kp, ks, scale)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         corr = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new[:, None])
@@ -99,21 +114,15 @@ def _dq_kernel(hi_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref, do_r
                scale, bq, bk, d):
     i = pl.program_id(0)
     Lq, Dp = q_ref.shape
-    Lk = k_ref.shape[0]
-    dmask = (jnp.arange(Dp) < d)[None, :]
-    q = _rows(q_ref, i * bq, bq, Lq, dmask)
+    dmask = _head_mask(q_ref, d)
+    q, qp, qs = _query_block(q_ref, qp_ref, qs_ref, i, bq, dmask)
     do = _rows(do_ref, i * bq, bq, Lq, dmask)
-    qp = _rows(qp_ref, i * bq, bq, Lq)
-    qs = _rows(qs_ref, i * bq, bq, Lq, other=-1)
     lse = _rows(lse_ref, i * bq, bq, Lq)
     dl = _rows(dl_ref, i * bq, bq, Lq)
 
     def body(j, dq):
-        k = _rows(k_ref, j * bk, bk, Lk, dmask)
-        v = _rows(v_ref, j * bk, bk, Lk, dmask)
-        s = _logits(q, k, qp, qs, _rows(kp_ref, j * bk, bk, Lk, other=_FAR), _rows(ks_ref, j * bk, bk, Lk, other=-2),
-                    scale)
-        p = jnp.exp(s - lse[:, None])
+        k, v, kp, ks = _key_block(k_ref, v_ref, kp_ref, ks_ref, j, bk, dmask)
+        p = jnp.exp(_logits(q, qp, qs, k, kp, ks, scale) - lse[:, None])
         ds = p * (plgpu.dot(do, v, trans_b=True) - dl[:, None])
         return dq + plgpu.dot(ds.astype(k.dtype), k)
 
@@ -125,20 +134,16 @@ def _dq_kernel(hi_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref, do_r
 def _dkv_kernel(lo_ref, q_ref, k_ref, v_ref, qp_ref, qs_ref, kp_ref, ks_ref, do_ref, lse_ref, dl_ref, dk_ref, dv_ref,
                 *, scale, bq, bk, d):
     j = pl.program_id(0)
-    Lq, Dp = q_ref.shape
-    Lk = k_ref.shape[0]
-    dmask = (jnp.arange(Dp) < d)[None, :]
-    k = _rows(k_ref, j * bk, bk, Lk, dmask)
-    v = _rows(v_ref, j * bk, bk, Lk, dmask)
-    kp = _rows(kp_ref, j * bk, bk, Lk, other=_FAR)
-    ks = _rows(ks_ref, j * bk, bk, Lk, other=-2)
+    Lq = q_ref.shape[0]
+    Lk, Dp = k_ref.shape[0], q_ref.shape[1]
+    dmask = _head_mask(q_ref, d)
+    k, v, kp, ks = _key_block(k_ref, v_ref, kp_ref, ks_ref, j, bk, dmask)
 
     def body(i, carry):
         dk, dv = carry
-        q = _rows(q_ref, i * bq, bq, Lq, dmask)
+        q, qp, qs = _query_block(q_ref, qp_ref, qs_ref, i, bq, dmask)
         do = _rows(do_ref, i * bq, bq, Lq, dmask)
-        s = _logits(q, k, _rows(qp_ref, i * bq, bq, Lq), _rows(qs_ref, i * bq, bq, Lq, other=-1), kp, ks, scale)
-        p = jnp.exp(s - _rows(lse_ref, i * bq, bq, Lq)[:, None])
+        p = jnp.exp(_logits(q, qp, qs, k, kp, ks, scale) - _rows(lse_ref, i * bq, bq, Lq)[:, None])
         dv = dv + plgpu.dot(p.astype(do.dtype), do, trans_a=True)
         ds = p * (plgpu.dot(do, v, trans_b=True) - _rows(dl_ref, i * bq, bq, Lq)[:, None])
         return dk + plgpu.dot(ds.astype(q.dtype), q, trans_a=True), dv
