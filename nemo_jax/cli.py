@@ -271,6 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a picture shown before the prompt (vision-language models; repeat for several)")
     s.add_argument("--mesh", default=None, help="mesh preset YAML (configs/mesh/*.yaml): params and the decode "
                    "state are sharded over it")
+    s.add_argument("--kernels", choices=("auto", "reference"), default="auto",
+                   help="accelerator kernels (docs/kernels.md): auto = this device's, reference = plain jnp")
     s.set_defaults(fn=cmd_generate)
 
     s = sub.add_parser("plot", help="PNG figures of runs' metrics.jsonl (several runs overlaid)")

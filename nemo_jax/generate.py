@@ -493,7 +493,9 @@ def cli_generate(a):
         sys.stdout.flush()
         shown[0] = s
 
-    g = generate(params, [ids], cfg, sp, key=jax.random.key(a.seed), on_token=on_token, images=images)
+    # the mesh in the options too: the kernels run per device inside shard_map (GSPMD does not partition them)
+    opts = M.Options(kernels=getattr(a, "kernels", "auto"), mesh=mesh if mesh is not None and mesh.size > 1 else None)
+    g = generate(params, [ids], cfg, sp, key=jax.random.key(a.seed), opts=opts, on_token=on_token, images=images)
     sys.stdout.write("\n")
     print(f"[{len(g.tokens[0])} tokens, finish: {g.finish_reason[0]}, "
           f"mean logprob {np.mean(g.logprobs[0]) if g.logprobs[0] else 0.0:.3f}]", file=sys.stderr)

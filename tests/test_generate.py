@@ -158,6 +158,11 @@ def test_generate_cli_streams_tokens(tmp_path, capsys):
 
     m = re.search(r"\[(\d+) tokens, finish: (stop|length)", err)
     assert m and 1 <= int(m.group(1)) <= 5, err
+    # on a mesh (the options carry it: kernels run per device) and with the kernels forced to the reference
+    main(["generate", "--ckpt", str(tmp_path / "m"), "--prompt", "What is 2 plus 2?", "--max-new-tokens", "5",
+          "--temperature", "0", "--mesh", "fsdp=-1", "--kernels", "reference"])
+    m = re.search(r"\[(\d+) tokens, finish: (stop|length)", capsys.readouterr().err)
+    assert m and 1 <= int(m.group(1)) <= 5
 
 
 CB_PROMPTS = [[5, 17, 3, 44, 9, 1, 2], [8, 2], [60, 61, 62, 63, 64], [11] * 12, [3, 4], [70, 71, 72]]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MODEL_KERNELS = ("auto", "reference")  # model.kernels (nemo_jax.kernels)
+
 
 @dataclass(frozen=True)
 class ModelSection:
@@ -20,8 +22,16 @@ class ModelSection:
     expert_parallel: str = "all_to_all"
     ep_capacity: float = 0.0  # all_gather: per-device expert buffer = this x the even share (0: dropless, ep x)
     attention: str = "blocked"  # blocked | ring (context-parallel K/V passed around the ring) | full (reference)
+    # accelerator kernels (nemo_jax.kernels, docs/kernels.md): auto (the compile target's: cuDNN / Pallas flash attention
+    # and Pallas grouped-matmul experts on GPU, splash attention and megablox experts on TPU; the reference on CPU) |
+    # reference (plain jnp everywhere)
+    kernels: str = "auto"
     freeze_vision: bool = False  # vision-language models: the vision tower gets no gradient or update (projector trains)
     seed: int = 0
+
+    def __post_init__(self):
+        if self.kernels not in MODEL_KERNELS:
+            raise ValueError(f"model.kernels: {self.kernels!r} (expected one of {', '.join(MODEL_KERNELS)})")
 
 
 @dataclass(frozen=True)

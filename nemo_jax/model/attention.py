@@ -3,6 +3,8 @@
 q head i reads kv head i // (nh / nkv). Logits and softmax in fp32.
 Training: `segment_ids` mask attention across packed documents. Cached: a KV cache of fixed length
 with a per-slot validity mask; each row has its own write position `pos[i]` (chunks are left-padded).
+The functions here are the reference; `attention(kernels=...)` runs the accelerator kernels of
+`nemo_jax.kernels` in their place (same masks, values and gradients).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from nemo_jax.kernels import REFERENCE, Selection
+from nemo_jax.kernels import attention as kernel_attn
 from nemo_jax.model.layers import linear
 from nemo_jax.parallel.mesh import all_gather_f32_grad, context_shards
 
@@ -159,23 +163,45 @@ def _block_mask(qpos, kpos, qseg, kseg):
     return (qpos[:, None] >= kpos[None, :])[None] & (qseg[:, :, None] == kseg[:, None, :])
 
 
-def _context_attention(local, q, k, v, segment_ids, mesh):
-    """Run local(q, k, v, seg) -> [b, l/n, kv*r*hd] over the `context` axis (other axes left to GSPMD); segment
-    ids default to one document per row."""
+def _context_attention(local, q, k, v, segment_ids, mesh, kernel: bool = False):
+    """Run local(q, k, v, seg) -> [b, l/n, kv*r*hd] over the `context` axis (other axes left to GSPMD; with a
+    `kernel`, which GSPMD cannot partition, every axis is manual: rows over the batch axes, KV heads over
+    `tensor`); segment ids default to one document per row."""
     from jax.sharding import PartitionSpec as P
 
     seg = jnp.ones(q.shape[:2], jnp.int32) if segment_ids is None else segment_ids
+    if kernel:
+        sp = lambda *dims: kernel_attn.spec(mesh, q.shape[0], q.shape[2], dims)  # noqa: E731
+        kv = sp("rows", "context", "heads", None)
+        return jax.shard_map(local, mesh=mesh, in_specs=(sp("rows", "context", "heads", None, None), kv, kv,
+                                                         sp("rows", "context")),
+                             out_specs=sp("rows", "context", "heads"), check_vma=False)(q, k, v, seg)
     seq = P(None, "context")
     return jax.shard_map(local, mesh=mesh, in_specs=(seq, seq, seq, seq), out_specs=seq, axis_names={"context"},
                          check_vma=False)(q, k, v, seg)
 
 
-def _attend_context_balanced(q, k, v, segment_ids, dtype, mesh):
+def _zigzag_positions(n: int, h: int, e):
+    """Global positions [2h] of device e's two half-shards in the zigzag layout (e and 2n-1-e)."""
+    return jnp.concatenate([e * h + jnp.arange(h), (2 * n - 1 - e) * h + jnp.arange(h)])
+
+
+def _flash_zigzag(qz, k, v, q_pos, kv_pos, sq, skv, interpret: bool):
+    """The Pallas flash kernel (`nemo_jax.kernels.attention.flash_rows`) of zigzag queries qz [b, 2h, kv, r, hd]
+    at positions q_pos [2h] over keys at kv_pos -> (o, lse) in its rows layout."""
+    b = qz.shape[0]
+    row = lambda p: jnp.broadcast_to(p.astype(jnp.int32), (b, p.shape[0]))  # noqa: E731
+    return kernel_attn.flash_rows(qz, k, v, row(q_pos), row(kv_pos), sq, skv, interpret=interpret)
+
+
+def _attend_context_balanced(q, k, v, segment_ids, dtype, mesh, kernel: str = "reference", interpret: bool = False):
     """Causal attention of a sequence split over `context` with the work balanced (the 'zigzag' split): the
     sequence is cut into 2n half-shards; device e computes the queries of half-shards e and 2n-1-e
     (`_to_zigzag`, two collective permutes in and two back) over the keys before them, 2n+1 blocks of [h, h]
     for every device (online softmax), against all-gathered K/V. FLOPs over all devices ~ (2n+1)/2n of one
-    device's causal attention, where `_attend_context` (the reference) computes every query against every key."""
+    device's causal attention, where `_attend_context` (the reference) computes every query against every key.
+    `kernel` "flash": both query halves in one Pallas flash call over the gathered K/V, masked by global
+    positions (the blocks after each half are skipped)."""
     n = mesh.shape["context"]
 
     def local(q, k, v, seg):
@@ -185,6 +211,9 @@ def _attend_context_balanced(q, k, v, segment_ids, dtype, mesh):
         kg, vg = (all_gather_f32_grad(a, "context", 1) for a in (k, v))  # [b, 2nh, kv, hd]
         sg = jax.lax.all_gather(seg, "context", axis=1, tiled=True)
         qz, sz = _to_zigzag(q, n, h), _to_zigzag(seg, n, h)
+        if kernel == "flash":
+            o, _ = _flash_zigzag(qz, kg, vg, _zigzag_positions(n, h, e), jnp.arange(2 * n * h), sz, sg, interpret)
+            return _from_zigzag(kernel_attn.unrows(o, r).astype(dtype), n, h)
         start = jnp.stack([e * h, (2 * n - 1 - e) * h])  # first positions of query half-shards e, 2n-1-e
         slot_b, kblock = _zigzag_pairs(n, e)
 
@@ -202,17 +231,18 @@ def _attend_context_balanced(q, k, v, segment_ids, dtype, mesh):
         out = jnp.concatenate([_online_out(jax.tree.map(lambda a: a[i], states), dtype) for i in (0, 1)], axis=1)
         return _from_zigzag(out, n, h).reshape(b, lc, -1)
 
-    return _context_attention(local, q, k, v, segment_ids, mesh)
+    return _context_attention(local, q, k, v, segment_ids, mesh, kernel != "reference")
 
 
-def _attend_context_ring(q, k, v, segment_ids, dtype, mesh):
+def _attend_context_ring(q, k, v, segment_ids, dtype, mesh, kernel: str = "reference", interpret: bool = False):
     """Ring attention over `context` in the zigzag layout (`_to_zigzag`): each device keeps its queries and
     passes its K/V (and segment ids) to the next device n-1 times (`ppermute`), folding the [h, h] blocks the
     causal mask needs into an online softmax. Device e holds query half-shards a = e and b = 2n-1-e and meets
     device j's key half-shards j and 2n-1-j: its own (j = e) give 3 blocks (a|j, b|j, b|2n-1-j), j < e the
     2 blocks a|j and b|j, j > e the 2 blocks b|j and b|2n-1-j; 2n+1 blocks on every device, as in
     `_attend_context_balanced`. K/V move by n-1 permutes of 1/n of the sequence (which a GPU can overlap with
-    the blocks) instead of one all-gather; the backward keeps every block it received, like the gather."""
+    the blocks) instead of one all-gather; the backward keeps every block it received, like the gather.
+    `kernel` "flash": each step's K/V (both halves) in one Pallas flash call, merged by log-sum-exp."""
     n = mesh.shape["context"]
     ring = [(i, (i + 1) % n) for i in range(n)]
 
@@ -221,8 +251,19 @@ def _attend_context_ring(q, k, v, segment_ids, dtype, mesh):
         h = lc // 2
         e = jax.lax.axis_index("context")
         qz, kz, vz, sz = (_to_zigzag(a, n, h) for a in (q, k, v, seg))
-        pos = lambda d: jnp.concatenate([d * h + jnp.arange(h), (2 * n - 1 - d) * h + jnp.arange(h)])  # noqa: E731
+        pos = lambda d: _zigzag_positions(n, h, d)  # noqa: E731
         qpos = pos(e)
+        if kernel == "flash":
+            o, lse = _flash_zigzag(qz, kz, vz, qpos, qpos, sz, sz, interpret)
+
+            def visit(carry, i):
+                part, (kc, vc, sc) = carry
+                kc, vc, sc = (jax.lax.ppermute(a, "context", ring) for a in (kc, vc, sc))
+                other = _flash_zigzag(qz, kc, vc, qpos, pos((e - i) % n), sz, sc, interpret)
+                return (kernel_attn.merge(part, other), (kc, vc, sc)), None
+
+            ((o, _), _), _ = jax.lax.scan(visit, ((o.astype(jnp.float32), lse), (kz, vz, sz)), jnp.arange(1, n))
+            return _from_zigzag(kernel_attn.unrows(o.astype(dtype), r), n, h)
 
         def blocks(states, pairs, kc, vc, kp, sc):
             """Fold (query half, key half) pairs [m, 2] of the held K/V kc/vc [b, 2h, ..] (positions kp, segment
@@ -252,7 +293,7 @@ def _attend_context_ring(q, k, v, segment_ids, dtype, mesh):
         out = jnp.concatenate([_online_out(jax.tree.map(lambda a: a[i], states), dtype) for i in (0, 1)], axis=1)
         return _from_zigzag(out, n, h).reshape(b, lc, -1)
 
-    return _context_attention(local, q, k, v, segment_ids, mesh)
+    return _context_attention(local, q, k, v, segment_ids, mesh, kernel != "reference")
 
 
 def write_rows(c, x, pos, axis: int = 0):
@@ -315,7 +356,8 @@ MAX_BLOCKS = 16  # longer sequences get larger blocks, so the unrolled blocks (a
 
 
 def attention(p: dict, u: jax.Array, cfg, dtype, *, segment_ids=None, cache: KVCache | None = None,
-              valid_cache=None, valid=None, pos=None, impl: str = "blocked", block: int = BLOCK, mesh=None):
+              valid_cache=None, valid=None, pos=None, impl: str = "blocked", block: int = BLOCK, mesh=None,
+              kernels: Selection = REFERENCE):
     """u [b, l, D] -> (out [b, l, D], the chunk's KV entries or None).
 
     Training (no cache): `impl` "blocked" (or "ring") runs query blocks of `block` rows over their key prefixes; "full"
@@ -328,27 +370,43 @@ def attention(p: dict, u: jax.Array, cfg, dtype, *, segment_ids=None, cache: KVC
     into its (donated) cache stack in place (`write_rows`). Training on a `mesh` with a `context` axis: the
     sequence split over it, "blocked" against all-gathered K/V (`_attend_context_balanced`), "ring" with K/V passed around the ring
     (`_attend_context_ring`), "full" the all-gathered plain form (`_attend_context`).
+    `kernels` (`nemo_jax.kernels.select`): the accelerator kernels that replace "blocked" / "ring" where the
+    platform has one (cuDNN / Pallas flash / splash); "full" always runs the plain reference.
     """
     b, l, _ = u.shape
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     q = linear(u, p["q_proj"], dtype).reshape(b, l, nkv, nh // nkv, hd)
     k = linear(u, p["k_proj"], dtype).reshape(b, l, nkv, hd)
     v = linear(u, p["v_proj"], dtype).reshape(b, l, nkv, hd)
+    kernel = lambda op, **facts: "reference" if impl == "full" else kernels.impl(op, **facts)  # noqa: E731
     if cache is None and context_shards(mesh, l) > 1:
         if impl in CONTEXT_FORMS and (l // context_shards(mesh, l)) % 2 == 0:
-            out = CONTEXT_FORMS[impl](q, k, v, segment_ids, dtype, mesh)
+            out = CONTEXT_FORMS[impl](q, k, v, segment_ids, dtype, mesh, kernel("context_attention"),
+                                      kernels.interpret)
         else:
             out = _attend_context(q, k, v, segment_ids, dtype, l if impl == "full" else block, mesh)
         new_cache = None
     elif cache is None:
-        out = _attend_blocked(q, k, v, segment_ids, dtype, l if impl == "full" else block)
+        kern = kernel("attention", dtype=dtype, segments=segment_ids is not None, head_dim=hd)
+        if kern != "reference":
+            out = kernel_attn.causal(q, k, v, segment_ids, dtype, kern, mesh=mesh, interpret=kernels.interpret)
+        else:
+            out = _attend_blocked(q, k, v, segment_ids, dtype, l if impl == "full" else block)
         new_cache = None
     else:
         new_cache = KVCache(k.astype(cache.k.dtype), v.astype(cache.v.dtype))
-        if impl != "full" and l <= block:
+        kern = kernel("cached_attention")
+        if impl != "full" and l <= block and kern != "reference":  # the cache as stored (before pos) + the chunk
+            before = valid_cache & (jnp.arange(cache.k.shape[1])[None] < pos[:, None])
+            out = kernel_attn.cached(q, cache.k.astype(dtype), cache.v.astype(dtype), before, pos, dtype,
+                                     new=(k, v, valid), mesh=mesh, interpret=kernels.interpret)
+        elif impl != "full" and l <= block:
             out = _attend_cached_split(q, cache, new_cache, valid_cache, valid, pos, dtype)
         else:
             kc, vc = (write_rows(c, x, pos).astype(dtype) for c, x in zip(cache, new_cache))
-            out = _attend_cached_blocked(q, kc, vc, valid_cache, pos, dtype, l if impl == "full" else block)
+            if kern != "reference":
+                out = kernel_attn.cached(q, kc, vc, valid_cache, pos, dtype, mesh=mesh, interpret=kernels.interpret)
+            else:
+                out = _attend_cached_blocked(q, kc, vc, valid_cache, pos, dtype, l if impl == "full" else block)
     return linear(out, p["o_proj"], dtype), new_cache
 

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from nemo_jax import kernels as kernels_lib
 from nemo_jax.model import attention as attn_lib
 from nemo_jax.model import mamba2, moe as moe_lib, vision as vision_lib
 from nemo_jax.model.cache import DecodeState
@@ -50,6 +51,11 @@ class Options:
     expert_parallel: str = "all_to_all"
     ep_capacity: float = 0.0
     remat: str = "none"  # "none" | "layer" | "save_matmuls"
+    # accelerator kernels (nemo_jax.kernels): "auto" (those of the platform the program is compiled for: the mesh's
+    # devices', else the default backend; the reference on CPU) | "reference" | "gpu" | "tpu" (forced);
+    # interpret_kernels: forced Pallas kernels in interpret mode (CPU tests)
+    kernels: str = "auto"
+    interpret_kernels: bool = False
     # a Mesh: activations are pinned batch-sharded (rows over data/fsdp/expert, hidden unsharded) at every layer
     # boundary, and an `expert` axis > 1 turns on expert parallelism for routed experts
     mesh: Any = None
@@ -65,6 +71,8 @@ class Options:
             raise ValueError(f"ssd: {self.ssd!r} not in {tuple(mamba2.SCANS)}")
         if self.attention not in attn_lib.IMPLEMENTATIONS:
             raise ValueError(f"attention: {self.attention!r} not in {attn_lib.IMPLEMENTATIONS}")
+        if self.kernels not in kernels_lib.KERNELS + kernels_lib.PLATFORMS:
+            raise ValueError(f"kernels: {self.kernels!r} not in {kernels_lib.KERNELS + kernels_lib.PLATFORMS[1:]}")
 
 
 def units(kinds: tuple[str, ...]) -> list[dict[str, int]]:
@@ -91,6 +99,10 @@ class _Ctx:
     valid_cache: Any = None  # [b, S]
     pos: Any = None
 
+    @property
+    def kernels(self) -> kernels_lib.Selection:
+        return kernels_lib.select(self.opts.kernels, self.opts.mesh, self.opts.interpret_kernels)
+
 
 def _zero_aux(kind: str, cfg) -> dict:
     if kind == "moe":
@@ -111,7 +123,7 @@ def apply_layer(kind: str, p: dict, h: jax.Array, ctx: _Ctx, cache=None):
     elif kind == "attention":
         y, new = attn_lib.attention(p["mixer"], u, cfg, dtype, segment_ids=ctx.segment_ids, cache=cache,
                                     valid_cache=ctx.valid_cache, valid=ctx.valid, pos=ctx.pos, impl=ctx.opts.attention,
-                                    mesh=ctx.opts.mesh)
+                                    mesh=ctx.opts.mesh, kernels=ctx.kernels)
     elif kind == "mlp":
         y = mlp(p["mixer"], u, dtype)
     elif kind == "moe":
@@ -119,7 +131,7 @@ def apply_layer(kind: str, p: dict, h: jax.Array, ctx: _Ctx, cache=None):
         y, aux = moe_lib.moe(p["mixer"], u, cfg, dtype, dispatch=ctx.opts.moe_dispatch,
                              capacity_factor=ctx.opts.capacity_factor, token_mask=mask, mesh=ctx.opts.mesh,
                              ep_capacity=ctx.opts.ep_capacity, unroll=not ctx.opts.scan,
-                             expert_parallel=ctx.opts.expert_parallel)
+                             expert_parallel=ctx.opts.expert_parallel, kernels=ctx.kernels)
     else:
         raise ValueError(f"unknown layer kind {kind!r}")
     return pin_batch((h + y.astype(h.dtype)).astype(h.dtype), ctx.opts.mesh), new, aux

@@ -11,6 +11,9 @@ Dispatch paths (all give the same values when nothing is dropped):
 * "capacity": per-expert buffers of `ceil(cf * n_slots / E)` slots; overflow is dropped and counted.
 * "ragged": `jax.lax.ragged_dot` on the sorted slots (native grouped GEMM on TPU; XLA on CPU and on GPU
   without the cuDNN grouped-GEMM fusion lowers it to dense work over all experts).
+With accelerator kernels (`nemo_jax.kernels`: a GPU or TPU target, `model.kernels: auto`) "sorted" runs each
+projection as one grouped matmul over its unpadded sorted buffer (`_grouped_experts`: Pallas on GPU, megablox
+on TPU), adapters included, on every path (single device, all-gather and all-to-all expert parallelism).
 * "dense": reference, every expert on every token.
 """
 
@@ -23,6 +26,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from nemo_jax.kernels import REFERENCE, Selection
+from nemo_jax.kernels.gmm import grouped_matmul
 from nemo_jax.model.layers import linear, mlp, relu2
 from nemo_jax.parallel.mesh import TOKEN_AXES, gather_shards, pin_tokens, token_axes
 
@@ -289,14 +294,17 @@ sorted_experts.defvjp(_sorted_experts_fwd, _sorted_experts_bwd)
 
 
 def _buffered_experts(pe, x, w, idx, E: int, dtype, dispatch: str, capacity_factor: float, valid=None,
-                      max_slots: int | None = None, unroll: bool = False, blocks_per_expert: int = 2):
+                      max_slots: int | None = None, unroll: bool = False, blocks_per_expert: int = 2,
+                      kernels: Selection = REFERENCE):
     """Sorted / capacity dispatch over E local experts (pe: up_proj/down_proj [E, ...] in `dtype`, optional
     `*_lora`). -> (y [T, Din] dtype, dropped slots among valid ones)."""
     T, k = idx.shape
     flat_e = idx.reshape(-1)
     fvalid = None if valid is None else valid.reshape(-1)
     tok = jnp.arange(T * k) // k
-    fast = dispatch == "sorted" and not unroll and not any(k.endswith("_lora") for k in pe)
+    gmm = kernels.impl("experts") if dispatch == "sorted" and not unroll else "reference"
+    lora = any(k.endswith("_lora") for k in pe)
+    fast = dispatch == "sorted" and not unroll and (gmm != "reference" or not lora)
     dest, keep, owners, nb, bs = _slot_layout(flat_e, E, dispatch, capacity_factor, fvalid, max_slots,
                                               blocks_per_expert, padded=not fast)
     # each buffer slot reads its token (the inverse of dest): never materialises x for every slot of the
@@ -306,6 +314,8 @@ def _buffered_experts(pe, x, w, idx, E: int, dtype, dispatch: str, capacity_fact
     xb = buf.reshape(nb, bs, -1)
     if dispatch == "capacity":
         yb = _experts_mlp("gbd,gdi->gbi", "gbi,gid->gbd", xb, pe, dtype)
+    elif gmm != "reference":  # the same unpadded buffer, each projection one grouped matmul over it
+        yb = _grouped_experts(buf, pe, owners[1], dtype, gmm, kernels.interpret)
     elif fast:  # buf: the bs (= the slot bound) rows in expert order, unpadded
         yb = sorted_experts(buf, pe["up_proj"], pe["down_proj"], *owners, window_sizes(bs, E, blocks_per_expert))
     else:
@@ -320,7 +330,7 @@ def _buffered_experts(pe, x, w, idx, E: int, dtype, dispatch: str, capacity_fact
 
 def experts_forward(pe: dict, x: jax.Array, w: jax.Array, idx: jax.Array, cfg, dtype, dispatch: str = "sorted",
                     capacity_factor: float = 1.25, mesh=None, ep_capacity: float = 0.0, unroll: bool = False,
-                    expert_parallel: str = "all_to_all"):
+                    expert_parallel: str = "all_to_all", kernels: Selection = REFERENCE):
     """Routed experts. x [T, Din], w/idx [T, k] -> (y [T, Din], dropped slots).
 
     On a mesh a sorted/capacity dispatch runs per device inside `shard_map` on that device's tokens. With an
@@ -338,9 +348,10 @@ def experts_forward(pe: dict, x: jax.Array, w: jax.Array, idx: jax.Array, cfg, d
         raise ValueError(f"unknown expert_parallel {expert_parallel!r}; expected one of {EXPERT_PARALLEL}")
     if mesh is not None and mesh.size > 1 and dispatch in ("sorted", "capacity"):
         if expert_parallel == "all_to_all" and mesh.shape["expert"] > 1:
-            out = _all_to_all_experts(pe, x, w, idx, cfg, dtype, dispatch, capacity_factor, mesh, unroll)
+            out = _all_to_all_experts(pe, x, w, idx, cfg, dtype, dispatch, capacity_factor, mesh, unroll, kernels)
         else:
-            out = _expert_parallel(pe, x, w, idx, cfg, dtype, dispatch, capacity_factor, mesh, ep_capacity, unroll)
+            out = _expert_parallel(pe, x, w, idx, cfg, dtype, dispatch, capacity_factor, mesh, ep_capacity, unroll,
+                                   kernels)
         if out is not None:
             return out
     pe = _cast_experts(pe, dtype)
@@ -354,11 +365,10 @@ def experts_forward(pe: dict, x: jax.Array, w: jax.Array, idx: jax.Array, cfg, d
         order = jnp.argsort(flat_e, stable=True)
         counts = jnp.bincount(flat_e, length=E).astype(jnp.int32)
         xs = x[(jnp.arange(T * k) // k)[order]]
-        h = relu2(_ragged_lora(xs, pe["up_proj"], pe.get("up_proj_lora"), counts, dtype).astype(dtype))
-        ys = _ragged_lora(h, pe["down_proj"], pe.get("down_proj_lora"), counts, dtype)
+        ys = _grouped_experts(xs, pe, counts, dtype, "ragged_dot")
         y_slots = jnp.zeros_like(ys).at[order].set(ys)
         return jnp.sum(y_slots.reshape(T, k, -1) * w[..., None], axis=1).astype(dtype), jnp.zeros((), jnp.int32)
-    return _buffered_experts(pe, x, w, idx, E, dtype, dispatch, capacity_factor, unroll=unroll)
+    return _buffered_experts(pe, x, w, idx, E, dtype, dispatch, capacity_factor, unroll=unroll, kernels=kernels)
 
 
 def _cast_experts(pe: dict, dtype) -> dict:
@@ -367,13 +377,23 @@ def _cast_experts(pe: dict, dtype) -> dict:
         lambda p, a: a if getattr(p[-1], "key", None) == "lora_scale" else a.astype(dtype), pe)
 
 
-def _ragged_lora(x, w, lora, counts, dtype):
-    """ragged_dot over expert groups, plus the per-expert LoRA delta (two more ragged_dots through rank r)."""
-    y = jax.lax.ragged_dot(x, w, counts, preferred_element_type=jnp.float32)
+def _grouped_experts(xs, pe: dict, counts, dtype, impl: str, interpret: bool = False):
+    """relu^2 experts on rows xs [n, D] sorted by expert (expert e's counts[e] rows after expert e-1's, the rest
+    unused), each projection one grouped matmul (`nemo_jax.kernels.gmm`, `impl`) -> ys [n, D] fp32, zero on
+    unused rows. The up-projection is named BLOCK_UP, as in `_experts_mlp`."""
+    u = checkpoint_name(_ragged_lora(xs, pe["up_proj"], pe.get("up_proj_lora"), counts, dtype, impl, interpret),
+                        BLOCK_UP)
+    return _ragged_lora(relu2(u.astype(dtype)), pe["down_proj"], pe.get("down_proj_lora"), counts, dtype, impl,
+                        interpret)
+
+
+def _ragged_lora(x, w, lora, counts, dtype, impl: str, interpret: bool = False):
+    """A grouped matmul over expert groups, plus the per-expert LoRA delta (two more through rank r)."""
+    mm = lambda a, b: grouped_matmul(a, b, counts, impl, interpret=interpret)  # noqa: E731
+    y = mm(x, w)
     if lora is None:
         return y
-    xa = jax.lax.ragged_dot(x, lora["lora_a"], counts, preferred_element_type=jnp.float32).astype(dtype)
-    return y + lora["lora_scale"] * jax.lax.ragged_dot(xa, lora["lora_b"], counts, preferred_element_type=jnp.float32)
+    return y + lora["lora_scale"] * mm(mm(x, lora["lora_a"]).astype(dtype), lora["lora_b"])
 
 
 def _stored_axes(cfg) -> dict:
@@ -449,7 +469,7 @@ def _ep_shard_map(pe, x, w, idx, cfg, dtype, mesh, body):
 
 
 def _expert_parallel(pe, x, w, idx, cfg, dtype, dispatch, capacity_factor, mesh, ep_capacity: float = 0.0,
-                     unroll: bool = False):
+                     unroll: bool = False, kernels: Selection = REFERENCE):
     """Expert parallelism by all-gather / reduce-scatter inside shard_map (the exact, dropless option).
 
     Tokens are sharded over the batch axes (data, fsdp, expert); routed experts over `expert`. Each device
@@ -474,7 +494,7 @@ def _expert_parallel(pe, x, w, idx, cfg, dtype, dispatch, capacity_factor, mesh,
         n = ig.shape[0] * ig.shape[1]
         cap = math.ceil(ep_capacity * n / ep) if ep_capacity > 0 and dispatch == "sorted" else None
         y, dropped = _buffered_experts(pe, xg.astype(dtype), wg, jnp.clip(li, 0, El - 1), El, dtype, dispatch, cf,
-                                       valid, cap, unroll)
+                                       valid, cap, unroll, kernels=kernels)
         return jax.lax.psum_scatter(y.astype(jnp.float32), "expert", scatter_dimension=0, tiled=True), dropped
 
     return _ep_shard_map(pe, x, w, idx, cfg, dtype, mesh, body)
@@ -488,7 +508,8 @@ def peer_rows(n_tokens: int, k: int, ep: int, capacity_factor: float) -> int:
     return max(1, min(n_tokens, math.ceil(capacity_factor * share)))
 
 
-def _all_to_all_experts(pe, x, w, idx, cfg, dtype, dispatch, capacity_factor, mesh, unroll: bool = False):
+def _all_to_all_experts(pe, x, w, idx, cfg, dtype, dispatch, capacity_factor, mesh, unroll: bool = False,
+                        kernels: Selection = REFERENCE):
     """Expert parallelism by all-to-all inside shard_map: each device sends each of its tokens once to every
     peer that owns one of the token's experts (with the token's expert ids and weights there), the peer runs
     those slots on its experts and sends back one weighted sum per row.
@@ -532,7 +553,7 @@ def _all_to_all_experts(pe, x, w, idx, cfg, dtype, dispatch, capacity_factor, me
         # "capacity": cf x the even share per local expert, cf * Tl * k / El (not of the ep*R*k entries)
         cf = capacity_factor * Tl / (ep * R) if dispatch == "capacity" else capacity_factor
         y_recv, dropped_recv = _buffered_experts(pe, recv_x, recv_w, jnp.maximum(recv_e, 0), El, dtype, dispatch,
-                                                 cf, recv_e >= 0, bound, unroll, blocks_per_expert=4)
+                                                 cf, recv_e >= 0, bound, unroll, blocks_per_expert=4, kernels=kernels)
         back = a2a(y_recv.astype(dtype))  # the weighted sums travel back in the compute dtype (and their cotangents)
         y = jnp.zeros((Tl + 1, back.shape[-1]), jnp.float32).at[src].add(back.astype(jnp.float32))[:Tl]
         unsent = jnp.sum(hits & ~sent[:, None, :])  # slots of rows past R
@@ -543,18 +564,19 @@ def _all_to_all_experts(pe, x, w, idx, cfg, dtype, dispatch, capacity_factor, me
 
 def moe(p: dict, u: jax.Array, cfg, dtype, *, dispatch: str = "sorted", capacity_factor: float = 1.25,
         token_mask=None, mesh=None, ep_capacity: float = 0.0, unroll: bool = False,
-        expert_parallel: str = "all_to_all"):
+        expert_parallel: str = "all_to_all", kernels: Selection = REFERENCE):
     """u [b, l, D] -> (out [b, l, D], aux) with aux = {aux_loss, load [E] (slot counts), dropped}.
 
     `token_mask` [b, l] (optional) excludes padding from the balance statistics; `unroll` runs the sorted
-    dispatch's block steps without a loop (the unrolled reference).
+    dispatch's block steps without a loop (the unrolled reference); `kernels` the grouped-matmul kernel of the
+    sorted dispatch (`nemo_jax.kernels`).
     """
     b, l, D = u.shape
     x = u.reshape(b * l, D)
     w, idx, scores = route(p["gate"], x, cfg, mesh)
     xin = linear(x, p["fc1_latent_proj"], dtype) if cfg.moe_latent_size else x
     y, dropped = experts_forward(p["experts"], xin, w, idx, cfg, dtype, dispatch, capacity_factor, mesh, ep_capacity,
-                                 unroll, expert_parallel)
+                                 unroll, expert_parallel, kernels)
     if cfg.moe_latent_size:
         y = linear(y, p["fc2_latent_proj"], dtype)
     if cfg.n_shared_experts:

@@ -20,6 +20,7 @@ from nemo_jax.config.train import SFTConfig
 from nemo_jax.data.chat import ASSETS, ChatTokenizer, read_chat_jsonl
 from nemo_jax.data.loader import PackedIterator, ShardedBatches
 from nemo_jax.data.prepared import open_sources
+from nemo_jax.kernels import resolve as resolve_kernels
 from nemo_jax.model import model as M
 from nemo_jax.model.spec import abstract_params, count_params, init as init_params, param_specs
 from nemo_jax.parallel import distributed
@@ -45,11 +46,13 @@ def model_config_path(name: str) -> str:
 
 
 def options_from(section, mesh=None) -> M.Options:
+    """Model options of a config's `model` section on `mesh`; `model.kernels: auto` is resolved here, from the
+    mesh's devices (a single device's mesh is dropped from the options, but its platform still decides)."""
     if section.dtype not in DTYPES:
         raise ValueError(f"model.dtype: {section.dtype!r} (expected one of {sorted(DTYPES)})")
     return M.Options(dtype=DTYPES[section.dtype], remat=section.remat, moe_dispatch=section.moe_dispatch,
                      capacity_factor=section.capacity_factor, ep_capacity=section.ep_capacity,
-                     expert_parallel=section.expert_parallel,
+                     expert_parallel=section.expert_parallel, kernels=resolve_kernels(section.kernels, mesh),
                      attention=section.attention, mesh=mesh if mesh is not None and mesh.size > 1 else None)
 
 
