@@ -60,6 +60,23 @@ def fsync_tree(root: str):
                 os.close(fd)
 
 
+def atomic_write_text(path: str, text: str) -> None:
+    """Write `text` to `path` complete or not at all (a temporary file beside it, fsynced, renamed)."""
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".tmp-", dir=d)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
 def copy_tokenizer_files(src: str | None, dst: str):
     if not src or not os.path.isdir(src):
         return

@@ -6,7 +6,10 @@ from helpers import FAST_COMPILE  # noqa: E402
 # 8 fake CPU devices for the sharding tests; must be set before jax is imported anywhere. The suite is dominated
 # by compiling many tiny programs: FAST_COMPILE skips LLVM's optimisation of the generated CPU code (the HLO,
 # and so every value, shape, sharding, FLOP and byte count the tests check, is the same), ~1/3 less time.
-os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {FAST_COMPILE}")
+# Deviceless GPU compiles (plan, kernels) use the flags a GPU run sets (cuBLAS GEMMs, latency-hiding scheduler).
+from nemo_jax.hostmem import GPU_XLA_FLAGS  # noqa: E402  (no jax import)
+
+os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {FAST_COMPILE} {' '.join(GPU_XLA_FLAGS)}")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache for the session, shared by every test and the subprocesses they start (they
 # inherit the environment): the suite builds the same tiny programs many times (each Trainer jits its own step).

@@ -127,6 +127,11 @@ def batch_shards(mesh: Mesh) -> int:
     return math.prod(mesh.shape[a] for a in BATCH_AXES)
 
 
+def batch_shards_of(sizes: dict) -> int:
+    """`batch_shards` of a mesh given by its axis sizes (before it exists; -1 counts as 1)."""
+    return math.prod(max(1, int(sizes.get(a, 1))) for a in BATCH_AXES)
+
+
 def row_shards(mesh, rows: int) -> int:
     """How many ways `pin_batch` splits `rows` rows on `mesh` (1 without a mesh or when they do not divide)."""
     if mesh is None:

@@ -195,6 +195,37 @@ def _conv_flops(ins, ty) -> float:
     return 2.0 * _elements(ins.type) * k
 
 
+# FLOPs of the Pallas kernels of `nemo_jax.kernels` (a custom call whose op_name ends in <name>/pallas_call): the
+# compiler sees an opaque call, so they are counted from their operands here. flash: q in the rows layout
+# [b, kv, rows, hd] (the first 4-D floating operand), k [b, s_k, kv, hd] (the second); one QK^T and one PV per
+# (row, key) for the forward, 3 matmuls for dq, 4 for dk/dv (both recompute the probabilities); causal blocks
+# above the diagonal are skipped (x 1/2). gmm [M, K] x [G, K, N] -> [M, N]; tgmm [M, K]^T x [M, N] -> [G, K, N].
+FLASH_MATMULS = {"flash_fwd": 2, "flash_bwd_dq": 3, "flash_bwd_dkv": 4}
+CAUSAL = 0.5
+
+
+def _kernel_name(attrs: str) -> str | None:
+    m = re.search(r'op_name="[^"]*/(\w+)/pallas_call"', attrs)
+    return m.group(1) if m and (m.group(1) in FLASH_MATMULS or m.group(1) in ("gmm", "tgmm")) else None
+
+
+def _kernel_flops(name: str, ins, ty) -> float:
+    arrs = [a for o in ins.operands for a in _arrays(ty.get(o, "")) if a[0] in ("bf16", "f16", "f32")]
+    out = _arrays(ins.type)
+    if name in FLASH_MATMULS:
+        four = [a for a in arrs if len(a[1]) == 4]
+        if len(four) < 2:
+            return 0.0
+        q, k = four[0][1], four[1][1]
+        return 2.0 * FLASH_MATMULS[name] * math.prod(q) * k[1] * CAUSAL
+    lhs = next((a[1] for a in arrs if len(a[1]) == 2), None)
+    if lhs is None or not out:
+        return 0.0
+    if name == "gmm":
+        return 2.0 * math.prod(out[0][1]) * lhs[1]
+    return 2.0 * lhs[0] * math.prod(out[0][1][1:])  # tgmm: sum over groups of M_g K N
+
+
 def _gemm_flops(ins, ty) -> float:
     """2 x output elements x contracted elements of a library matmul custom call (dimension numbers in its
     backend_config); its output is the first array of the result tuple."""
@@ -284,6 +315,8 @@ def analyse(text: str, n_devices: int) -> HloCost:
                 flops += _conv_flops(ins, ty)
             elif op == "custom-call" and any(f'custom_call_target="{t}"' in ins.attrs for t in GEMM_TARGETS):
                 flops += _gemm_flops(ins, ty)
+            elif op == "custom-call" and _kernel_name(ins.attrs):
+                flops += _kernel_flops(_kernel_name(ins.attrs), ins, ty)
             elif op in ("fusion", "call", "async-start", "custom-call"):
                 sub(_called(ins.attrs, "calls") + _called(ins.attrs, "to_apply"))
             elif op == "while":
@@ -320,10 +353,11 @@ def analyse(text: str, n_devices: int) -> HloCost:
 
 
 def cost_analysis_flops(compiled) -> float:
-    """XLA's own FLOP count of a compiled program (loop bodies once)."""
+    """XLA's own FLOP count of a compiled program (loop bodies once; 0 where the compiler reports none, e.g. a
+    deviceless XLA:GPU compile)."""
     ca = compiled.cost_analysis()
-    ca = ca[0] if isinstance(ca, (list, tuple)) else ca
-    return float(ca.get("flops", 0.0))
+    ca = ca[0] if isinstance(ca, (list, tuple)) and ca else ca
+    return float((ca or {}).get("flops", 0.0))
 
 
 def dumps(cost: HloCost) -> str:
