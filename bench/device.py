@@ -128,7 +128,8 @@ class Bench:
 
     @staticmethod
     def timed(run, warmup: int, iters: int) -> float:
-        """Median seconds of run() (which blocks) after `warmup` untimed calls."""
+        """Median seconds of run() (which blocks) after `warmup` untimed calls. (bench/common.timeit's loop: that
+        module is not imported here, it sets XLA:CPU flags and the host allocator when imported.)"""
         for _ in range(warmup):
             run()
         ts = []

@@ -210,14 +210,15 @@ def test_grouped_matmul_experts_match_sorted_reference(sel, path):
 
 def test_auto_runs_the_reference_on_cpu_and_kernels_when_forced():
     """kernels: auto on CPU devices resolves to the reference (no Pallas call in the model's jaxpr); forcing a
-    platform puts its kernels in (so the check can fail); the config key is validated."""
+    platform puts its kernels in (so the check can fail), with the reference's logits; the config key is
+    validated."""
     from nemo_jax.config.train import ModelSection
     from nemo_jax.parallel.mesh import make_mesh
     from nemo_jax.train.sft import options_from
 
     cfg = tiny_cfg("*E")
     params = init(cfg, jax.random.key(0))
-    tok = jnp.zeros((2, 16), jnp.int32)
+    tok = jax.random.randint(jax.random.key(1), (2, 16), 0, cfg.vocab_size)
     seg = jnp.ones((2, 16), jnp.int32)
     jaxpr = lambda opts: str(jax.make_jaxpr(lambda p: M.forward(p, tok, cfg, seg, opts=opts)[0])(params))  # noqa: E731
     assert kernels_lib.platform_of() == "cpu"
@@ -226,7 +227,11 @@ def test_auto_runs_the_reference_on_cpu_and_kernels_when_forced():
     assert "pallas_call" not in jaxpr(M.Options())
     assert "pallas_call" not in jaxpr(M.Options(kernels="gpu", interpret_kernels=True, attention="full",
                                                 moe_dispatch="capacity"))  # the plain reference forms
-    assert len(re.findall("pallas_call", jaxpr(M.Options(kernels="gpu", interpret_kernels=True)))) >= 3
+    forced = M.Options(kernels="gpu", interpret_kernels=True)
+    assert len(re.findall("pallas_call", jaxpr(forced))) >= 3
+    # and the model with them (attention and experts through the layer stack) gives the reference's logits
+    logits = lambda opts: jax.jit(lambda p: M.forward(p, tok, cfg, seg, opts=opts)[0])(params)  # noqa: E731
+    _close(logits(M.Options()), logits(forced), 1e-5)
     with pytest.raises(ValueError, match="model.kernels: 'triton'"):
         ModelSection(kernels="triton")
     with pytest.raises(ValueError, match="kernels: 'cuda'"):

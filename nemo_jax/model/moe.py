@@ -11,10 +11,10 @@ Dispatch paths (all give the same values when nothing is dropped):
 * "capacity": per-expert buffers of `ceil(cf * n_slots / E)` slots; overflow is dropped and counted.
 * "ragged": `jax.lax.ragged_dot` on the sorted slots (native grouped GEMM on TPU; XLA on CPU and on GPU
   without the cuDNN grouped-GEMM fusion lowers it to dense work over all experts).
+* "dense": reference, every expert on every token.
 With accelerator kernels (`nemo_jax.kernels`: a GPU or TPU target, `model.kernels: auto`) "sorted" runs each
 projection as one grouped matmul over its unpadded sorted buffer (`_grouped_experts`: Pallas on GPU, megablox
 on TPU), adapters included, on every path (single device, all-gather and all-to-all expert parallelism).
-* "dense": reference, every expert on every token.
 """
 
 from __future__ import annotations

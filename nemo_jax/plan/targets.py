@@ -64,10 +64,13 @@ def tpu_topology_name(generation: str, n: int) -> str:
 
 
 def _cudnn_version(spec: str) -> int:
-    """The cuDNN version (as cudnnGetVersion reports it) a GPU spec's dnn_version_info names."""
+    """The cuDNN version (as cudnnGetVersion reports it: 90800 for 9.8.0) a GPU spec's dnn_version_info names;
+    0 without one."""
     m = re.search(r"dnn_version_info\s*\{([^}]*)\}", spec)
-    get = lambda key: int((re.search(rf"{key}:\s*(\d+)", m.group(1)) if m else None or [0, 0])[1])  # noqa: E731
-    return get("major") * 10000 + get("minor") * 100 + (get("patch") if m and "patch" in m.group(1) else 0)
+    if not m:
+        return 0
+    field = lambda key: int(next(iter(re.findall(rf"{key}:\s*(\d+)", m.group(1))), 0))  # noqa: E731
+    return field("major") * 10000 + field("minor") * 100 + field("patch")
 
 
 def _assume_target_cudnn(spec: str) -> None:
