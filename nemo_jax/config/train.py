@@ -21,6 +21,9 @@ class ModelSection:
     # unless ep_capacity > 0 bounds the buffer)
     expert_parallel: str = "all_to_all"
     ep_capacity: float = 0.0  # all_gather: per-device expert buffer = this x the even share (0: dropless, ep x)
+    # expert parallelism: each device's tokens go through the routed experts at most this many at a time (0: all at
+    # once): bounds a MoE layer's dispatch buffers and [slots, I] activations; the weights are gathered once per layer
+    moe_chunk_tokens: int = 0
     attention: str = "blocked"  # blocked | ring (context-parallel K/V passed around the ring) | full (reference)
     # accelerator kernels (nemo_jax.kernels, docs/kernels.md): auto (the compile target's: cuDNN / Pallas flash attention
     # and Pallas grouped-matmul experts on GPU, splash attention and megablox experts on TPU; the reference on CPU) |
@@ -30,6 +33,8 @@ class ModelSection:
     seed: int = 0
 
     def __post_init__(self):
+        if self.moe_chunk_tokens < 0:
+            raise ValueError(f"model.moe_chunk_tokens must be >= 0 (0: no chunks), got {self.moe_chunk_tokens}")
         if self.kernels not in MODEL_KERNELS:
             raise ValueError(f"model.kernels: {self.kernels!r} (expected one of {', '.join(MODEL_KERNELS)})")
 

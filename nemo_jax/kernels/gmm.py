@@ -139,16 +139,16 @@ def _zero_tail(y, total):
     return jnp.where((jnp.arange(y.shape[0]) < total)[:, None], y, 0).astype(y.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _gmm_triton(x, w, group_sizes, interpret: bool):
-    return _gmm_call(x, w, group_sizes, jnp.float32, False, interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _gmm_triton(x, w, group_sizes, interpret: bool, out_dtype):
+    return _gmm_call(x, w, group_sizes, out_dtype, False, interpret)
 
 
-def _gmm_triton_fwd(x, w, group_sizes, interpret):
-    return _gmm_triton(x, w, group_sizes, interpret), (x, w, group_sizes)
+def _gmm_triton_fwd(x, w, group_sizes, interpret, out_dtype):
+    return _gmm_triton(x, w, group_sizes, interpret, out_dtype), (x, w, group_sizes)
 
 
-def _gmm_triton_bwd(interpret, res, dy):
+def _gmm_triton_bwd(interpret, out_dtype, res, dy):
     x, w, group_sizes = res
     dy = dy.astype(x.dtype)  # the matmul's backward in the compute dtype, accumulating in fp32
     dx = _gmm_call(dy, w, group_sizes, x.dtype, True, interpret)
@@ -159,7 +159,7 @@ def _gmm_triton_bwd(interpret, res, dy):
 _gmm_triton.defvjp(_gmm_triton_fwd, _gmm_triton_bwd)
 
 
-def _megablox(x, w, group_sizes, interpret: bool):
+def _megablox(x, w, group_sizes, interpret: bool, out_dtype=jnp.float32):
     """megablox gmm on rows padded to its row tile. Its backward reuses the forward's (k, n) tiles with the two
     dims' roles swapped, so one tile must suit both: 128 (or 256, 512 when both divide), with dims under 128 (a
     LoRA rank) zero-padded to 128 (Mosaic blocks are multiples of (8, 128) or whole dims)."""
@@ -175,19 +175,21 @@ def _megablox(x, w, group_sizes, interpret: bool):
     total = jnp.sum(group_sizes)
     xp = jnp.pad(_zero_tail(x, total), ((0, -(-m // tm) * tm - m), (0, kp - k)))
     wp = jnp.pad(w.astype(x.dtype), ((0, 0), (0, kp - k), (0, np_ - n)))
-    y = gmm(xp, wp, group_sizes.astype(jnp.int32), preferred_element_type=jnp.float32, tiling=(tm, t, t),
+    y = gmm(xp, wp, group_sizes.astype(jnp.int32), preferred_element_type=out_dtype, tiling=(tm, t, t),
             interpret=interpret)[:m, :n]
     return _zero_tail(y, total)
 
 
-def grouped_matmul(x, w, group_sizes, impl: str, *, interpret: bool = False):
-    """x [m, k] (rows sorted by group), w [G, k, n], group_sizes [G] int (sum <= m) -> [m, n] fp32 (rows past the
-    groups zero). Differentiable in x and w."""
+def grouped_matmul(x, w, group_sizes, impl: str, *, interpret: bool = False, out_dtype=jnp.float32):
+    """x [m, k] (rows sorted by group), w [G, k, n], group_sizes [G] int (sum <= m) -> [m, n] in `out_dtype`
+    (accumulated in fp32; rows past the groups zero). Differentiable in x and w. An `out_dtype` of the compute
+    dtype halves the output buffer of a projection whose result is rounded to it anyway (the experts' up
+    projection)."""
     if impl == "ragged_dot":
         return jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes.astype(jnp.int32),
-                                  preferred_element_type=jnp.float32)
+                                  preferred_element_type=out_dtype)
     if impl == "triton":
-        return _gmm_triton(x, w.astype(x.dtype), group_sizes.astype(jnp.int32), bool(interpret))
+        return _gmm_triton(x, w.astype(x.dtype), group_sizes.astype(jnp.int32), bool(interpret), jnp.dtype(out_dtype))
     if impl == "megablox":
-        return _megablox(x, w, group_sizes, interpret)
+        return _megablox(x, w, group_sizes, interpret, out_dtype)
     raise ValueError(f"grouped_matmul: unknown implementation {impl!r}; expected one of {IMPLEMENTATIONS}")

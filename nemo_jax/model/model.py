@@ -50,6 +50,9 @@ class Options:
     # gathers the expert group's tokens (exact; dropless unless ep_capacity > 0 bounds each device's buffer)
     expert_parallel: str = "all_to_all"
     ep_capacity: float = 0.0
+    # expert parallelism: run each device's tokens through the routed experts at most this many at a time (0: all
+    # at once); bounds a MoE layer's dispatch buffers and expert activations without re-gathering its weights
+    moe_chunk_tokens: int = 0
     remat: str = "none"  # "none" | "layer" | "save_matmuls"
     # accelerator kernels (nemo_jax.kernels): "auto" (those of the platform the program is compiled for: the mesh's
     # devices', else the default backend; the reference on CPU) | "reference" | "gpu" | "tpu" (forced);
@@ -131,6 +134,7 @@ def apply_layer(kind: str, p: dict, h: jax.Array, ctx: _Ctx, cache=None):
         y, aux = moe_lib.moe(p["mixer"], u, cfg, dtype, dispatch=ctx.opts.moe_dispatch,
                              capacity_factor=ctx.opts.capacity_factor, token_mask=mask, mesh=ctx.opts.mesh,
                              ep_capacity=ctx.opts.ep_capacity, unroll=not ctx.opts.scan,
+                             chunk=ctx.opts.moe_chunk_tokens,
                              expert_parallel=ctx.opts.expert_parallel, kernels=ctx.kernels)
     else:
         raise ValueError(f"unknown layer kind {kind!r}")

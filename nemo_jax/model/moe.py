@@ -330,8 +330,9 @@ def _buffered_experts(pe, x, w, idx, E: int, dtype, dispatch: str, capacity_fact
 
 def experts_forward(pe: dict, x: jax.Array, w: jax.Array, idx: jax.Array, cfg, dtype, dispatch: str = "sorted",
                     capacity_factor: float = 1.25, mesh=None, ep_capacity: float = 0.0, unroll: bool = False,
-                    expert_parallel: str = "all_to_all", kernels: Selection = REFERENCE):
-    """Routed experts. x [T, Din], w/idx [T, k] -> (y [T, Din], dropped slots).
+                    expert_parallel: str = "all_to_all", kernels: Selection = REFERENCE, chunk: int = 0):
+    """Routed experts. x [T, Din], w/idx [T, k] -> (y [T, Din], dropped slots). On a mesh, `chunk` > 0 runs each
+    device's tokens through the experts at most `chunk` at a time (`_in_chunks`).
 
     On a mesh a sorted/capacity dispatch runs per device inside `shard_map` on that device's tokens. With an
     `expert` axis > 1 the slots reach their experts' devices by `expert_parallel`: "all_to_all" (each token
@@ -348,10 +349,11 @@ def experts_forward(pe: dict, x: jax.Array, w: jax.Array, idx: jax.Array, cfg, d
         raise ValueError(f"unknown expert_parallel {expert_parallel!r}; expected one of {EXPERT_PARALLEL}")
     if mesh is not None and mesh.size > 1 and dispatch in ("sorted", "capacity"):
         if expert_parallel == "all_to_all" and mesh.shape["expert"] > 1:
-            out = _all_to_all_experts(pe, x, w, idx, cfg, dtype, dispatch, capacity_factor, mesh, unroll, kernels)
+            out = _all_to_all_experts(pe, x, w, idx, cfg, dtype, dispatch, capacity_factor, mesh, unroll, kernels,
+                                      chunk)
         else:
             out = _expert_parallel(pe, x, w, idx, cfg, dtype, dispatch, capacity_factor, mesh, ep_capacity, unroll,
-                                   kernels)
+                                   kernels, chunk)
         if out is not None:
             return out
     pe = _cast_experts(pe, dtype)
@@ -380,20 +382,22 @@ def _cast_experts(pe: dict, dtype) -> dict:
 def _grouped_experts(xs, pe: dict, counts, dtype, impl: str, interpret: bool = False):
     """relu^2 experts on rows xs [n, D] sorted by expert (expert e's counts[e] rows after expert e-1's, the rest
     unused), each projection one grouped matmul (`nemo_jax.kernels.gmm`, `impl`) -> ys [n, D] fp32, zero on
-    unused rows. The up-projection is named BLOCK_UP, as in `_experts_mlp`."""
-    u = checkpoint_name(_ragged_lora(xs, pe["up_proj"], pe.get("up_proj_lora"), counts, dtype, impl, interpret),
-                        BLOCK_UP)
+    unused rows. The up-projection is named BLOCK_UP, as in `_experts_mlp`; it leaves its matmul in `dtype` (it
+    is rounded to it before relu^2 anyway): the largest buffer of a MoE layer, [slots, I], at half the bytes."""
+    u = checkpoint_name(_ragged_lora(xs, pe["up_proj"], pe.get("up_proj_lora"), counts, dtype, impl, interpret,
+                                     out_dtype=dtype), BLOCK_UP)
     return _ragged_lora(relu2(u.astype(dtype)), pe["down_proj"], pe.get("down_proj_lora"), counts, dtype, impl,
                         interpret)
 
 
-def _ragged_lora(x, w, lora, counts, dtype, impl: str, interpret: bool = False):
-    """A grouped matmul over expert groups, plus the per-expert LoRA delta (two more through rank r)."""
-    mm = lambda a, b: grouped_matmul(a, b, counts, impl, interpret=interpret)  # noqa: E731
-    y = mm(x, w)
+def _ragged_lora(x, w, lora, counts, dtype, impl: str, interpret: bool = False, out_dtype=jnp.float32):
+    """A grouped matmul over expert groups, plus the per-expert LoRA delta (two more through rank r), -> rows in
+    `out_dtype` (with an adapter the two terms are summed in fp32 first)."""
+    mm = lambda a, b, dt=jnp.float32: grouped_matmul(a, b, counts, impl, interpret=interpret, out_dtype=dt)  # noqa: E731
     if lora is None:
-        return y
-    return y + lora["lora_scale"] * mm(mm(x, lora["lora_a"]).astype(dtype), lora["lora_b"])
+        return mm(x, w, out_dtype)
+    y = mm(x, w) + lora["lora_scale"] * mm(mm(x, lora["lora_a"], dtype), lora["lora_b"])
+    return y.astype(out_dtype)
 
 
 def _stored_axes(cfg) -> dict:
@@ -418,7 +422,7 @@ def _sum_partials(y, axis: str, n: int):
 _sum_partials.defvjp(lambda y, axis, n: (jax.lax.psum(y, axis), None), lambda axis, n, _, g: (g * n,))
 
 
-def _ep_shard_map(pe, x, w, idx, cfg, dtype, mesh, body):
+def _ep_shard_map(pe, x, w, idx, cfg, dtype, mesh, body, chunk: int = 0):
     """What both expert-parallel paths share: run body(pe, x, w, idx, El) -> (y [Tl, D], dropped slots) per
     device inside shard_map, tokens split over the token axes, and sum the drop counts over them. Returns None
     when the experts or the tokens do not split over the mesh (then the plain path runs under GSPMD).
@@ -456,7 +460,7 @@ def _ep_shard_map(pe, x, w, idx, cfg, dtype, mesh, body):
 
     def local(pe, x, w, idx):
         pe = jax.tree.map(lambda a, s: gather_shards(a, s, first_dim=1), _cast_experts(pe, dtype), local_specs)
-        y, dropped = body(pe, x, w, idx, E // ep)
+        y, dropped = _in_chunks(lambda x, w, idx: body(pe, x, w, idx, E // ep), x, w, idx, chunk)
         y = y.astype(jnp.float32)
         if tp > 1:
             y = _sum_partials(y, "tensor", tp)
@@ -468,8 +472,28 @@ def _ep_shard_map(pe, x, w, idx, cfg, dtype, mesh, body):
     return fn(pe, x, w, idx)
 
 
+def _in_chunks(run, x, w, idx, chunk: int):
+    """run(x, w, idx) -> (y, dropped) on a device's tokens in pieces of at most `chunk` tokens (0: all at once),
+    one after another (`lax.scan`), each checkpointed: a MoE layer's dispatch buffers, its [slots, I] expert
+    activations and their gradients exist for one piece at a time, while the experts' weights, gathered once
+    per layer, serve every piece (micro-batching would gather them again for each). The capacity bounds apply
+    per piece."""
+    T = x.shape[0]
+    n = -(-T // chunk) if chunk else 1
+    if n <= 1 or T % n:
+        return run(x, w, idx)
+    split = lambda a: a.reshape(n, T // n, *a.shape[1:])  # noqa: E731
+
+    def one(total, xs):
+        y, dropped = jax.checkpoint(run)(*xs)
+        return total + dropped.astype(jnp.int32), y
+
+    dropped, ys = jax.lax.scan(one, jnp.zeros((), jnp.int32), (split(x), split(w), split(idx)))
+    return ys.reshape(T, *ys.shape[2:]), dropped
+
+
 def _expert_parallel(pe, x, w, idx, cfg, dtype, dispatch, capacity_factor, mesh, ep_capacity: float = 0.0,
-                     unroll: bool = False, kernels: Selection = REFERENCE):
+                     unroll: bool = False, kernels: Selection = REFERENCE, chunk: int = 0):
     """Expert parallelism by all-gather / reduce-scatter inside shard_map (the exact, dropless option).
 
     Tokens are sharded over the batch axes (data, fsdp, expert); routed experts over `expert`. Each device
@@ -497,7 +521,7 @@ def _expert_parallel(pe, x, w, idx, cfg, dtype, dispatch, capacity_factor, mesh,
                                        valid, cap, unroll, kernels=kernels)
         return jax.lax.psum_scatter(y.astype(jnp.float32), "expert", scatter_dimension=0, tiled=True), dropped
 
-    return _ep_shard_map(pe, x, w, idx, cfg, dtype, mesh, body)
+    return _ep_shard_map(pe, x, w, idx, cfg, dtype, mesh, body, chunk)
 
 
 def peer_rows(n_tokens: int, k: int, ep: int, capacity_factor: float) -> int:
@@ -509,7 +533,7 @@ def peer_rows(n_tokens: int, k: int, ep: int, capacity_factor: float) -> int:
 
 
 def _all_to_all_experts(pe, x, w, idx, cfg, dtype, dispatch, capacity_factor, mesh, unroll: bool = False,
-                        kernels: Selection = REFERENCE):
+                        kernels: Selection = REFERENCE, chunk: int = 0):
     """Expert parallelism by all-to-all inside shard_map: each device sends each of its tokens once to every
     peer that owns one of the token's experts (with the token's expert ids and weights there), the peer runs
     those slots on its experts and sends back one weighted sum per row.
@@ -559,12 +583,12 @@ def _all_to_all_experts(pe, x, w, idx, cfg, dtype, dispatch, capacity_factor, me
         unsent = jnp.sum(hits & ~sent[:, None, :])  # slots of rows past R
         return y, unsent + dropped_recv
 
-    return _ep_shard_map(pe, x, w, idx, cfg, dtype, mesh, body)
+    return _ep_shard_map(pe, x, w, idx, cfg, dtype, mesh, body, chunk)
 
 
 def moe(p: dict, u: jax.Array, cfg, dtype, *, dispatch: str = "sorted", capacity_factor: float = 1.25,
         token_mask=None, mesh=None, ep_capacity: float = 0.0, unroll: bool = False,
-        expert_parallel: str = "all_to_all", kernels: Selection = REFERENCE):
+        expert_parallel: str = "all_to_all", kernels: Selection = REFERENCE, chunk: int = 0):
     """u [b, l, D] -> (out [b, l, D], aux) with aux = {aux_loss, load [E] (slot counts), dropped}.
 
     `token_mask` [b, l] (optional) excludes padding from the balance statistics; `unroll` runs the sorted
@@ -576,7 +600,7 @@ def moe(p: dict, u: jax.Array, cfg, dtype, *, dispatch: str = "sorted", capacity
     w, idx, scores = route(p["gate"], x, cfg, mesh)
     xin = linear(x, p["fc1_latent_proj"], dtype) if cfg.moe_latent_size else x
     y, dropped = experts_forward(p["experts"], xin, w, idx, cfg, dtype, dispatch, capacity_factor, mesh, ep_capacity,
-                                 unroll, expert_parallel, kernels)
+                                 unroll, expert_parallel, kernels, chunk)
     if cfg.moe_latent_size:
         y = linear(y, p["fc2_latent_proj"], dtype)
     if cfg.n_shared_experts:

@@ -52,6 +52,7 @@ def options_from(section, mesh=None) -> M.Options:
         raise ValueError(f"model.dtype: {section.dtype!r} (expected one of {sorted(DTYPES)})")
     return M.Options(dtype=DTYPES[section.dtype], remat=section.remat, moe_dispatch=section.moe_dispatch,
                      capacity_factor=section.capacity_factor, ep_capacity=section.ep_capacity,
+                     moe_chunk_tokens=section.moe_chunk_tokens,
                      expert_parallel=section.expert_parallel, kernels=resolve_kernels(section.kernels, mesh),
                      attention=section.attention, mesh=mesh if mesh is not None and mesh.size > 1 else None)
 
