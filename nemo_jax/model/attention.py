@@ -14,7 +14,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from nemo_jax.kernels import REFERENCE, Selection
+from nemo_jax.kernels import REFERENCE, Selection, platform_of
 from nemo_jax.kernels import attention as kernel_attn
 from nemo_jax.model.layers import linear
 from nemo_jax.parallel.mesh import all_gather_f32_grad, context_shards
@@ -44,17 +44,20 @@ def _attend_heads(q, k, v, mask, dtype):
     return jnp.einsum("bkrls,bksh->bkrlh", probs.astype(dtype), v, preferred_element_type=jnp.float32).astype(dtype)
 
 
-def _attend_blocked(q, k, v, segment_ids, dtype, block: int):
+def _attend_blocked(q, k, v, segment_ids, dtype, block: int, checkpoint_blocks: bool = False):
     """Causal `_attend` in query blocks: block [s, e) reads only keys [0, e), so the upper triangle is never
     computed (about half the logits, softmax and FLOPs of the full [l, l] form). Heads-major throughout (one
-    transpose in and one out, not one per block and einsum). With several blocks each is checkpointed: the
-    backward recomputes one block's fp32 logits at a time instead of keeping every block's probabilities
-    ([b, heads, block, e] fp32 each, 16.8 GiB at Super's 8k rows on H100) alive for the whole layer's backward."""
+    transpose in and one out, not one per block and einsum). `checkpoint_blocks`: each block is checkpointed,
+    so the backward recomputes one block's fp32 logits at a time instead of keeping every block's
+    probabilities ([b, heads, block, e] fp32 each: 16.8 GiB at Super's 8k rows on H100) alive for the whole
+    layer's backward. XLA:GPU schedules the recomputations one by one (a 4k-row layer's attention backward:
+    582 MiB of temporaries instead of 1951); XLA:CPU hoists them all to the front, where it only adds work, so
+    `attention` asks for it off the CPU."""
     b, l = q.shape[:2]
     block = max(block, -(-l // MAX_BLOCKS))
     pos = jnp.arange(l)
     qh, kh, vh = q.transpose(0, 2, 3, 1, 4), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-    attend = _attend_heads if l <= block else jax.checkpoint(_attend_heads, static_argnums=(4,))
+    attend = jax.checkpoint(_attend_heads, static_argnums=(4,)) if checkpoint_blocks and l > block else _attend_heads
     outs = []
     for s in range(0, l, block):
         e = min(l, s + block)
@@ -391,7 +394,8 @@ def attention(p: dict, u: jax.Array, cfg, dtype, *, segment_ids=None, cache: KVC
         if kern != "reference":
             out = kernel_attn.causal(q, k, v, segment_ids, dtype, kern, mesh=mesh, interpret=kernels.interpret)
         else:
-            out = _attend_blocked(q, k, v, segment_ids, dtype, l if impl == "full" else block)
+            out = _attend_blocked(q, k, v, segment_ids, dtype, l if impl == "full" else block,
+                                  checkpoint_blocks=platform_of(mesh) != "cpu")
         new_cache = None
     else:
         new_cache = KVCache(k.astype(cache.k.dtype), v.astype(cache.v.dtype))
