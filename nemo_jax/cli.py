@@ -238,7 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("plan", help="per-device memory, FLOPs, collectives and step time of a config on N "
                        "simulated devices (ahead-of-time compile on this CPU machine)")
-    s.add_argument("--config", default=None, help="SFT YAML config (default: the embedded tiny CPU config)")
+    s.add_argument("--config", default=None, help="SFT or GRPO YAML config (GRPO: its learner step; default: the "
+                   "embedded tiny CPU config)")
     s.add_argument("--devices", type=int, required=True, help="number of devices of the job")
     s.add_argument("--device-kind", required=True, choices=("h100", "h200", "b200", "tpu-v5p", "tpu-v5e", "tpu-v6e"))
     s.add_argument("--target", choices=("gpu", "tpu", "cpu"), default=None,
@@ -252,8 +253,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-candidates", type=int, default=12, help="--search: compile at most this many variants")
     s.add_argument("--headroom", type=float, default=0.1, help="share of device memory kept free (default 0.1)")
     s.add_argument("--sampler", action="store_true", help="also plan the sampler's prefill and decode steps")
-    s.add_argument("--rollout-batch", type=int, default=None, help="sampler rows (default data.batch_size)")
-    s.add_argument("--context", type=int, default=None, help="sampler context (default data.seq_len)")
+    s.add_argument("--rollout-batch", type=int, default=None,
+                   help="sampler rows (default: data.batch_size; a GRPO config's rollout.sampler_rows or its rollouts)")
+    s.add_argument("--prefill", type=int, default=None,
+                   help="sampler: tokens per row one prefill appends (default: the whole context); a multi-turn "
+                        "rollout prefills each turn's new tokens into a state holding the conversation")
+    s.add_argument("--context", type=int, default=None,
+                   help="sampler context (default: data.seq_len; a GRPO config's rollout.sampler_positions)")
     s.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. data.seq_len=4096")
     s.set_defaults(fn=cmd_plan)
 

@@ -15,9 +15,9 @@ PLAN_KEYS = ("fits", "per_device_bytes", "flops_per_step", "model_flops_per_step
 
 
 def cli_plan(a, overrides: list[str]) -> dict:
-    from nemo_jax.train.sft import load_sft_config
+    from nemo_jax.plan.plan import load_plan_config
 
-    c = load_sft_config(a.config, overrides)
+    c, sampler = load_plan_config(a.config, overrides)
     kind = DEVICE_KINDS[a.device_kind]
     target = a.target
     say = (lambda *x: print(*x, file=sys.stderr)) if a.json else print
@@ -36,9 +36,11 @@ def cli_plan(a, overrides: list[str]) -> dict:
                 print("no candidate fits: try more devices, a smaller data.batch_size or more optim.grad_accum")
         return out
     programs = [plan_sft(c, a.devices, kind, a.headroom, target)]
+    if sampler["program"]:
+        programs[0] = dict(programs[0], program=sampler["program"])
     if a.sampler:
-        programs += plan_sampler(c, a.devices, kind, a.rollout_batch or c.data.batch_size,
-                                 a.context or c.data.seq_len, a.headroom, target)
+        programs += plan_sampler(c, a.devices, kind, a.rollout_batch or sampler["rows"],
+                                 a.context or sampler["context"], a.headroom, target, prefill=a.prefill)
     out = {**head, **{k: programs[0][k] for k in PLAN_KEYS}, "fits_all": all(p["fits"] for p in programs),
            "programs": programs}
     if a.json:

@@ -141,6 +141,36 @@ def analyse_compiled(compiled, n_devices: int, kind: DeviceKind, inputs: dict, m
     }
 
 
+def load_plan_config(path: str | None, overrides=()):
+    """The step a plan compiles, from an SFT config or a GRPO config -> (SFTConfig, sampler defaults). A GRPO
+    config's learner step is a LoRA step over its rollout batch (groups_per_step x group_size rows of
+    rollout.seq_len tokens, in optim.grad_accum micro-batches; the policy loss costs what the token loss costs),
+    and its sampler serves rollout.sampler_rows rows of rollout.sampler_positions (defaults as the run's)."""
+    import yaml
+
+    from nemo_jax.config.load import load_config
+    from nemo_jax.config.train import DataSection, GRPOConfig, SFTConfig
+    from nemo_jax.train.sft import load_sft_config
+
+    raw = {}
+    if path:
+        try:
+            with open(path) as f:
+                raw = yaml.safe_load(f) or {}
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{path}: no such config file") from None
+    if not (isinstance(raw, dict) and "rollout" in raw):
+        c = load_sft_config(path, overrides)
+        return c, {"rows": c.data.batch_size, "context": c.data.seq_len, "program": None, "prefill": None}
+    g = load_config(GRPOConfig, path, list(overrides))
+    r = g.rollout
+    rows = r.groups_per_step * r.group_size
+    c = SFTConfig(name=g.name, model=g.model, lora=g.lora, optim=g.optim, mesh=g.mesh,
+                  data=DataSection(seq_len=r.seq_len, batch_size=rows, tokenizer=g.tokenizer, eval=None))
+    return c, {"rows": r.sampler_rows or rows, "context": r.sampler_positions or 2 * (r.seq_len + r.max_new_tokens),
+               "program": "grpo_learner_step", "prefill": None}
+
+
 def model_config(c):
     """The model config a run would use: `model.init`'s config.json when it exists, else `model.config`."""
     from nemo_jax.config.model import NemotronHConfig
@@ -263,16 +293,20 @@ def _plan_sft(c, n_devices: int, kind: DeviceKind, headroom: float, target: str)
 
 
 def plan_sampler(c, n_devices: int, kind: DeviceKind, batch: int, context: int, headroom: float = 0.1,
-                 target: str = "cpu", cache: bool = True) -> list[dict]:
-    """Compile the sampler's prefill (a full `context` prompt) and one-token decode step for `batch` rows,
-    with the weights in the compute dtype and the decode state on the mesh."""
-    run = lambda: {"programs": _plan_sampler(c, n_devices, kind, batch, context, headroom, target)}  # noqa: E731
-    key = _plan_key(c, n_devices, kind, target, headroom, rows=batch, context=context)
+                 target: str = "cpu", cache: bool = True, prefill: int | None = None) -> list[dict]:
+    """Compile the sampler's prefill (`prefill` tokens per row appended to a decode state of `context` positions;
+    default the whole context: a first prompt filling it) and one-token decode step for `batch` rows, with the
+    weights in the compute dtype and the decode state on the mesh. Multi-turn rollouts prefill each turn's new
+    tokens (a tool result, a screenshot) into a state that already holds the conversation: `prefill` < context."""
+    prefill = min(prefill or context, context)
+    run = lambda: {"programs": _plan_sampler(c, n_devices, kind, batch, context, headroom, target,  # noqa: E731
+                                             prefill)}
+    key = _plan_key(c, n_devices, kind, target, headroom, rows=batch, context=context, prefill=prefill)
     return (_cached("sampler", key, run) if cache else run())["programs"]
 
 
 def _plan_sampler(c, n_devices: int, kind: DeviceKind, batch: int, context: int, headroom: float,
-                  target: str) -> list[dict]:
+                  target: str, prefill: int) -> list[dict]:
     from nemo_jax import generate as G
     from nemo_jax.model.cache import state_shapes, state_shardings
     from nemo_jax.model.spec import abstract_params, param_specs
@@ -291,7 +325,7 @@ def _plan_sampler(c, n_devices: int, kind: DeviceKind, batch: int, context: int,
                       state_shardings(cfg, batch, context, mesh, dtype=opts.dtype))
     rows = Rules().sharding(mesh, ("batch", None), (batch, context))
     out = []
-    for name, length in (("prefill", context), ("decode", 1)):
+    for name, length in (("prefill", prefill), ("decode", 1)):
         toks = jax.ShapeDtypeStruct((batch, length), jnp.int32, sharding=rows)
         valid = jax.ShapeDtypeStruct((batch, length), jnp.bool_, sharding=rows)
         t0 = time.perf_counter()
@@ -300,7 +334,8 @@ def _plan_sampler(c, n_devices: int, kind: DeviceKind, batch: int, context: int,
         fwd_flops = model_flops_per_token(cfg, context) / 3 * batch * length  # forward only
         r = analyse_compiled(compiled, n_devices, kind, {"params": params, "decode_state": st}, fwd_flops)
         tps = batch * length / r["step_time_s"]["with_overlap"] if r["step_time_s"]["with_overlap"] else None
-        r.update(program=f"sampler_{name}", compile_s=compile_s, rows=batch, context=context, tokens_per_s=tps,
+        r.update(program=f"sampler_{name}", compile_s=compile_s, rows=batch, context=context, tokens=length,
+                 tokens_per_s=tps,
                  mesh=dict(mesh.shape), target=target, estimate=target == "cpu")
         r["fits"] = r["per_device_bytes"]["total"] <= (1 - headroom) * kind.memory
         out.append(r)
