@@ -143,7 +143,7 @@ def _mesh_overrides(mesh: str | None) -> list[str]:
 def cmd_sft(a):
     from nemo_jax.train.sft import main as sft_main
 
-    sft_main(a.config, _mesh_overrides(a.mesh) + list(a.overrides))
+    sft_main(a.config, _mesh_overrides(a.mesh) + list(a.overrides), verbose=a.verbose)
 
 
 def cmd_grpo(a):
@@ -206,6 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("sft", help="supervised fine-tuning from a YAML config")
     s.add_argument("--config", default=None, help="YAML config (default: the embedded tiny CPU config)")
     s.add_argument("--mesh", default=None, help="mesh preset YAML (configs/mesh/*.yaml) or sizes like fsdp=4,expert=2")
+    s.add_argument("--verbose", action="store_true", help="print the whole resolved config (always in RUN/config.yaml)")
     s.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. steps=20 optim.lr=1e-4")
     s.set_defaults(fn=cmd_sft)
 

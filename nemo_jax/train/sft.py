@@ -357,13 +357,20 @@ class Trainer:
         logger = MetricsLogger(self.run_dir, enabled=jax.process_index() == 0, logging=c.logging,
                                config=_asdict(c), name=c.name)
         start = int(self.state.step)
-        bar = tqdm(total=c.steps, initial=start, desc="sft", disable=self.quiet or jax.process_index() != 0,
-                   dynamic_ncols=True)
+        show = not self.quiet and jax.process_index() == 0
+        say = print if show else (lambda *a, **k: None)
         last = {}
         if start == 0 and self.eval_docs:
+            t = time.perf_counter()
             ev = self.evaluate()
             logger.log({"step": 0, "eval_loss": ev})
             last["eval_loss"] = ev
+            say(f"eval at step 0: loss {ev:.4f} ({time.perf_counter() - t:.1f} s, its compile included)", flush=True)
+        # the progress bar starts after the first step, whose time is the compile's: its rate and ETA are then
+        # those of the steps that follow
+        bar = None
+        if start < c.steps:
+            say(f"compiling the train step (step {start + 1} of {c.steps}) ...", flush=True)
         t0, tokens_since, rows_since = time.perf_counter(), 0, 0
         step = start
         while step < c.steps and not self._any_process(self.stop_requested):
@@ -378,6 +385,10 @@ class Trainer:
                 logger.close()
                 raise RuntimeError(f"{int(self.state.nonfinite_run)} non-finite updates in a row at step {step}; "
                                    "stopping (the last checkpoint holds finite values)")
+            compiled_now = bar is None
+            if compiled_now:
+                say(f"compiled and ran step {step} in {time.perf_counter() - t0:.1f} s", flush=True)
+                bar = tqdm(total=c.steps, initial=step - 1, desc="sft", disable=not show, dynamic_ncols=True)
             if step % c.log_every == 0 or step == c.steps:
                 dt = time.perf_counter() - t0
                 tokens_since, rows_since, split, dropped, truncated, *per_source = self._over_processes(
@@ -407,7 +418,10 @@ class Trainer:
             if c.checkpoint.every and step % c.checkpoint.every == 0:
                 self.save()
             bar.update(1)
-        bar.close()
+            if compiled_now:  # throughput from the first compiled step on
+                t0, tokens_since, rows_since = time.perf_counter(), 0, 0
+        if bar is not None:
+            bar.close()
         self.save(force=True)
         self.ckpt.close()
         self.it.close()
@@ -454,13 +468,17 @@ def load_sft_config(path: str | None, overrides=()) -> SFTConfig:
     return c
 
 
-def main(path: str | None, overrides=()):
+def main(path: str | None, overrides=(), verbose: bool = False):
     c = load_sft_config(path, overrides)
     distributed.initialize(c.distributed)  # before any device use
     run_dir = os.path.abspath(c.run_dir or os.path.join("runs", c.name))
     text = dump_yaml(c)
     if jax.process_index() == 0:
-        print(f"# resolved config ({path or 'embedded default: tiny CPU SFT'})\n{text}")
+        if verbose:
+            print(f"# resolved config ({path or 'embedded default: tiny CPU SFT'})\n{text}")
+        print(f"sft {c.name}: {path or 'the embedded tiny CPU config'}, {c.steps} steps of {c.data.batch_size} x "
+              f"{c.data.seq_len} tokens; resolved config in {os.path.join(run_dir, 'config.yaml')}"
+              + ("" if verbose else " (--verbose prints it)"), flush=True)
         os.makedirs(run_dir, exist_ok=True)
         with open(os.path.join(run_dir, "config.yaml"), "w") as f:
             f.write(text)
@@ -471,4 +489,9 @@ def main(path: str | None, overrides=()):
         out = tr.run()
     summary = {k: out[k] for k in ("step", "loss", "eval_loss", "tokens_per_sec", "stopped_early") if k in out}
     print("done:", json.dumps(summary))
+    if jax.process_index() == 0:
+        kept = [n for n in ("checkpoints", "adapters", "metrics.jsonl", "tensorboard", "config.yaml")
+                if os.path.exists(os.path.join(run_dir, n))]
+        print(f"outputs in {run_dir}: {', '.join(kept)}  (nemo-jax generate --ckpt {run_dir} ..., "
+              f"nemo-jax plot {run_dir}, nemo-jax export-hf {run_dir} OUT)")
     return out
