@@ -32,7 +32,7 @@ from jax.experimental.pallas import triton as plgpu
 
 NEG = -1e30  # masked logit (model.attention._NEG)
 BLOCK_Q, BLOCK_K = 128, 64  # query rows / keys per block (powers of two >= 16: Triton's dot); on an H200, causal
-# GQA fwd+bwd at 4 x 4096, 16 heads of 128 (devscratch kbench): 128 x 64 4.67 ms, 64 x 64 8.74, 128 x 128 8.72, 64 x 128 11.1
+# GQA fwd+bwd at 4 x 4096, 16 heads of 128 (bench/kernels.py): 128 x 64 4.67 ms, 64 x 64 8.74, 128 x 128 8.72, 64 x 128 11.1
 _FAR = 2 ** 30  # position of padding keys: after every query, so never visited
 
 
