@@ -195,7 +195,8 @@ def make_train_step(cfg, opts: Options, tx, sched, ocfg, grad_accum: int = 1, co
             # token-slots dropped (capacity dispatch, the all-to-all's per-peer budget, or all_gather's ep_capacity),
             # and their share of every routed slot of the step (every token x top-k x MoE layer)
             metrics["moe_dropped"] = st["dropped"]
-            metrics["moe_dropped_frac"] = st["dropped"] / (batch["tokens"].size * cfg.num_experts_per_tok * n_moe)
+            slots = float(batch["tokens"].size) * cfg.num_experts_per_tok * n_moe  # past int32 at long contexts
+            metrics["moe_dropped_frac"] = st["dropped"] / slots
             mean = jnp.mean(load, axis=-1)
             metrics["expert_load_max_over_mean"] = jnp.max(jnp.max(load, axis=-1) / jnp.maximum(mean, 1e-9))
             metrics["expert_load_min_over_mean"] = jnp.min(jnp.min(load, axis=-1) / jnp.maximum(mean, 1e-9))
