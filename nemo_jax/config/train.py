@@ -75,6 +75,7 @@ class OptimSection:
     b2: float = 0.95
     eps: float = 1e-8
     clip_norm: float = 1.0
+    mu_dtype: str = "float32"  # Adam's first moment: float32 | bfloat16 (2 bytes per parameter less; the second stays fp32)
     grad_accum: int = 1
     aux_loss_coef: float = 1e-3
     bias_update_rate: float = 1e-3  # aux-loss-free correction-bias update (0 = off)

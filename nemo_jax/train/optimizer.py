@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from nemo_jax.model.spec import path_str
@@ -34,13 +35,36 @@ def schedule(o, total_steps: int):
     return optax.join_schedules([optax.linear_schedule(0.0, peak, warm), after], [warm])
 
 
+def global_norm(tree) -> jax.Array:
+    """The L2 norm of every leaf together, summed in fp32 whatever the leaves' dtype (bf16 gradients are upcast
+    inside the reduction, never as a copy)."""
+    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
+
+
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+    """optax.clip_by_global_norm with the norm summed in fp32 (`global_norm`): the gradients of a bf16 step arrive
+    in bf16 (the matmuls' dtype) and are scaled into fp32 updates leaf by leaf."""
+
+    def update(updates, state, params=None):
+        del params
+        norm = global_norm(updates)
+        scale = jnp.where(norm < max_norm, 1.0, max_norm / jnp.maximum(norm, 1e-30))
+        return jax.tree.map(lambda g: g.astype(jnp.float32) * scale, updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
 def make_optimizer(o, params, total_steps: int, frozen: str | None = None):
     """AdamW (+ clipping) over `params`; leaves whose path matches the regex `frozen` get no update and hold no
-    optimiser state."""
+    optimiser state. `o.mu_dtype` (bfloat16) keeps Adam's first moment in bf16 (the second stays fp32)."""
     sched = schedule(o, total_steps)
+    if o.mu_dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"optim.mu_dtype: {o.mu_dtype!r} (expected float32 or bfloat16)")
+    mu_dtype = jnp.bfloat16 if o.mu_dtype == "bfloat16" else None
     tx = optax.chain(
-        optax.clip_by_global_norm(o.clip_norm) if o.clip_norm > 0 else optax.identity(),
-        optax.adamw(sched, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask(params)),
+        clip_by_global_norm(o.clip_norm) if o.clip_norm > 0 else optax.identity(),
+        optax.adamw(sched, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask(params),
+                    mu_dtype=mu_dtype),
     )
     if frozen:
         pat = re.compile(frozen)
