@@ -303,11 +303,12 @@ def test_spool_round_trip_and_rejections(tmp_path):
         f.write(json.dumps({**bad, "group_id": "g999"}) + "\n")
     (spool / ".producer-d-0.jsonl.tmp-x").write_text("half a line")  # a writer still at work: ignored
     reader = SpoolReader(str(spool), vocab_size=97, max_len=16)
-    finished = reader.poll(pool)
+    finished = reader.poll(pool, version=0)
     assert sorted(finished) == sorted([g, g2]) and reader.accepted == 4
     assert reader.rejected == Counter({"length_mismatch": 1, "malformed": 1, "unknown_group": 1})
-    assert sorted(os.listdir(spool / "consumed")) == ["producer-a-0.jsonl", "producer-b-0.jsonl", "producer-c-0.jsonl"]
-    assert reader.poll(pool) == []  # consumed files are not read again
+    assert sorted(os.listdir(spool / "consumed")) == ["producer-a-0.jsonl", "producer-b-0.jsonl"]
+    assert "producer-c-0.jsonl" in os.listdir(spool / "rejected")  # with its .reason: one line per record
+    assert reader.poll(pool, version=0) == []  # consumed files are not read again
     batch, counts = learner_batch(pool.take(8, version=0), seq_len=10, rows=4)
     assert counts["zero_variance_groups"] == 1 and counts["rollouts"] == 2  # g2's rewards are equal
     np.testing.assert_allclose(batch["advantages"], [0.5, -0.5, 0, 0])

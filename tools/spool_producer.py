@@ -1,11 +1,13 @@
 """An external rollout producer for `nemo-jax grpo` with `rollout.spool=true`: another process (here our own JAX
 sampler; in production any engine that hot-loads LoRA, e.g. vLLM with the PEFT dirs) that loops:
 
-  1. claims a group request, RUN/requests/<gid>.json (rename into requests/claimed/: one producer wins each),
-  2. hot-loads the newest published policy, RUN/policy/<version>/ (PEFT; RUN/policy/LATEST names it),
-  3. samples the request's group_size rollouts of its task and scores them with the environment,
+  1. claims a group request, RUN/requests/<gid>.json (rename into requests/claimed/: one producer wins each;
+     the claim is a lease, see nemo_jax.rl.spool),
+  2. hot-loads the newest published policy, RUN/policy/<version>/ (RUN/policy/LATEST names it),
+  3. samples the rollouts the request asks for with its sampling parameters and scores them with the environment,
   4. writes them to RUN/spool/<name>.jsonl (temp name + rename): token ids, loss mask, behaviour logprobs,
-     reward, task id, group id, policy version.
+     reward, task id, group id, policy version, temperature; then ends the lease (or drops the group when the
+     learner cancelled it).
 
     nemo-jax grpo --config configs/grpo/tiny-cpu.yaml rollout.spool=true rollout.producer=none &
     python tools/spool_producer.py --run runs/tiny-cpu-grpo --ckpt runs/tiny-cpu --env arithmetic
@@ -24,7 +26,7 @@ from nemo_jax.generate import generate, load_for_generation
 from nemo_jax.lora.peft import load_peft
 from nemo_jax.rl.envs import make_env
 from nemo_jax.rl.producer import sample_rollouts
-from nemo_jax.rl.spool import claim_request, latest_policy, write_rollouts
+from nemo_jax.rl.spool import claim_request, complete, latest_policy, renew, write_rollouts
 
 
 def main():
@@ -34,7 +36,6 @@ def main():
     ap.add_argument("--env", default="arithmetic")
     ap.add_argument("--env-args", default="{}", help="JSON object: the environment's arguments (as the learner's)")
     ap.add_argument("--max-new-tokens", type=int, default=16)
-    ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--files", type=int, default=0, help="stop after this many files (0: run until killed)")
     ap.add_argument("--name", default=f"producer-{os.getpid()}")
     a = ap.parse_args()
@@ -46,17 +47,25 @@ def main():
     key = jax.random.key(os.getpid())
     loaded, adapters, n = None, None, 0
     while not a.files or n < a.files:
-        latest, req = latest_policy(a.run), claim_request(a.run, a.name)
-        if latest is None or req is None:
+        latest = latest_policy(a.run)
+        lease = claim_request(a.run, a.name) if latest is not None else None
+        if lease is None:
             time.sleep(0.2)
             continue
+        req, sp = lease.request, lease.request.get("sampling", {})
         if latest[0] != loaded:  # hot-load the newest adapters
             loaded, adapters = latest[0], jax.tree.map(jnp.asarray, load_peft(latest[1], cfg))
         key, sub = jax.random.split(key)
         sample = lambda p, sp, k: generate(base, p, cfg, sp, key=k, adapters=adapters, bucket=32)  # noqa: E731
         rollouts = sample_rollouts(sample, tok, cfg, env, [(tasks[req["task_id"]], req["group_id"])],
-                                   req["group_size"], a.max_new_tokens, a.temperature, sub, (loaded,))
+                                   req.get("rollouts", req["group_size"]), sp.get("max_tokens", a.max_new_tokens),
+                                   sp.get("temperature", 1.0), sub, (loaded,), top_p=sp.get("top_p", 1.0),
+                                   top_k=sp.get("top_k", 0))
+        if not renew(lease):  # expired (reposted) or cancelled meanwhile: the learner no longer wants these
+            print(f"{a.name}: group {req['group_id']}: lease lost, {len(rollouts)} rollouts dropped", flush=True)
+            continue
         write_rollouts(os.path.join(a.run, "spool"), rollouts, f"{a.name}-{n:06d}")
+        complete(lease)
         n += 1
         print(f"{a.name}: group {req['group_id']}: {len(rollouts)} rollouts with policy {loaded}", flush=True)
 

@@ -201,6 +201,22 @@ class RolloutSection:
     producer: str = "thread"  # thread (in-process sampler beside the learner) | inline (sample, then learn) | none (spool only)
     spool: bool = False  # also read rollouts external producers write to RUN/spool
     publish_every: int = 1  # publish the adapters to RUN/policy/<version> every this many steps (0: never)
+    publish_format: str = "vllm"  # vllm (vLLM's nemotron_h layout: one module per routed expert) | peft (peft's
+    #                               target_parameters layout, transformers >= 5; it cannot hold Mamba out_proj);
+    #                               targets the format cannot hold are refused when the run starts
+    publish_dtype: str = "train"  # train (the adapters' training dtype) | bf16 (half the bytes)
+    publish_keep: int = 3  # keep the newest this many published versions (0: keep all)
+    publish_keep_every: int = 0  # ... and every version that is a multiple of this (0: none)
+    # sampling parameters every request to external producers carries (the in-process producer samples with
+    # loss.temperature and these top_p / top_k too); the learner's logprobs are of the untruncated distribution
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    stop: list[str] = field(default_factory=list)  # stop strings for external producers (needs producer=none)
+    lease_s: float = 120.0  # a claimed request not renewed for this long (worker heartbeat) is reposted
+    max_failed_episodes: int = 0  # a group with more failed episodes (or expired leases) is cancelled (0: group_size)
+    spool_max_file_mb: float = 256.0  # larger spool files are rejected unread
+    reward_range: list[float] | None = None  # [lo, hi]: spool rollouts with rewards outside are rejected
+    min_logprob: float = -1.0e4  # spool rollouts whose sampled tokens have lower behaviour logprobs are rejected
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import shutil
 import signal
 import threading
 import time
@@ -30,6 +29,7 @@ from nemo_jax.config.load import load_config
 from nemo_jax.config.train import GRPOConfig
 from nemo_jax.data.chat import ChatTokenizer
 from nemo_jax.lora import LoraConfig, save_adapter_checkpoint
+from nemo_jax.lora.peft import check_servable
 from nemo_jax.parallel.mesh import batch_shards, make_mesh
 from nemo_jax.parallel.rules import Rules
 from nemo_jax.rl.client import TrainingClient
@@ -38,12 +38,13 @@ from nemo_jax.rl.envs import make_env
 from nemo_jax.rl.pool import RolloutPool
 from nemo_jax.rl.producer import ThreadProducer, sample_rollouts
 from nemo_jax.rl.rollout import learner_batch
-from nemo_jax.rl.spool import SpoolReader, post_request
+from nemo_jax.rl.spool import RequestBoard, SpoolReader
 from nemo_jax.train.metrics import MetricsLogger, check_logging
 from nemo_jax.train.sft import DTYPES, initial_params, options_from
 
 
 MAX_DRAWS = 4  # groups drawn per step, at most, as a multiple of groups_per_step (zero-variance ones are skipped)
+PUBLISH_DTYPES = {"train": None, "bf16": jnp.bfloat16}
 
 
 def load_grpo_config(path: str | None, overrides=()) -> GRPOConfig:
@@ -60,7 +61,34 @@ def load_grpo_config(path: str | None, overrides=()) -> GRPOConfig:
         raise ValueError("rollout.producer=none needs rollout.spool=true (otherwise nothing produces rollouts)")
     if not c.lora.targets:
         raise ValueError("grpo trains LoRA adapters: set lora.targets (e.g. [all])")
+    _check_transport(r)
     return c
+
+
+def _check_transport(r) -> None:
+    """The publishing, request, lease and spool settings (rollout.*)."""
+    from nemo_jax.lora.peft import FORMATS
+
+    checks = [
+        (r.publish_format in FORMATS, f"rollout.publish_format: {r.publish_format!r} (expected {' or '.join(FORMATS)})"),
+        (r.publish_dtype in PUBLISH_DTYPES, f"rollout.publish_dtype: {r.publish_dtype!r} (expected train or bf16)"),
+        (r.publish_every >= 0 and r.publish_keep >= 0 and r.publish_keep_every >= 0,
+         "rollout.publish_every, publish_keep and publish_keep_every must be >= 0"),
+        (0.0 < r.top_p <= 1.0, f"rollout.top_p must be in (0, 1], got {r.top_p}"),
+        (r.top_k >= 0, f"rollout.top_k must be >= 0 (0: off), got {r.top_k}"),
+        (not r.stop or r.producer == "none", "rollout.stop (stop strings) needs rollout.producer=none: the "
+         "in-process sampler stops at end-of-turn tokens only"),
+        (r.lease_s > 0, f"rollout.lease_s must be > 0, got {r.lease_s}"),
+        (r.max_failed_episodes >= 0, f"rollout.max_failed_episodes must be >= 0, got {r.max_failed_episodes}"),
+        (r.spool_max_file_mb > 0, f"rollout.spool_max_file_mb must be > 0, got {r.spool_max_file_mb}"),
+        (r.reward_range is None or (len(r.reward_range) == 2 and all(map(math.isfinite, r.reward_range))
+                                    and r.reward_range[0] <= r.reward_range[1]),
+         f"rollout.reward_range must be [lo, hi] with finite lo <= hi, got {r.reward_range}"),
+        (math.isfinite(r.min_logprob) and r.min_logprob < 0, f"rollout.min_logprob must be < 0, got {r.min_logprob}"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise ValueError(msg)
 
 
 class GRPORunner:
@@ -81,12 +109,23 @@ class GRPORunner:
         lcfg = LoraConfig(tuple(c.lora.targets), c.lora.rank, c.lora.alpha, c.lora.rslora, c.lora.init_seed)
         self.client = TrainingClient(cfg, base, lcfg, self.mesh, optim=c.optim, loss=c.loss, total_steps=c.steps,
                                      grad_accum=c.optim.grad_accum, seed=c.seed, opts=options_from(c.model, self.mesh))
-        self.pool = RolloutPool(c.rollout.group_size, c.rollout.max_off_policy_steps)
+        self.pool = RolloutPool(c.rollout.group_size, c.rollout.max_off_policy_steps,
+                                c.rollout.max_failed_episodes or None)
+        if c.rollout.publish_every:  # before any work: a format that cannot hold the targets is refused now
+            check_servable(cfg, lcfg, c.rollout.publish_format)
         cu = c.curriculum
         self.curriculum = Curriculum(list(self.tasks), cu.window, cu.floor, cu.prior, seed=c.seed)
         self.lock = threading.Lock()
-        self.spool = (SpoolReader(os.path.join(self.run_dir, "spool"), cfg.vocab_size, c.rollout.seq_len)
-                      if c.rollout.spool else None)
+        r = c.rollout
+        self.spool = self.board = None
+        if r.spool:
+            self.spool = SpoolReader(os.path.join(self.run_dir, "spool"), cfg.vocab_size, r.seq_len,
+                                     max_file_bytes=int(r.spool_max_file_mb * 2**20), min_logprob=r.min_logprob,
+                                     reward_range=tuple(r.reward_range) if r.reward_range else None,
+                                     temperature=c.loss.temperature)
+            self.board = RequestBoard(self.run_dir, r.lease_s)
+        self.sampling = {"temperature": c.loss.temperature, "top_p": r.top_p, "top_k": r.top_k,
+                         "max_tokens": r.max_new_tokens, "stop": list(r.stop)}
         unit = batch_shards(self.mesh) * c.optim.grad_accum  # rows split into micro-batches, each over the shards
         self.rows = math.ceil(c.rollout.groups_per_step * c.rollout.group_size / unit) * unit
         longest = max(len(self.tok.tokenizer.encode(self.tok.render(list(t.messages), add_generation_prompt=True),
@@ -96,7 +135,6 @@ class GRPORunner:
                              f"has {longest} tokens and rollout.max_new_tokens={c.rollout.max_new_tokens} "
                              f"(set rollout.seq_len >= {longest + c.rollout.max_new_tokens - 1})")
         self.too_long = 0  # groups dropped because a rollout outgrew rollout.seq_len
-        self.requested = set()  # groups asked of external producers, not finished yet
         self.stop_requested = False
         self.step = 0
         self.saved_step = None
@@ -132,11 +170,16 @@ class GRPORunner:
             if self.spool is not None:
                 self._request_groups()
                 with self.lock:
-                    for gid in self.spool.poll(self.pool):
+                    for gid in self.spool.poll(self.pool, self.client.version):
+                        self.board.done(gid)
                         self.curriculum.update(self.pool.ready[gid][0].task_id,
                                                [r.reward for r in self.pool.ready[gid]])
+                    self._leases()
             with self.lock:
                 self.pool.drop_stale(self.client.version)
+                if self.board is not None:
+                    for gid, why in self.pool.drain_dropped():
+                        self.board.cancel(gid, why)
                 if len(self.pool.ready) >= need:
                     return time.perf_counter() - t0
             if self.stop_requested:
@@ -152,14 +195,40 @@ class GRPORunner:
     def _request_groups(self):
         """Keep `in_flight_groups` groups requested from external producers (RUN/requests)."""
         with self.lock:
-            self.requested &= set(self.pool.in_flight)
-            want = self.c.rollout.in_flight_groups - len(self.requested)
+            want = self.c.rollout.in_flight_groups - sum(g["external"] for g in self.pool.in_flight.values())
             if want <= 0:
                 return
             for t in self.curriculum.sample(want):
-                gid = self.pool.open_group(t, f"s{self.step}-{self.pool.counts['groups_opened']}")
-                post_request(self.run_dir, gid, self.tasks[t], self.c.rollout.group_size, self.client.version)
-                self.requested.add(gid)
+                gid = self.pool.open_group(t, f"s{self.step}-{self.pool.counts['groups_opened']}", external=True)
+                self.board.post(gid, self.tasks[t], self.c.rollout.group_size, self.client.version, self.sampling)
+
+    def _leases(self):
+        """Expired leases count as failed episodes (a group past rollout.max_failed_episodes is cancelled) and are
+        posted again for the rollouts their group still needs. (Called under the lock.)"""
+        for gid in self.board.expired():
+            if self.pool.fail(gid) == "counted":
+                g = self.pool.in_flight[gid]
+                self.board.post(gid, self.tasks[g["task_id"]], self.c.rollout.group_size, self.client.version,
+                                self.sampling, rollouts=self.pool.missing(gid))
+
+    def _resume_requests(self):
+        """After a (re)start: keep the requests and claims of the in-flight groups the pool restored, cancel those
+        of groups it does not know, post again what a restored group lost."""
+        with self.lock:
+            _, lost = self.board.reconcile(self.pool)
+            for gid in lost:
+                g = self.pool.in_flight[gid]
+                if g["task_id"] not in self.tasks:  # the task set changed under the run
+                    del self.pool.in_flight[gid]
+                    self.board.cancel(gid, "unknown")
+                    continue
+                self.board.post(gid, self.tasks[g["task_id"]], self.c.rollout.group_size, self.client.version,
+                                self.sampling, rollouts=self.pool.missing(gid))
+
+    def _publish(self):
+        r = self.c.rollout
+        self.client.publish(self.run_dir, format=r.publish_format, dtype=PUBLISH_DTYPES[r.publish_dtype],
+                            keep=r.publish_keep, keep_every=r.publish_keep_every)
 
     def _install_signals(self):
         def handler(signum, frame):
@@ -176,12 +245,12 @@ class GRPORunner:
             producer = ThreadProducer(self.client, self.tok, self.env, self.pool, self.curriculum, r,
                                       c.loss.temperature, c.seed, self.lock)
         resumed = self.restore(producer)
-        if self.spool is not None:  # requests of an earlier process name groups this one never opened
-            shutil.rmtree(os.path.join(self.run_dir, "requests"), ignore_errors=True)
+        if self.board is not None:  # requests and in-flight groups are part of the run's state
+            self._resume_requests()
         if producer is not None:
             producer.set_policy(self.client.version, self.client.adapters)
         if r.publish_every:
-            self.client.publish(self.run_dir)
+            self._publish()
         self._install_signals()
         logger = MetricsLogger(self.run_dir, enabled=jax.process_index() == 0, logging=c.logging,
                                config=dataclasses.asdict(c), name=c.name)
@@ -249,7 +318,7 @@ class GRPORunner:
         if producer is not None:
             producer.set_policy(self.client.version, self.client.adapters)
         if r.publish_every and self.step % r.publish_every == 0:
-            self.client.publish(self.run_dir)
+            self._publish()
         dt = time.perf_counter() - t0
         rewards = np.array([x.reward for x in rollouts])
         lengths = np.array([sum(x.loss_mask) for x in rollouts])
@@ -276,6 +345,10 @@ class GRPORunner:
             rec["producer_busy_s"] = producer.busy_s - busy0
         if self.spool is not None:
             rec.update({f"spool_rejected/{k}": v for k, v in self.spool.rejected.items()})
+            rec.update({k: v for k, v in self.board.counts.items() if k != "requests_posted"})
+            rec["episodes_failed"] = self.pool.counts["episodes_failed"]
+        if self.client.publisher is not None:
+            rec["publish_skipped"] = self.client.publisher.skipped
         logger.log(rec)
         logger.histogram(rec["step"], "staleness", staleness)
         logger.histogram(rec["step"], "rewards", rewards)

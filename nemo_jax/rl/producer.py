@@ -67,12 +67,14 @@ def _take_turn(tok, env, r: dict, turn: int, new: list[int], lps: list[float], w
 
 
 def sample_rollouts(sample, tok, cfg, env: Environment, tasks: list[tuple[Task, str]], group_size: int,
-                    max_new_tokens: int, temperature: float, key, versions: tuple[int, ...], stream=None) -> list[Rollout]:
+                    max_new_tokens: int, temperature: float, key, versions: tuple[int, ...], stream=None,
+                    top_p: float = 1.0, top_k: int = 0) -> list[Rollout]:
     """tasks: (task, group id) pairs -> group_size scored rollouts per task. versions: the policy version(s)
     sampling. With `stream(prompts, sp, key, next_turn)` (e.g. TrainingClient.sample_stream with an adapter
     snapshot and its rows) the rollouts go through continuous batching; else each turn is one
     `sample(prompts, sp, key)` -> Generation over the rollouts still going."""
-    sp = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=stop_ids(cfg, tok))
+    sp = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                        stop_token_ids=stop_ids(cfg, tok))
     rows = []
     for task, gid in tasks:
         ids = _encode(tok, tok.render(list(task.messages), add_generation_prompt=True))
@@ -98,7 +100,7 @@ def sample_rollouts(sample, tok, cfg, env: Environment, tasks: list[tuple[Task, 
     for r in rows:
         s = env.score(r["task"], r["history"])
         out.append(Rollout(r["tokens"], r["mask"], r["lps"], float(s.reward), r["task"].id, r["gid"], list(versions),
-                           bool(s.success)))
+                           bool(s.success), temperature=temperature))
     return out
 
 
@@ -147,7 +149,8 @@ class ThreadProducer:
                                              next_turn=next_turn)
 
         rollouts = sample_rollouts(None, self.tok, self.client.cfg, self.env, tasks, self.r.group_size,
-                                   self.r.max_new_tokens, self.temperature, sub, (version,), stream=stream)
+                                   self.r.max_new_tokens, self.temperature, sub, (version,), stream=stream,
+                                   top_p=self.r.top_p, top_k=self.r.top_k)
         self.busy_s += time.perf_counter() - t0
         with self.lock:
             for x in rollouts:
