@@ -1,4 +1,5 @@
-"""`nemo-jax` command line: sft, grpo, eval, recipe, plan, generate, plot, import-hf, export-hf, merge, lora, forward."""
+"""`nemo-jax` command line: sft, grpo, eval, recipe, plan, generate, serve, plot, import-hf, export-hf, merge, lora,
+forward."""
 
 from __future__ import annotations
 
@@ -191,6 +192,16 @@ def cmd_generate(a):
     cli_generate(a)
 
 
+def cmd_serve(a):
+    if not 0 < a.port < 65536:
+        raise ValueError(f"--port {a.port}: expected 1..65535")
+    if a.max_num_seqs < 1 or a.max_model_len < 2 or a.bucket < 1 or a.check_every < 1:
+        raise ValueError("--max-num-seqs, --bucket and --check-every must be >= 1 and --max-model-len >= 2")
+    from nemo_jax.serve.app import cli_serve
+
+    cli_serve(a)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nemo-jax", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -259,6 +270,32 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--mesh", default=None, help="mesh preset YAML (configs/mesh/*.yaml): params and the decode "
                    "state are sharded over it")
     s.set_defaults(fn=cmd_generate)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat and completions with logprobs and token "
+                       "ids, tools, images, LoRA adapters by name) with continuous batching")
+    s.add_argument("--ckpt", required=True, help="native model dir, HF dir, or SFT run dir")
+    s.add_argument("--adapters", action="append", default=[], metavar="NAME=DIR",
+                   help="serve this adapter set (PEFT dir, peft or vllm layout, or adapter checkpoint) as model NAME; "
+                        "repeatable (more load at run time: POST /v1/load_lora_adapter)")
+    s.add_argument("--mesh", default=None, help="mesh preset YAML or sizes like tensor=4: params and the decode "
+                   "state are sharded over it")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--tokenizer", default=None, help="dir with tokenizer.json/tokenizer_config.json (default: the "
+                   "checkpoint's)")
+    s.add_argument("--served-model-name", default=None, help="the base model's name in the API (default: the "
+                   "checkpoint dir's name)")
+    s.add_argument("--max-num-seqs", type=int, default=8, help="decode rows: sequences sampled at once")
+    s.add_argument("--max-model-len", type=int, default=4096, help="positions per row: prompt + completion")
+    s.add_argument("--dtype", default=None, help="cast the weights (default: as stored), e.g. bf16 or fp32")
+    s.add_argument("--bucket", type=int, default=32, help="prompts are padded to a multiple of this (few compiles)")
+    s.add_argument("--check-every", type=int, default=4, help="decode steps between looks for finished rows")
+    s.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="logprob entries name their token as token_id:<id> (as vLLM's flag)")
+    s.add_argument("--seed", type=int, default=0, help="seeds the draws of requests without a seed")
+    s.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
+                   help="uvicorn's log level (info: one line per request)")
+    s.set_defaults(fn=cmd_serve)
 
     s = sub.add_parser("plot", help="PNG figures of runs' metrics.jsonl (several runs overlaid)")
     s.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")

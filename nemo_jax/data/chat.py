@@ -68,9 +68,10 @@ class ChatTokenizer:
         special = {k: _tok_str(conf.get(k)) for k in ("bos_token", "eos_token", "pad_token")}
         return cls(tok, env.from_string(src), special.get("eos_token"), special, path)
 
-    def render(self, messages, tools=None, add_generation_prompt=False) -> str:
+    def render(self, messages, tools=None, add_generation_prompt=False, **kwargs) -> str:
+        """`kwargs`: extra template variables (e.g. `enable_thinking` of the Nemotron 3 templates)."""
         return self.template.render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                    **{k: v for k, v in self.special.items() if v})
+                                    **{**{k: v for k, v in self.special.items() if v}, **kwargs})
 
     def encode_chat(self, messages, tools=None) -> tuple[np.ndarray, np.ndarray]:
         """-> token ids [n] int32, loss mask [n] bool (True on assistant tokens)."""
