@@ -299,3 +299,32 @@ def test_learner_restart_keeps_requests_and_in_flight_groups(tmp_path):
     assert dead.group_id not in b.pool.in_flight and cancelled(run, dead.group_id) and not renew(nxt)
     assert b.board.counts["groups_cancelled/failed"] == 1 and b.board.counts["leases_expired"] == 1
     b.client.close()
+
+
+# ----------------------------------------------------------------------------- publishing off the critical path
+def test_publisher_writes_in_the_background_newest_first(tmp_path, monkeypatch):
+    """submit returns at once; a version still waiting when a newer one comes is replaced (counted); a failed write
+    is raised by the next submit / flush, naming the run dir."""
+    import nemo_jax.rl.spool as spool
+
+    gate, calls = threading.Event(), []
+
+    def slow_publish(run_dir, version, cfg, adapters, **kw):  # a disk slower than the learner
+        gate.wait(10)
+        calls.append((version, float(adapters["x"])))
+        if version == 9:
+            raise OSError(28, "No space left on device")
+    monkeypatch.setattr(spool, "publish_policy", slow_publish)
+    pub = spool.PolicyPublisher(str(tmp_path), cfg=None, format="vllm")
+    t0 = time.perf_counter()
+    for v in range(4):
+        pub.submit(v, {"x": jnp.asarray(float(v))})
+    assert time.perf_counter() - t0 < 1.0  # never waits for the write
+    gate.set()
+    pub.flush()
+    assert calls[0] == (0, 0.0) and calls[-1] == (3, 3.0) and pub.written == [v for v, _ in calls]
+    assert pub.skipped == 4 - len(calls) >= 1  # 1 and/or 2 were replaced while 0 was being written
+    pub.submit(9, {"x": jnp.asarray(9.0)})
+    with pytest.raises(RuntimeError, match=f"{tmp_path}/policy failed: OSError.*No space left"):
+        pub.flush()
+    pub.close()
