@@ -22,7 +22,7 @@ from nemo_jax.model import Options, init
 from nemo_jax.rl.client import TrainingClient
 from nemo_jax.rl.envs import Arithmetic, Constraints, JsonlTasks, Score, Task, make_env
 from nemo_jax.rl.learner import make_learner_step
-from nemo_jax.rl.producer import sample_rollouts
+from nemo_jax.rl.producer import sample_rollouts, sample_rollouts_plain
 from nemo_jax.rl.rollout import learner_batch
 
 from helpers import FAST_COMPILE, tiny_cfg
@@ -111,8 +111,9 @@ class TwoTurns:
 def test_multi_turn_rollouts_are_the_rendered_conversation(tok, base):
     client = TrainingClient(CFG, base, LCFG)
     env = TwoTurns()
-    rs = sample_rollouts(client.sample, tok, CFG, env, [(env.tasks("train")[0], "g")], 2, 6, 1.0,
-                         jax.random.key(0), (3,))
+    engine = client.engine(batch=2, max_len=128)
+    engine.set_adapters(client.adapters, 3)
+    rs = sample_rollouts(engine, tok, CFG, env, [(env.tasks("train")[0], "g")], 2, 6, 1.0)
     assert len(rs) == 2 and all(r.policy_versions == [3] and r.group_id == "g" for r in rs)
     for r in rs:
         m = np.asarray(r.loss_mask, bool)
@@ -290,21 +291,23 @@ def test_inbox_tools_checks_and_guardrails():
 
 
 def test_streamed_rollouts_equal_the_turn_by_turn_sampler(tok, base, monkeypatch):
-    """Continuous batching (2 decode rows for 4 two-turn rollouts, conversations continued in their rows) gives,
-    greedy, the rollouts the plain turn-by-turn sampler gives."""
+    """The engine-driven episodes (2 decode rows for 4 two-turn rollouts, conversations parked and continued in
+    their rows) give, greedy, the rollouts the plain turn-by-turn sampler gives."""
     import nemo_jax.rl.producer as producer
 
     client = TrainingClient(CFG, base, LCFG)
     env = TwoTurns()
     tasks = [(env.tasks("train")[0], "g0"), (env.tasks("train")[0], "g1")]
-    first = sample_rollouts(client.sample, tok, CFG, env, tasks[:1], 1, 6, 0.0, jax.random.key(0), (1,))[0]
+    sample = lambda p, sp, k, images: client.sample(p, sp, k)  # noqa: E731
+    first = sample_rollouts_plain(sample, tok, CFG, env, tasks[:1], 1, 6, 0.0, jax.random.key(0))[0]
     # a token greedy decoding emits early stands for the end of turn, so the user's follow-up turn happens
     monkeypatch.setattr(producer, "stop_ids", lambda cfg, tok: (first.tokens[first.loss_mask.index(1) + 2],))
-    plain = sample_rollouts(client.sample, tok, CFG, env, tasks, 2, 6, 0.0, jax.random.key(0), (1,))
-    stream = lambda prompts, sp, key, next_turn: client.sample_stream(prompts, sp, key, batch=2, max_len=256,
-                                                                      next_turn=next_turn)
-    streamed = sample_rollouts(None, tok, CFG, env, tasks, 2, 6, 0.0, jax.random.key(0), (1,), stream=stream)
+    plain = sample_rollouts_plain(sample, tok, CFG, env, tasks, 2, 6, 0.0, jax.random.key(0), version=1)
+    engine = client.engine(batch=2, max_len=256)
+    engine.set_adapters(client.adapters, 1)
+    streamed = sample_rollouts(engine, tok, CFG, env, tasks, 2, 6, 0.0)
     assert len(plain) == len(streamed) == 4 and {r.reward for r in plain} == {4.0}  # two turns each
     for a, b in zip(plain, streamed):
-        assert (a.tokens, a.loss_mask, a.reward, a.group_id) == (b.tokens, b.loss_mask, b.reward, b.group_id)
+        assert (a.tokens, a.loss_mask, a.reward, a.group_id, a.policy_versions) == (
+            b.tokens, b.loss_mask, b.reward, b.group_id, b.policy_versions)
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)

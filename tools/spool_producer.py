@@ -20,10 +20,11 @@ import jax
 import jax.numpy as jnp
 
 from nemo_jax.data.chat import ChatTokenizer
-from nemo_jax.generate import generate, load_for_generation
+from nemo_jax.generate import Engine, load_for_generation
 from nemo_jax.lora.peft import load_peft
 from nemo_jax.rl.envs import make_env
 from nemo_jax.rl.producer import sample_rollouts
+from nemo_jax.rl.rollout import ImageStore
 from nemo_jax.rl.spool import claim_request, latest_policy, write_rollouts
 
 
@@ -35,6 +36,8 @@ def main():
     ap.add_argument("--env-args", default="{}", help="JSON object: the environment's arguments (as the learner's)")
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--rows", type=int, default=16, help="decode rows")
+    ap.add_argument("--max-len", type=int, default=512, help="positions per row (a whole conversation)")
     ap.add_argument("--files", type=int, default=0, help="stop after this many files (0: run until killed)")
     ap.add_argument("--name", default=f"producer-{os.getpid()}")
     a = ap.parse_args()
@@ -43,19 +46,19 @@ def main():
     tok = ChatTokenizer.load(tok_dir)
     env = make_env(a.env, **json.loads(a.env_args))
     tasks = {t.id: t for t in env.tasks("train")}
-    key = jax.random.key(os.getpid())
-    loaded, adapters, n = None, None, 0
+    engine = Engine(base, cfg, batch=a.rows, max_len=a.max_len, key=jax.random.key(os.getpid()))
+    images = ImageStore(os.path.join(a.run, "images")) if cfg.vision is not None else None
+    loaded, n = None, 0
     while not a.files or n < a.files:
         latest, req = latest_policy(a.run), claim_request(a.run, a.name)
         if latest is None or req is None:
             time.sleep(0.2)
             continue
         if latest[0] != loaded:  # hot-load the newest adapters
-            loaded, adapters = latest[0], jax.tree.map(jnp.asarray, load_peft(latest[1], cfg))
-        key, sub = jax.random.split(key)
-        sample = lambda p, sp, k: generate(base, p, cfg, sp, key=k, adapters=adapters, bucket=32)  # noqa: E731
-        rollouts = sample_rollouts(sample, tok, cfg, env, [(tasks[req["task_id"]], req["group_id"])],
-                                   req["group_size"], a.max_new_tokens, a.temperature, sub, (loaded,))
+            loaded = latest[0]
+            engine.set_adapters(jax.tree.map(jnp.asarray, load_peft(latest[1], cfg)), loaded)
+        rollouts = sample_rollouts(engine, tok, cfg, env, [(tasks[req["task_id"]], req["group_id"])],
+                                   req["group_size"], a.max_new_tokens, a.temperature, images=images)
         write_rollouts(os.path.join(a.run, "spool"), rollouts, f"{a.name}-{n:06d}")
         n += 1
         print(f"{a.name}: group {req['group_id']}: {len(rollouts)} rollouts with policy {loaded}", flush=True)

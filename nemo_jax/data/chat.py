@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 
 import jinja2
@@ -109,6 +110,48 @@ def _raise(msg):
     raise DataError(f"chat template: {msg}")
 
 
+# --------------------------------------------------------------------------- tool calls
+_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+_FUNCTION = re.compile(r"<function=([^>\s]+)>(.*?)</function>", re.S)
+_PARAMETER = re.compile(r"<parameter=([^>\s]+)>\n?(.*?)\n?</parameter>", re.S)
+
+
+def tool_calls(text: str) -> list[dict]:
+    """The tool calls in an assistant's text, in order -> [{"name", "arguments" (dict)}]. Two forms:
+    `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (JSON, as Hermes / Qwen templates write it) and
+    `<tool_call><function=NAME><parameter=KEY>VALUE</parameter>...</function></tool_call>` (Nemotron 3; a value
+    that parses as JSON is taken as such, else as a string). A call that parses as neither is
+    {"name": "<malformed>", "arguments": {}, "text": ...} (the environment answers it with an error)."""
+    out = []
+    for m in _TOOL_CALL.finditer(text):
+        body = m.group(1)
+        f = _FUNCTION.search(body)
+        if f:
+            args = {}
+            for k, v in _PARAMETER.findall(f.group(2)):
+                try:
+                    args[k] = json.loads(v)
+                except json.JSONDecodeError:
+                    args[k] = v
+            out.append({"name": f.group(1), "arguments": args})
+            continue
+        try:
+            c = json.loads(body)
+        except json.JSONDecodeError:
+            c = None
+        if isinstance(c, dict) and isinstance(c.get("name"), str):
+            a = c.get("arguments", c.get("parameters", {}))
+            if isinstance(a, str):
+                try:
+                    a = json.loads(a)
+                except json.JSONDecodeError:
+                    a = None
+            out.append({"name": c["name"], "arguments": a if isinstance(a, dict) else {}})
+        else:
+            out.append({"name": "<malformed>", "arguments": {}, "text": body[:200]})
+    return out
+
+
 # --------------------------------------------------------------------------- reading
 @dataclass
 class Document:
@@ -162,14 +205,17 @@ def parse_record(raw, tok: ChatTokenizer, vocab_size: int, base_dir: str | None 
 IMAGE_TOKEN, IMAGE_START, IMAGE_END = "<image>", "<img>", "</img>"  # as transformers' nemotron_h_omni processor
 
 
-def _image_ref(part: dict, where: str) -> str:
+def _image_ref(part: dict, where: str):
     """The path or URL of an image content part: {"type": "image", "path"|"image"|"url": ...} or
-    {"type": "image_url", "image_url": {"url": ...} or "..."}."""
+    {"type": "image_url", "image_url": {"url": ...} or "..."}; an environment's message may also hold the picture
+    itself (a PIL image or an [H, W, C] array) under "image"."""
     if part["type"] == "image":
         ref = next((part[k] for k in ("path", "image", "url") if k in part), None)
     else:
         ref = part.get("image_url")
         ref = ref.get("url") if isinstance(ref, dict) else ref
+    if hasattr(ref, "getbbox") or (isinstance(ref, np.ndarray) and ref.ndim == 3):
+        return ref
     if not isinstance(ref, str) or not ref:
         raise DataError(f"{where}: an image part needs a path or URL string")
     return ref

@@ -97,8 +97,10 @@ def claim_request(run_dir: str, producer: str) -> dict | None:
 class SpoolReader:
     """Reads finished rollout files from `spool_dir` into a RolloutPool."""
 
-    def __init__(self, spool_dir: str, vocab_size: int, max_len: int | None = None):
+    def __init__(self, spool_dir: str, vocab_size: int, max_len: int | None = None, *, vision=None,
+                 image_root: str | None = None):
         self.dir, self.vocab_size, self.max_len = spool_dir, vocab_size, max_len
+        self.vision, self.image_root = vision, image_root  # pictures: checked against files under image_root
         self.rejected = Counter()  # reason -> records
         self.accepted = 0
         os.makedirs(os.path.join(spool_dir, "consumed"), exist_ok=True)
@@ -120,7 +122,8 @@ class SpoolReader:
                 except json.JSONDecodeError:
                     self.rejected["malformed"] += 1
                     continue
-                r = validate(d, self.vocab_size, self.max_len) if isinstance(d, dict) else "malformed"
+                r = (validate(d, self.vocab_size, self.max_len, vision=self.vision, image_root=self.image_root)
+                     if isinstance(d, dict) else "malformed")
                 if isinstance(r, str):
                     self.rejected[r] += 1
                     continue
