@@ -225,11 +225,15 @@ _PHRASES = {"max_words": "use at most {} words", "min_words": "use at least {} w
 
 
 class Constraints(SingleTurn):
-    """'Write a sentence about TOPIC. Rules: ...' with `k` checkable rules; reward = share of rules met."""
+    """'Write a sentence about TOPIC. Rules: ...' with `k` checkable rules (drawn from `rules`, default every kind:
+    max_words, min_words, include, exclude, lowercase, end_with, no_digits); reward = share of rules met."""
     name = "constraints"
 
-    def __init__(self, k: int = 3, n_train: int = 256, n_eval: int = 64, seed: int = 0):
+    def __init__(self, k: int = 3, n_train: int = 256, n_eval: int = 64, seed: int = 0, rules=None):
         rng = np.random.default_rng(seed)
+        unknown = set(rules or ()) - set(_PHRASES)
+        if unknown or (rules is not None and len(rules) < k):
+            raise ValueError(f"constraints: rules {sorted(rules)} must name at least k={k} of {sorted(_PHRASES)}")
         self._split = {}
         for split, n in (("train", n_train), ("eval", n_eval)):
             out = []
@@ -237,11 +241,12 @@ class Constraints(SingleTurn):
                 pool = [("max_words", int(rng.integers(5, 15))), ("min_words", int(rng.integers(2, 5))),
                         ("include", str(rng.choice(WORDS))), ("exclude", "the"), ("lowercase", None),
                         ("end_with", str(rng.choice([".", "!"]))), ("no_digits", None)]
+                pool = [x for x in pool if rules is None or x[0] in rules]  # (drawn all the same: fixed tasks)
                 chosen = [pool[j] for j in sorted(rng.choice(len(pool), size=min(k, len(pool)), replace=False))]
                 topic = str(rng.choice(TOPICS))
-                rules = "; ".join(_PHRASES[c].format(a) for c, a in chosen)
+                said = "; ".join(_PHRASES[c].format(a) for c, a in chosen)
                 out.append(Task(f"{split}-{i}", ({"role": "user", "content": f"Write a sentence about {topic}. "
-                                                                            f"Rules: {rules}."},),
+                                                                            f"Rules: {said}."},),
                                 {"checks": chosen}, "constraints"))
             self._split[split] = out
 

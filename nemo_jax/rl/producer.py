@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from nemo_jax.data.chat import content_text
 from nemo_jax.generate import Engine, SamplingParams, chunk_images, widen_images
@@ -434,7 +433,7 @@ class ThreadProducer:
         d = self._ensure_driver()
         with self.lock:
             policy, self._policy = self._policy, None
-            self.mine &= set(self.pool.in_flight)  # its groups not finished yet
+            self.mine &= set(self.pool.in_flight) | set(self.pool.ready)  # its groups not trained on yet
             opened = []
             while len(self.mine) < self.r.in_flight_groups:
                 (t, p), = self.cur.sample_with_p(1)
