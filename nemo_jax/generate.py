@@ -620,24 +620,39 @@ class Engine:
     def _admit_locked(self) -> None:
         b, rnd = self.batch, lambda n: -(-n // self.bucket) * self.bucket
         stopped, self._stopped = self._stopped, set()
-        fresh: dict[int, _Seq] = {}  # row -> a sequence to prefill from position 0
+        plan: dict[int, tuple[_Seq, bool]] = {}  # row -> (sequence, whole: prefilled from position 0)
         for r in range(b):
             if self.rows[r] is None and self._queue:
                 s = self._seqs[self._queue.popleft()]
                 s.row, self.rows[r] = r, s.id
-                s.held, s.pics = [], []
-                fresh[r] = s
-        feed = {self._seqs[i].row: self._seqs[i] for i in self._fed}
+                plan[r] = (s, True)
+        for i in self._fed:
+            plan[self._seqs[i].row] = (self._seqs[i], False)
         self._fed = []
-        stopped -= set(fresh)
-        width = rnd(max((len(s.new) for s in (*feed.values(), *fresh.values())), default=0))
-        fits = lambda r, w: self._pos[r] + w + self._seqs_row(r).sp.max_new_tokens <= self.max_len  # noqa: E731
-        while moved := [r for r in feed if not fits(r, width)]:
-            for r in moved:  # the whole conversation, afresh
-                s = feed.pop(r)
-                s.new, s.new_pics, s.held, s.pics = s.held + s.new, s.pics + s.new_pics, [], []
-                fresh[r] = s
-                width = max(width, rnd(len(s.new)))
+        # one chunk width for all (left padding): a continuation that no longer fits its row at that width is
+        # prefilled whole; a row that cannot take the width with room for its turn waits for the next step (the
+        # widest row always fits: its length was checked by submit / feed)
+        length = lambda s, whole: len(s.held) + len(s.new) if whole else len(s.new)  # noqa: E731
+        while True:
+            width = rnd(max((length(s, w) for s, w in plan.values()), default=0))
+            bad = [r for r, (s, w) in plan.items()
+                   if (0 if w else self._pos[r]) + width + s.sp.max_new_tokens > self.max_len]
+            if not bad:
+                break
+            for r in bad:
+                s, whole = plan.pop(r)
+                if not whole:
+                    plan[r] = (s, True)
+                elif s.held:  # a continuation: it stays pending in its row
+                    self._fed.append(s.id)
+                else:  # a new sequence: back to the head of the queue, its row free again
+                    s.row, self.rows[r] = None, None
+                    self._queue.appendleft(s.id)
+        stopped -= set(plan)  # (a row refilled now decodes its new sequence)
+        fresh = {r: s for r, (s, w) in plan.items() if w}
+        feed = {r: s for r, (s, w) in plan.items() if not w}
+        for s in fresh.values():
+            s.new, s.new_pics, s.held, s.pics = s.held + s.new, s.pics + s.new_pics, [], []
         chunk = {**feed, **fresh}
         if not chunk and not stopped:
             return

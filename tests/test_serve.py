@@ -197,8 +197,8 @@ def test_tools_render_and_parse(served):
         {"role": "tool", "tool_call_id": "c1", "content": "sunny, 21 C"}]
     t = srv.post("/tokenize", {"model": "tiny", "messages": convo, "tools": TOOLS}).json()
     text = _tok().tokenizer.decode(t["tokens"], skip_special_tokens=False)
-    assert '"name": "get_weather"' in text  # the tool's definition, rendered by the chat template
-    assert "<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2\n" in text
+    assert "get_weather(city, days): The weather of a city" in text  # the tool, rendered by the chat template
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}</tool_call>' in text
     assert "sunny, 21 C" in text
     r = srv.client.chat.completions.create(model="tiny", messages=convo, tools=TOOLS, max_tokens=4, temperature=0)
     assert r.usage.prompt_tokens == t["count"] and r.choices[0].message.tool_calls == []

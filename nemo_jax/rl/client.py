@@ -133,6 +133,16 @@ class TrainingClient:
                                    next_turn=next_turn, key=key, opts=self.opts, bucket=bucket,
                                    adapters=self.state.params if adapters is None else adapters)
 
+    def engine(self, *, batch: int, max_len: int, bucket: int = 32, check_every: int = 4, key=None):
+        """A continuous-batching `nemo_jax.generate.Engine` over the frozen base, sampling with a copy of the current
+        adapters (its version: `self.version`); swap newer ones in with `Engine.set_adapters`."""
+        from nemo_jax.generate import Engine
+
+        eng = Engine(self.base, self.cfg, batch=batch, max_len=max_len, opts=self.opts, bucket=bucket,
+                     check_every=check_every, key=key)
+        eng.set_adapters(jax.tree.map(jnp.copy, self.state.params), self.version)
+        return eng
+
     def publish(self, run_dir: str, *, format: str = "vllm", dtype=None, keep: int = 0, keep_every: int = 0,
                 wait: bool = False) -> int:
         """Publish the adapters as RUN/policy/<version> (an adapter dir in `format`, peft or vllm; the version

@@ -430,8 +430,10 @@ class SpoolReader:
 
     def __init__(self, spool_dir: str, vocab_size: int, max_len: int | None = None, *,
                  max_file_bytes: int = 256 << 20, reward_range: tuple[float, float] | None = None,
-                 min_logprob: float = MIN_LOGPROB, temperature: float | None = None):
+                 min_logprob: float = MIN_LOGPROB, temperature: float | None = None, vision=None,
+                 image_root: str | None = None):
         self.dir, self.vocab_size, self.max_len = spool_dir, vocab_size, max_len
+        self.vision, self.image_root = vision, image_root  # pictures: checked against files under image_root
         self.max_file_bytes, self.reward_range, self.min_logprob = max_file_bytes, reward_range, min_logprob
         self.temperature = temperature
         self.rejected = Counter()  # reason -> records (or files, for whole-file faults)
@@ -551,7 +553,8 @@ class SpoolReader:
                 return "unknown_group", None
             return None, None
         r = validate(d, self.vocab_size, self.max_len, version=version, reward_range=self.reward_range,
-                     min_logprob=self.min_logprob, temperature=self.temperature)
+                     min_logprob=self.min_logprob, temperature=self.temperature, vision=self.vision,
+                     image_root=self.image_root)
         if isinstance(r, str):
             return r, None
         done = pool.add(r, unique=True)

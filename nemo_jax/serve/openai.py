@@ -245,9 +245,9 @@ def choice(tok, index: int, s: Sample, prompt: Prompt, opt: Options, *, chat: bo
     if chat:
         msg: dict = {"role": "assistant", "content": text, "tool_calls": []}
         if opt.tools:
-            from nemo_jax.data.tools import parse_tool_calls
+            from nemo_jax.data.chat import split_tool_calls
 
-            rest, calls = parse_tool_calls(text, opt.tools)
+            rest, calls = split_tool_calls(text, opt.tools)
             if calls:
                 msg["content"] = rest
                 msg["tool_calls"] = [{"id": f"chatcmpl-tool-{uuid.uuid4().hex[:24]}", "type": "function",
