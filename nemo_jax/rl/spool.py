@@ -68,7 +68,8 @@ def write_rollouts(spool_dir: str, rollouts: list[Rollout], name: str) -> str:
     lines = []
     for r in rollouts:
         d = r.to_json()
-        d.setdefault("rollout_id", uuid.uuid4().hex)
+        if not d.get("rollout_id"):
+            d["rollout_id"] = uuid.uuid4().hex
         lines.append(json.dumps(d) + "\n")
     _atomic_write(path, "".join(lines))
     return path
