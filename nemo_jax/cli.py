@@ -197,9 +197,12 @@ def cmd_serve(a):
         raise ValueError(f"--port {a.port}: expected 1..65535")
     if a.max_num_seqs < 1 or a.max_model_len < 2 or a.bucket < 1 or a.check_every < 1:
         raise ValueError("--max-num-seqs, --bucket and --check-every must be >= 1 and --max-model-len >= 2")
+    from nemo_jax.serve import parse_adapter_specs
+
+    adapters = parse_adapter_specs(a.adapters)  # (before JAX starts)
     from nemo_jax.serve.app import cli_serve
 
-    cli_serve(a)
+    cli_serve(a, adapters)
 
 
 def build_parser() -> argparse.ArgumentParser:

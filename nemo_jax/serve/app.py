@@ -315,25 +315,10 @@ def make_app(state: ServerState):
 
 
 # ----------------------------------------------------------------------------- the command
-def parse_adapter_specs(specs) -> dict[str, str]:
-    """--adapters NAME=DIR ... -> {name: dir} (checked before anything is loaded)."""
-    out = {}
-    for s in specs or ():
-        name, sep, path = s.partition("=")
-        if not sep or not name or not path:
-            raise ValueError(f"--adapters {s!r}: expected NAME=DIR")
-        if name in out:
-            raise ValueError(f"--adapters: the name {name!r} is given twice")
-        if not os.path.isdir(path):
-            raise FileNotFoundError(f"--adapters {name}={path}: no such directory")
-        out[name] = path
-    return out
-
-
-def cli_serve(a) -> None:
+def cli_serve(a, adapters: dict[str, str]) -> None:
+    """`nemo-jax serve` (arguments checked by the CLI; `adapters`: {name: dir} from --adapters)."""
     require("fastapi", "serve", "nemo-jax serve")
     require("uvicorn", "serve", "nemo-jax serve")
-    adapters = parse_adapter_specs(a.adapters)
     import jax
     import uvicorn
 
