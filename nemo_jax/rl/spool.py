@@ -382,10 +382,19 @@ class RequestBoard:
         return out
 
     def cancel(self, group_id: str, reason: str) -> None:
-        """Give a group up: workers see requests/cancelled/<gid> (`renew` -> False); its request and claim go."""
-        _atomic_write(_requests(self.run_dir, "cancelled", group_id), json.dumps({"reason": reason}) + "\n")
+        """Give a group up: workers see requests/cancelled/<gid> (`renew` -> False); its request and claim go.
+        Markers older than max(1 hour, 10 leases) are removed (their workers have long lost their leases)."""
+        d = _requests(self.run_dir, "cancelled")
+        _atomic_write(os.path.join(d, group_id), json.dumps({"reason": reason}) + "\n")
         self.done(group_id)
         self.counts[f"groups_cancelled/{reason}"] += 1
+        old = time.time() - max(3600.0, 10 * self.lease_s)
+        for n in os.listdir(d):
+            if not n.startswith(".") and _mtime(os.path.join(d, n)) < old:
+                try:
+                    os.unlink(os.path.join(d, n))
+                except FileNotFoundError:
+                    pass
 
     def done(self, group_id: str) -> None:
         """A group needs nothing more: remove its request and any claim left on it."""
