@@ -13,7 +13,8 @@ eval_success_rate, eval_pass@1, eval_pass@k, eval_consistency.
 
 Run dir (runs/<name>): config.yaml (the resolved config), metrics.jsonl (every step), tensorboard/,
 checkpoints/ (adapters, optimiser, counters, RNG, policy version, pool and curriculum state: a killed run continues
-from the last one), policy/<version>/ (PEFT), spool/ (external rollouts), images/ (the pictures of rollouts, by
+from the last one), policy/<version>/ (adapter dirs in rollout.publish_format), requests/ and spool/ (external
+samplers: docs/serving.md), images/ (the pictures of rollouts, by
 content hash), adapters/ (the final adapters, `nemo-jax lora export`).
 """
 
@@ -76,7 +77,8 @@ def _check_transport(r) -> None:
     from nemo_jax.lora.peft import FORMATS
 
     checks = [
-        (r.publish_format in FORMATS, f"rollout.publish_format: {r.publish_format!r} (expected {' or '.join(FORMATS)})"),
+        (r.publish_format in FORMATS,
+         f"rollout.publish_format: {r.publish_format!r} (expected {' or '.join(FORMATS)})"),
         (r.publish_dtype in PUBLISH_DTYPES, f"rollout.publish_dtype: {r.publish_dtype!r} (expected train or bf16)"),
         (r.publish_every >= 0 and r.publish_keep >= 0 and r.publish_keep_every >= 0,
          "rollout.publish_every, publish_keep and publish_keep_every must be >= 0"),
