@@ -2,10 +2,11 @@
 `TrainingClient`) timed without publishing, publishing every step from the background thread (what `nemo-jax
 grpo` does), and publishing every step synchronously (waiting for the disk, as before), side by side.
 
-    python bench/publish.py [--model tiny --rank 128 --rows 8 --seq 256 --steps 16 --format vllm --dtype train]
+    python bench/publish.py [--model tiny --rank 128 --rows 8 --seq 256 --steps 8 --rounds 3 --format vllm --dtype train]
 
-Also prints the adapters' size, the seconds the background thread spent per version (device-to-host copy and
-write) and how many versions it skipped because a newer one was ready first (the disk slower than the learner).
+The three modes run in interleaved blocks (medians over all blocks). Also prints the adapters' size, the seconds
+the background thread spent per version (device-to-host copy and write) and how many versions it skipped because
+a newer one was ready first (the disk slower than the learner).
 Goal: background / none <= 1.05.
 """
 
@@ -41,8 +42,8 @@ def batch(cfg, rows, T, seed=0):
 
 
 def run(client, b, steps, publish, run_dir):
-    """-> (median seconds per learner step (the first two are warm-up: compiles, the publisher's first write),
-    the publisher)."""
+    """-> (seconds of each learner step but the first two (warm-up: compiles, the publisher's first write), the
+    publisher)."""
     ts = []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -54,7 +55,7 @@ def run(client, b, steps, publish, run_dir):
         ts.append(time.perf_counter() - t0)
     pub = client.publisher
     client.flush_publishing()
-    return statistics.median(ts[2:]), pub
+    return ts[2:], pub
 
 
 def main():
@@ -63,7 +64,9 @@ def main():
     ap.add_argument("--rank", type=int, default=128)
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=8, help="steps per block")
+    ap.add_argument("--rounds", type=int, default=3, help="blocks of each mode, interleaved (a busy host's noise "
+                    "hits all three alike)")
     ap.add_argument("--format", default="vllm", choices=("vllm", "peft"))
     ap.add_argument("--dtype", default="train", choices=("train", "bf16"))
     a = ap.parse_args()
@@ -73,20 +76,24 @@ def main():
     b = batch(cfg, a.rows, a.seq)
     size = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(client.adapters))
     dtype = None if a.dtype == "train" else jnp.bfloat16
-    rows = []
+    modes = {"none": None, "background (grpo)": dict(format=a.format, dtype=dtype, keep=2),
+             "synchronous": dict(format=a.format, dtype=dtype, keep=2, wait=True)}
+    times, written, write_s, skipped = {m: [] for m in modes}, 0, 0.0, 0
     with tempfile.TemporaryDirectory() as tmp:
-        none, _ = run(client, b, a.steps, None, None)
-        bg, pub = run(client, b, a.steps, dict(format=a.format, dtype=dtype, keep=2), os.path.join(tmp, "bg"))
-        sync, _ = run(client, b, a.steps, dict(format=a.format, dtype=dtype, keep=2, wait=True),
-                      os.path.join(tmp, "sync"))
-    rows.append({"publishing": "none", "step_s": f"{none:.4f}", "vs_none": "1.00"})
-    rows.append({"publishing": "background (grpo)", "step_s": f"{bg:.4f}", "vs_none": f"{bg / none:.2f}"})
-    rows.append({"publishing": "synchronous", "step_s": f"{sync:.4f}", "vs_none": f"{sync / none:.2f}"})
+        for i in range(a.rounds):
+            for m, publish in modes.items():
+                ts, pub = run(client, b, a.steps, publish, os.path.join(tmp, f"{i}-{len(times[m])}"))
+                times[m] += ts
+                if m.startswith("background"):
+                    written, write_s, skipped = written + len(pub.written), write_s + pub.write_s, skipped + pub.skipped
+    none = statistics.median(times["none"])
+    rows = [{"publishing": m, "step_s": f"{statistics.median(t):.4f}", "vs_none": f"{statistics.median(t) / none:.2f}"}
+            for m, t in times.items()]
     print(f"{a.model}: LoRA rank {a.rank}, adapters {common.mib(size)} ({a.dtype} -> {a.format} format), "
           f"batch {a.rows} x {a.seq}, {jax.device_count()} device(s) {jax.devices()[0].platform}")
     common.table(rows)
-    print(f"background thread: {pub.write_s / max(len(pub.written), 1):.4f} s per version written "
-          f"(device-to-host + write), {len(pub.written)} written, {pub.skipped} skipped (a newer one was ready)")
+    print(f"background thread: {write_s / max(written, 1):.4f} s per version written (device-to-host + write), "
+          f"{written} written, {skipped} skipped (a newer one was ready)")
     client.close()
 
 

@@ -36,6 +36,7 @@ import re
 import shutil
 import stat
 import tempfile
+import threading
 import time
 import uuid
 from collections import Counter
@@ -101,8 +102,6 @@ class PolicyPublisher:
     `submit` or by `flush` (which waits until everything submitted is written)."""
 
     def __init__(self, run_dir: str, cfg, *, format: str = "vllm", keep: int = 0, keep_every: int = 0, **peft_kw):
-        import threading
-
         self.run_dir, self.cfg, self.format = run_dir, cfg, format
         self.keep, self.keep_every, self.peft_kw = keep, keep_every, peft_kw
         self.skipped = 0
@@ -149,6 +148,10 @@ class PolicyPublisher:
     def _run(self):
         import jax
 
+        if hasattr(os, "setpriority") and hasattr(threading, "get_native_id"):
+            # this thread only (Linux threads have their own nice value): the learner's threads go first on a
+            # host with few cores
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
         while True:
             with self._cv:
                 while self._pending is None and not self._closed:
