@@ -307,9 +307,10 @@ def test_publisher_writes_in_the_background_newest_first(tmp_path, monkeypatch):
     is raised by the next submit / flush, naming the run dir."""
     import nemo_jax.rl.spool as spool
 
-    gate, calls = threading.Event(), []
+    gate, writing, calls = threading.Event(), threading.Event(), []
 
     def slow_publish(run_dir, version, cfg, adapters, **kw):  # a disk slower than the learner
+        writing.set()
         gate.wait(10)
         calls.append((version, float(adapters["x"])))
         if version == 9:
@@ -317,13 +318,14 @@ def test_publisher_writes_in_the_background_newest_first(tmp_path, monkeypatch):
     monkeypatch.setattr(spool, "publish_policy", slow_publish)
     pub = spool.PolicyPublisher(str(tmp_path), cfg=None, format="vllm")
     t0 = time.perf_counter()
-    for v in range(4):
+    pub.submit(0, {"x": jnp.asarray(0.0)})
+    assert writing.wait(10)  # the thread is writing version 0
+    for v in (1, 2, 3):
         pub.submit(v, {"x": jnp.asarray(float(v))})
-    assert time.perf_counter() - t0 < 1.0  # never waits for the write
+    assert time.perf_counter() - t0 < 10.0 and not calls  # never waits for the write
     gate.set()
     pub.flush()
-    assert calls[0] == (0, 0.0) and calls[-1] == (3, 3.0) and pub.written == [v for v, _ in calls]
-    assert pub.skipped == 4 - len(calls) >= 1  # 1 and/or 2 were replaced while 0 was being written
+    assert calls == [(0, 0.0), (3, 3.0)] and pub.written == [0, 3] and pub.skipped == 2  # 1, 2 replaced by 3
     pub.submit(9, {"x": jnp.asarray(9.0)})
     with pytest.raises(RuntimeError, match=f"{tmp_path}/policy failed: OSError.*No space left"):
         pub.flush()
