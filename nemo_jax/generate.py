@@ -665,6 +665,8 @@ class Engine:
         if chunk:
             k = min(b, _pow2(len(chunk)))  # rows run: the fed ones, padded to a power of 2
             rows = sorted(chunk) + [r for r in range(b) if r not in chunk][:k - len(chunk)]
+            if k == b:  # every row runs, in the state's order (the chunk's row i is the state's row i)
+                rows = list(range(b))
             toks = [chunk[r].new if r in chunk else [] for r in rows]
             v = self.cfg.vision
             images = None if v is None else chunk_images(v, [chunk[r].new_pics if r in chunk else [] for r in rows])

@@ -267,6 +267,33 @@ def test_engine_rows_with_their_own_sampling_parameters(setup):
         eng.submit([1] * 36, SamplingParams(max_new_tokens=8))
 
 
+def test_engine_refills_most_rows_while_one_decodes(setup):
+    """Sequences admitted into most rows at once (the chunk runs every row) while an earlier one is mid-turn in a
+    row before them: each is prefilled into its own row (the mid-turn one is untouched), so every turn's logprobs
+    are those of a full forward of its sequence."""
+    from nemo_jax.generate import Engine
+
+    cfg, params = setup
+    sp = SamplingParams(max_new_tokens=6, temperature=1.0)
+    eng = Engine(params, cfg, batch=4, max_len=40, bucket=8, check_every=2, key=jax.random.key(5))
+    prompts = [PROMPTS[0], PROMPTS[1], [4, 5, 6], [7, 3, 2, 9, 1, 1, 8, 2, 6]]
+    eng.submit(prompts[0], sp, tag=0)
+    assert eng.step() == []  # row 0 mid-turn
+    for i in (1, 2, 3):
+        eng.submit(prompts[i], sp, tag=i)
+    ends = {}
+    while len(ends) < 4:
+        for e in eng.step():
+            ends[e.tag] = e
+            eng.release(e.seq_id)
+    for i, p in enumerate(prompts):
+        seq = list(p) + ends[i].tokens
+        toks = np.zeros((1, 32), np.int32)
+        toks[0, :len(seq)] = seq
+        lp = sampling_logprobs(_forward(params, jnp.asarray(toks), cfg)[0, len(p) - 1:len(seq) - 1], 1.0, 0, 1.0)
+        np.testing.assert_allclose(ends[i].logprobs, [lp[j, t] for j, t in enumerate(ends[i].tokens)], atol=1e-4)
+
+
 def test_engine_parks_finished_turns_and_swaps_adapters(setup):
     """A parked sequence decodes nothing while the other row keeps decoding; fed, it continues in place with the
     adapters set meanwhile (its turn records their version) and equals `generate` on the whole conversation;
