@@ -1,5 +1,5 @@
-"""`nemo-jax` command line: sft, grpo, eval, recipe, plan, generate, serve, plot, import-hf, export-hf, merge, lora,
-forward."""
+"""`nemo-jax` command line: sft, grpo, eval, recipe, plan, generate, serve, rollout-worker, plot, import-hf,
+export-hf, merge, lora, forward."""
 
 from __future__ import annotations
 
@@ -205,6 +205,12 @@ def cmd_serve(a):
     cli_serve(a, adapters)
 
 
+def cmd_rollout_worker(a):
+    from nemo_jax.rl.worker import cli_worker
+
+    cli_worker(a)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nemo-jax", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -301,6 +307,34 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level (info: one line per request)")
     s.set_defaults(fn=cmd_serve)
+
+    s = sub.add_parser("rollout-worker", help="sample a GRPO run's requested groups (rollout.spool=true) on an "
+                       "OpenAI-compatible server (vLLM, SGLang, nemo-jax serve) with the newest published adapter; "
+                       "rollouts go to the run's spool")
+    s.add_argument("--run", required=True, metavar="RUN_DIR", help="the learner's run dir (on a shared filesystem)")
+    s.add_argument("--server", required=True, metavar="URL", help="the server, e.g. http://inference-0:8000")
+    s.add_argument("--env", default=None, help="environment (default: the run's rollout.env, from RUN/config.yaml)")
+    s.add_argument("--env-args", default=None, help="JSON object of its arguments (default: the run's "
+                   "rollout.env_args)")
+    s.add_argument("--model", default=None, help="the server's base model name (default: the first base model "
+                   "/v1/models lists)")
+    s.add_argument("--tokenizer", default=None, help="the learner's tokenizer (default: the run's `tokenizer`): its "
+                   "chat template renders the prompts and environment turns")
+    s.add_argument("--concurrency", type=int, default=4, help="groups sampled at once (their episodes concurrently)")
+    s.add_argument("--lease-s", type=float, default=None, help="renew claims at least every LEASE_S / 3 seconds "
+                   "(default: each request's lease_s, the learner's rollout.lease_s)")
+    s.add_argument("--worker-id", default=None, help="name in claims and spool files (default: HOST-PID)")
+    s.add_argument("--api", default="auto", choices=("auto", "chat"), help="auto: turns are /v1/completions of the "
+                   "conversation's token ids (exact), chat completions for conversations with pictures; chat: every "
+                   "turn a chat completion of the messages")
+    s.add_argument("--server-run-dir", default=None, help="the run dir as the server's machine sees it (adapter "
+                   "paths it loads; default: --run)")
+    s.add_argument("--api-key", default=None, help="bearer token for the server (default: $OPENAI_API_KEY)")
+    s.add_argument("--request-timeout", type=float, default=900.0, help="seconds one turn may take")
+    s.add_argument("--wait-s", type=float, default=600.0, help="seconds to wait for the server to answer at start")
+    s.add_argument("--max-groups", type=int, default=0, help="stop after completing this many groups (0: run until "
+                   "SIGTERM / SIGINT)")
+    s.set_defaults(fn=cmd_rollout_worker)
 
     s = sub.add_parser("plot", help="PNG figures of runs' metrics.jsonl (several runs overlaid)")
     s.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")

@@ -11,7 +11,8 @@ Every `eval_every` steps (and before the first) the policy attempts a fixed held
 (`eval_tasks` of the environment's "eval" split, `eval_attempts` times each): eval_reward_mean,
 eval_success_rate, eval_pass@1, eval_pass@k, eval_consistency.
 
-Run dir (runs/<name>): config.yaml (the resolved config), metrics.jsonl (every step), tensorboard/,
+Run dir (runs/<name>): config.yaml (the resolved config), model/ (the model's config.json, for rollout workers),
+metrics.jsonl (every step), tensorboard/,
 checkpoints/ (adapters, optimiser, counters, RNG, policy version, pool and curriculum state: a killed run continues
 from the last one), policy/<version>/ (adapter dirs in rollout.publish_format), requests/ and spool/ (external
 samplers: docs/serving.md), images/ (the pictures of rollouts, by
@@ -189,10 +190,7 @@ class GRPORunner:
             if self.spool is not None:
                 self._request_groups()
                 with self.lock:
-                    for gid in self.spool.poll(self.pool, self.client.version):
-                        self.board.done(gid)
-                        self.curriculum.update(self.pool.ready[gid][0].task_id,
-                                               [r.reward for r in self.pool.ready[gid]])
+                    self._read_spool()
                     self._leases()
             with self.lock:
                 self.pool.drop_stale(self.client.version)
@@ -210,6 +208,13 @@ class GRPORunner:
             else:
                 producer.check()
                 time.sleep(0.005)
+
+    def _read_spool(self):
+        """The rollouts (and failure reports) workers wrote; a group they completed needs its request no more.
+        (Called under the lock.)"""
+        for gid in self.spool.poll(self.pool, self.client.version):
+            self.board.done(gid)
+            self.curriculum.update(self.pool.ready[gid][0].task_id, [r.reward for r in self.pool.ready[gid]])
 
     def _request_groups(self):
         """Keep `in_flight_groups` groups requested from external producers (RUN/requests)."""
@@ -233,8 +238,10 @@ class GRPORunner:
 
     def _resume_requests(self):
         """After a (re)start: keep the requests and claims of the in-flight groups the pool restored, cancel those
-        of groups it does not know, post again what a restored group lost."""
+        of groups it does not know, post again what a restored group lost (after reading what workers wrote
+        meanwhile: a group they completed is not posted again)."""
         with self.lock:
+            self._read_spool()
             _, lost = self.board.reconcile(self.pool)
             for gid in lost:
                 g = self.pool.in_flight[gid]
@@ -283,6 +290,12 @@ class GRPORunner:
 
         c, r = self.c, self.c.rollout
         os.makedirs(self.run_dir, exist_ok=True)
+        if jax.process_index() == 0:  # what rollout workers need of the model (stop tokens, the vision tower)
+            from nemo_jax.config.model import write_config
+            from nemo_jax.fsutil import atomic_dir
+
+            with atomic_dir(os.path.join(self.run_dir, "model")) as tmp:
+                write_config(self.cfg, tmp)
         producer = None
         if r.producer != "none":
             producer = ThreadProducer(self.client, self.tok, self.env, self.pool, self.curriculum, r,

@@ -94,6 +94,7 @@ class _Live:
     obs: Observation | None = None
     timed_out: bool = False
     ended: bool = False
+    sp: SamplingParams | None = None  # its own sampling parameters (None: the driver's)
 
 
 class Conversation:
@@ -141,6 +142,7 @@ class Conversation:
 
     @staticmethod
     def rollout(r: _Live, version: int, temperature: float | None = None) -> Rollout:
+        """The finished rollout (policy `version` when no turn was sampled; the sampling temperature)."""
         obs = r.obs or Observation()
         reward, success = (0.0, False) if r.timed_out else (float(obs.reward), bool(obs.success))
         return Rollout(r.tokens, r.mask, r.lps, reward, r.task.id, r.group_id, sorted(r.versions) or [version],
@@ -189,12 +191,20 @@ async def _awaited(x):
 
 
 class EpisodeDriver:
-    """Runs episodes through an `Engine`: `add` rollouts, call `pump` repeatedly; each call returns the rollouts
+    """Runs episodes through a sampler: `add` rollouts, call `pump` repeatedly; each call returns the rollouts
     that finished. Environment calls never block decoding; an episode past `timeout_s` (0: none) is scored 0,
-    closed, and counted (`counts["timed_out"]`)."""
+    closed, and counted (`counts["timed_out"]`).
+
+    The sampler is an `Engine` or anything with its interface (`submit`, `feed`, `step` -> TurnEnds, `room`,
+    `release`, `busy`, `queued`, `version`): the rollout worker drives an OpenAI-compatible server through the
+    same loop (nemo_jax.rl.worker.ServerSampler). An environment error ends the driver (`report_failures=False`,
+    the in-process producer) or only its episode (`report_failures=True`: closed, nothing returned, and
+    (group id, rollout id, reason) appended to `failures` for the caller to report); `fail` ends an episode the
+    caller saw fail (e.g. the sampler could not sample its turn) the same way, and `abandon` ends a group's
+    episodes without a word (its request was cancelled)."""
 
     def __init__(self, engine: Engine, tok, cfg, env, sp: SamplingParams, *, images: ImageStore | None = None,
-                 timeout_s: float = 0.0, workers: int = 16):
+                 timeout_s: float = 0.0, workers: int = 16, report_failures: bool = False):
         self.engine, self.env, self.sp = engine, as_environment(env), sp
         env = self.env
         self.conv = Conversation(tok, cfg, images)
@@ -203,20 +213,36 @@ class EpisodeDriver:
         self.calls = EnvCalls(workers)
         self.live: dict[str, _Live] = {}
         self.closing: set = set()  # close() calls not finished yet
-        self.counts = {"timed_out": 0, "context_full": 0, "cut": 0, "finished": 0}
+        self.report_failures = report_failures
+        self.failures: list[tuple[str, str, str]] = []  # (group id, rollout id, reason) not yet taken
+        self.counts = {"timed_out": 0, "context_full": 0, "cut": 0, "finished": 0, "failed": 0, "abandoned": 0}
 
-    def add(self, task: Task, group_id: str, rollout_id: str) -> None:
-        """Start an episode of `task` (its `start` runs on the pool)."""
+    def add(self, task: Task, group_id: str, rollout_id: str, sp: SamplingParams | None = None) -> None:
+        """Start an episode of `task` (its `start` runs on the pool), sampled with `sp` (default: the driver's)."""
         if rollout_id in self.live:
             raise ValueError(f"rollout {rollout_id!r} is already running")
         ep = self.env.episode()
-        r = _Live(task, group_id, rollout_id, ep, time.monotonic() + self.timeout_s if self.timeout_s else 0.0)
+        r = _Live(task, group_id, rollout_id, ep, time.monotonic() + self.timeout_s if self.timeout_s else 0.0, sp=sp)
         self.live[rollout_id] = r
         r.pending = self.calls.call((r, "start"), ep.start, task, rollout_id)
 
     @property
     def running(self) -> int:
         return len(self.live)
+
+    def fail(self, rollout_id: str, reason: str) -> None:
+        """End a running episode as failed: closed, nothing returned, (group, rollout, reason) in `failures`."""
+        r = self.live.get(rollout_id)
+        if r is not None:
+            self._end(r, reason)
+
+    def abandon(self, group_id: str) -> int:
+        """End every running episode of a group (closed, nothing returned) -> how many."""
+        gone = [r for r in self.live.values() if r.group_id == group_id]
+        for r in gone:
+            self._stop(r)
+            self.counts["abandoned"] += 1
+        return len(gone)
 
     # ------------------------------------------------------------------ the loop
     def pump(self, wait_s: float = 0.05) -> list[Rollout]:
@@ -232,12 +258,12 @@ class EpisodeDriver:
         for r in [r for r in self.live.values() if r.deadline and now > r.deadline]:
             r.timed_out = True
             self.counts["timed_out"] += 1
-            if r.pending is not None:
-                r.pending.cancel()  # an async call is cancelled; a thread finishes and is ignored
-            self._finish(r, out)
+            self._finish(r, out)  # (its pending call: an async one is cancelled, a thread's result ignored)
         if self.engine.busy or self.engine.queued:
             for end in self.engine.step():
                 r = end.tag
+                if r.ended:  # (ended while its turn was sampled)
+                    continue
                 msg = self.conv.sampled(r, end.tokens, end.logprobs, end.finish_reason, end.versions)
                 r.pending = self.calls.call((r, "step"), r.episode.step, msg)
         elif self.live or self.closing:
@@ -252,25 +278,39 @@ class EpisodeDriver:
         if what == "close":
             self.closing.discard(token)
             if not fut.cancelled() and fut.exception() is not None:
-                raise RuntimeError(f"environment {getattr(self.env, 'name', '?')}: episode {r.rollout_id}: close() "
-                                   f"failed: {fut.exception()}") from fut.exception()
+                e = fut.exception()
+                msg = f"environment {getattr(self.env, 'name', '?')}: episode {r.rollout_id}: close() failed: {e}"
+                if not self.report_failures:
+                    raise RuntimeError(msg) from e
+                print(msg, flush=True)  # (its rollout is already out: nothing to report it against)
             return
         if r.ended:  # timed out meanwhile: its late result is dropped
             return
         r.pending = None
         e = fut.exception()
         if e is not None:
-            raise RuntimeError(f"environment {getattr(self.env, 'name', '?')}: episode {r.rollout_id}: {what}() "
-                               f"failed: {type(e).__name__}: {e}") from e
+            msg = f"environment {getattr(self.env, 'name', '?')}: episode {r.rollout_id}: {what}() failed: " \
+                  f"{type(e).__name__}: {e}"
+            if not self.report_failures:
+                raise RuntimeError(msg) from e
+            return self._end(r, msg)
         obs = fut.result()
         if not isinstance(obs, Observation):
-            raise TypeError(f"environment {getattr(self.env, 'name', '?')}: {what}() returned {type(obs).__name__}, "
-                            "not an Observation")
+            msg = (f"environment {getattr(self.env, 'name', '?')}: {what}() returned {type(obs).__name__}, not an "
+                   "Observation")
+            if not self.report_failures:
+                raise TypeError(msg)
+            return self._end(r, msg)
         if what == "start":
-            ids, pics = self.conv.opening(r, obs)
+            try:
+                ids, pics = self.conv.opening(r, obs)
+            except ValueError as e:
+                if not self.report_failures:
+                    raise
+                return self._end(r, f"episode {r.rollout_id}: {e}")
             if obs.done:
                 return self._finish(r, out)
-            r.seq = self.engine.submit(ids, self.sp, images=pics, tag=r)
+            r.seq = self.engine.submit(ids, r.sp or self.sp, images=pics, tag=r)
             return
         r.obs = obs
         if obs.done or r.cut or r.turns >= self.max_turns:
@@ -285,23 +325,32 @@ class EpisodeDriver:
             return self._finish(r, out)
         self.engine.feed(r.seq, ids, images=pics)
 
-    def _finish(self, r: _Live, out: list) -> None:
+    def _stop(self, r: _Live) -> None:
+        """Take a rollout out: its sampler sequence released, its episode closed (on the pool)."""
         r.ended = True
         del self.live[r.rollout_id]
+        if r.pending is not None:
+            r.pending.cancel()
         if r.seq is not None:
             self.engine.release(r.seq)
         token = (r, "close")
         self.closing.add(token)
         self.calls.call(token, r.episode.close)
+
+    def _end(self, r: _Live, reason: str) -> None:
+        self._stop(r)
+        self.counts["failed"] += 1
+        self.failures.append((r.group_id, r.rollout_id, reason))
+
+    def _finish(self, r: _Live, out: list) -> None:
+        self._stop(r)
         self.counts["finished"] += 1
-        out.append(self.conv.rollout(r, self.engine.version, self.sp.temperature))
+        out.append(self.conv.rollout(r, self.engine.version, (r.sp or self.sp).temperature))
 
     def close(self, wait_s: float = 30.0) -> None:
         """End every running episode (closed, nothing returned) and wait up to `wait_s` for the closes."""
         for r in list(self.live.values()):
-            if r.pending is not None:
-                r.pending.cancel()
-            self._finish(r, [])
+            self._stop(r)
         t = time.monotonic() + wait_s
         while self.closing and time.monotonic() < t:
             try:

@@ -305,12 +305,23 @@ def complete(lease: Lease) -> None:
         pass
 
 
-def release(lease: Lease) -> bool:
-    """Give the request back unfinished (e.g. a worker shutting down) -> whether it was still held."""
+def release(lease: Lease, rollouts: int | None = None) -> bool:
+    """Give the request back unfinished (e.g. a worker shutting down) -> whether it was still held. `rollouts`:
+    how many the group still needs, when the worker delivered some (the request is posted again asking for those)."""
+    dst = _requests(lease.run_dir, f"{lease.group_id}.json")
+    if rollouts is None:
+        try:
+            os.rename(lease.path, dst)
+        except FileNotFoundError:
+            return False
+        return True
+    mine = lease.path[: -len(".json")] + ".releasing"  # (not a claim name: the learner's scans skip it)
     try:
-        os.rename(lease.path, _requests(lease.run_dir, f"{lease.group_id}.json"))
+        os.rename(lease.path, mine)
     except FileNotFoundError:
         return False
+    _atomic_write(mine, json.dumps(dict(lease.request, rollouts=int(rollouts))))
+    os.rename(mine, dst)
     return True
 
 
