@@ -144,6 +144,7 @@ def _spool(run, sub) -> dict[str, list[dict]]:
             if n.endswith(".jsonl")}
 
 
+@pytest.mark.slow
 def test_grpo_fed_by_rollout_workers_trains_on_policy(served):
     """Two workers feed a 3-step run; every step's mismatch KL
     is < 1e-6 and its rollouts are of the current policy (max_off_policy_steps=0: older groups are cancelled and
@@ -198,6 +199,7 @@ def _wait(cond, what, timeout=600, procs=()):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+@pytest.mark.slow
 def test_killed_worker_loses_its_lease_and_a_restarted_learner_keeps_its_groups(served):
     """(b) a worker SIGKILLed mid-episode: its claims expire, the requests are reposted, another worker (this one
     through chat completions) finishes them and the run continues; (c) the learner SIGKILLed after a checkpoint and restarted: the groups it had in
@@ -259,3 +261,63 @@ def test_killed_worker_loses_its_lease_and_a_restarted_learner_keeps_its_groups(
     assert any(x["rollout_id"] and n.startswith("wb-") for n, xs in _spool(run, "consumed").items() for x in xs)
     rejected = _only_unknown_groups_rejected(run)  # only groups opened after that checkpoint, sampled meanwhile
     assert all(int(x["group_id"][1:].split("-")[0]) >= k for xs in rejected.values() for x in xs), rejected
+
+
+def test_turn_parsing_chat_messages_and_server_kinds(tmp_path):
+    """What the worker reads of a response: the token ids as returned (`token_ids`, or logprob entries spelled
+    token_id:<id>), a turn that stopped without its end-of-turn token and a response without ids are errors;
+    pictures of a conversation become image_url data URLs of the stored PNGs; SGLang gets the adapter as
+    `lora_path`, vLLM as `model`."""
+    import base64
+
+    import numpy as np
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion
+
+    from nemo_jax.rl.rollout import ImageStore
+    from nemo_jax.rl.worker import RequestSampling, Server, TurnFailed, WorkerError, chat_messages, parse_turn
+
+    sp = RequestSampling(stop_token_ids=(2, 4))
+
+    def completion(ids, strs, lps, reason="stop", **extra):
+        return Completion.model_validate({"id": "x", "object": "text_completion", "created": 0, "model": "m",
+                                          "choices": [{"index": 0, "text": "", "finish_reason": reason,
+                                                       "logprobs": {"tokens": strs, "token_logprobs": lps},
+                                                       **({"token_ids": ids} if ids is not None else {}), **extra}]})
+    assert parse_turn("completions", completion([7, 4], ["a", "b"], [-0.5, -0.25]), sp) == \
+        ([7, 4], [-0.5, -0.25], "stop", None)
+    assert parse_turn("completions", completion(None, ["token_id:7", "token_id:9"], [-1.0, -2.0], "length"), sp)[:3] \
+        == ([7, 9], [-1.0, -2.0], "length")
+    with pytest.raises(WorkerError, match="neither token ids"):
+        parse_turn("completions", completion(None, ["a"], [-1.0]), sp)
+    with pytest.raises(WorkerError, match="without an end-of-turn token"):
+        parse_turn("completions", completion([7, 9], ["a", "b"], [-1.0, -1.0]), sp)
+    with pytest.raises(TurnFailed, match="2 token ids but 1 logprobs"):
+        parse_turn("completions", completion([7, 4], ["a"], [-1.0]), sp)
+    chat = ChatCompletion.model_validate({
+        "id": "x", "object": "chat.completion", "created": 0, "model": "m", "prompt_token_ids": [1, 2],
+        "choices": [{"index": 0, "finish_reason": "tool_calls", "token_ids": [5, 2],
+                     "message": {"role": "assistant", "content": "hi"},
+                     "logprobs": {"content": [{"token": "h", "logprob": -0.1, "bytes": [], "top_logprobs": []},
+                                              {"token": "i", "logprob": -0.2, "bytes": [], "top_logprobs": []}]}}]})
+    assert parse_turn("chat", chat, sp) == ([5, 2], [-0.1, -0.2], "stop", [1, 2])
+
+    store = ImageStore(str(tmp_path))
+    pics = [store.put(np.full((8, 8, 3), c, np.uint8)) for c in (10, 200)]
+
+    class Live:  # (the fields of a running rollout chat_messages reads)
+        text = [{"role": "user", "content": "look <img><image></img> and <img><image></img>"},
+                {"role": "assistant", "content": "ok"}]
+        images, tools = pics, [{"type": "function", "function": {"name": "f"}}]
+    msgs, tools = chat_messages(Live(), store)
+    parts = msgs[0]["content"]
+    assert [p["type"] for p in parts] == ["text", "image_url", "text", "image_url"] and msgs[1] == Live.text[1]
+    with open(store.path(pics[1]), "rb") as f:
+        assert parts[3]["image_url"]["url"] == "data:image/png;base64," + base64.b64encode(f.read()).decode()
+    assert tools == Live.tools
+
+    srv = object.__new__(Server)
+    srv.model, srv.kind = "base", "sglang"
+    assert srv.select("run-v3") == ("base", {"lora_path": "run-v3"}) and srv.select(None) == ("base", {})
+    srv.kind = "vllm"
+    assert srv.select("run-v3") == ("run-v3", {})

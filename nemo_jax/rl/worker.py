@@ -5,7 +5,7 @@ server (vLLM, SGLang, `nemo-jax serve`) and writes the rollouts to the run's spo
 
 The loop (docs/serving.md has the layout and the server flags):
 
-  1. The newest published adapter (RUN/policy/LATEST) is loaded into the server by name, `<run name>-v<version>`
+  1. The newest published adapter (RUN/policy/LATEST) is loaded into the server by name, `<run>-<hash>-v<version>`
      (vLLM's POST /v1/load_lora_adapter {"lora_name", "lora_path"}; SGLang's /load_lora_adapter), when LATEST
      moves; an older one this worker loaded is unloaded once no request of its own samples with it.
   2. Requests are claimed (`spool.claim_request`) while the worker holds fewer than `--concurrency` groups. A
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import json
 import os
 import queue
@@ -452,7 +453,10 @@ class RolloutWorker:
             raise ValueError(f"--worker-id {self.worker_id!r}: use letters, digits and _.@+- only")
         self.concurrency, self.lease_s, self.quiet = concurrency, lease_s, quiet
         self.server_run_dir = server_run_dir or self.run_dir
-        self.run_name = os.path.basename(os.path.normpath(self.run_dir))
+        # adapters are named <run dir name>-<hash of its path on the server>-v<version>: workers of one run share
+        # them on an engine, two runs never mix them up
+        where = hashlib.sha1(os.path.normpath(self.server_run_dir).encode()).hexdigest()[:8]
+        self.run_name = f"{os.path.basename(os.path.normpath(self.run_dir))}-{where}"
         self.store = ImageStore(os.path.join(self.run_dir, "images")) if cfg.vision is not None else None
         self.stop_token_ids = stop_ids(cfg, tok)
         self.sampler = ServerSampler(server, api=api, chat=lambda r: chat_messages(r, self.store))
