@@ -28,11 +28,13 @@ from nemo_jax.rl.envs import Observation, Task
 
 class Turns:
     """Up to two turns: a request, then "Again."; reward from the answers' lengths (a random model's rollouts of
-    a group differ). Each step takes `sleep` seconds; `marks`: a dir where start() and close() leave a file."""
+    a group differ). Each step takes `sleep` seconds; `marks`: a dir where start() and close() leave a file;
+    `fail_nth`: the n-th episode this process starts raises in its first step."""
     name, max_turns = "turns", 2
+    started = 0
 
-    def __init__(self, sleep=0.0, marks=None):
-        self.sleep, self.marks = sleep, marks
+    def __init__(self, sleep=0.0, marks=None, fail_nth=0):
+        self.sleep, self.marks, self.fail_nth = sleep, marks, fail_nth
         self._tasks = [Task(f"t{i}", ({"role": "user", "content": f"Count to {i}, slowly."},)) for i in range(16)]
 
     def tasks(self, split):
@@ -52,11 +54,15 @@ class Episode:
 
     def start(self, task, rollout_id):
         self.rid = rollout_id
+        Turns.started += 1
+        self.nth = Turns.started
         self._mark("start")
         return Observation(messages=list(task.messages))
 
     def step(self, message):
         time.sleep(self.env.sleep)
+        if self.nth == self.env.fail_nth:
+            raise RuntimeError("the tool server went away")
         self.turns += 1
         self.reward += (len(message["content"]) % 3) / 4
         if self.turns == 2:
@@ -100,10 +106,10 @@ def served(tmp_path_factory):
 def _grpo(tmp, run, steps, *extra):
     return [sys.executable, "-m", "nemo_jax.cli", "grpo", "--config", os.path.join(ROOT, "configs/grpo/tiny-cpu.yaml"),
             f"run_dir={run}", f"steps={steps}", f"model.init={tmp / 'model'}", "model.init_sft_config=null",
-            "tokenizer=builtin:tiny", "rollout.env=wenv:Turns", "rollout.env_args={}", "rollout.producer=none", "rollout.spool=true",
-            "rollout.group_size=4", "rollout.groups_per_step=2", "rollout.max_new_tokens=8", "rollout.seq_len=96",
-            "rollout.stop=[e]", "lora.targets=[all]", "lora.rank=4", "eval_every=0", "log_every=1",
-            "logging.tensorboard=false", "optim.lr=0.05", *extra]
+            "tokenizer=builtin:tiny", "rollout.env=wenv:Turns", "rollout.env_args={}", "rollout.producer=none",
+            "rollout.spool=true", "rollout.group_size=4", "rollout.groups_per_step=2", "rollout.max_new_tokens=8",
+            "rollout.seq_len=96", "rollout.stop=[e]", "lora.targets=[all]", "lora.rank=4", "eval_every=0",
+            "log_every=1", "logging.tensorboard=false", "optim.lr=0.05", *extra]
 
 
 def _worker(srv, tmp, run, name, *extra):
@@ -149,10 +155,12 @@ def test_grpo_fed_by_rollout_workers_trains_on_policy(served):
     """Two workers feed a 3-step run; every step's mismatch KL
     is < 1e-6 and its rollouts are of the current policy (max_off_policy_steps=0: older groups are cancelled and
     their workers abandon them), so steps 2 and 3 train on turns sampled by adapters v1 and v2 loaded at run time;
-    two-turn rollouts (a stop string ends the first turn) are token-exact continuations."""
+    two-turn rollouts (a stop string ends the first turn) are token-exact continuations; an episode whose
+    environment fails is reported (the learner counts it) and replaced."""
     srv, tmp = served
     run = tmp / "run-a"
-    learner = subprocess.Popen(_grpo(tmp, run, 3, "rollout.max_off_policy_steps=0", "rollout.in_flight_groups=4"),
+    learner = subprocess.Popen(_grpo(tmp, run, 3, "rollout.max_off_policy_steps=0", "rollout.in_flight_groups=4",
+                                     "rollout.env_args={fail_nth: 3}"),
                                env=_env(tmp), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     workers = [_worker(srv, tmp, run, "wa", "--concurrency", "2"),
                _worker(srv, tmp, run, "wb", "--concurrency", "2")]
@@ -178,6 +186,9 @@ def test_grpo_fed_by_rollout_workers_trains_on_policy(served):
     two = [x for x in consumed if sum(a < b for a, b in zip(x["loss_mask"], x["loss_mask"][1:])) == 2]
     assert two, "no two-turn rollout"
     assert "policy 2 loaded into the server" in logs
+    assert "failed: environment turns: episode" in logs and "the tool server went away" in logs
+    assert any(r.get("episodes_failed", 0) >= 1 for r in recs)
+    assert any("failed" in x for xs in _spool(run, "consumed").values() for x in xs)
 
 
 def _only_unknown_groups_rejected(run) -> dict:
@@ -202,8 +213,9 @@ def _wait(cond, what, timeout=600, procs=()):
 @pytest.mark.slow
 def test_killed_worker_loses_its_lease_and_a_restarted_learner_keeps_its_groups(served):
     """(b) a worker SIGKILLed mid-episode: its claims expire, the requests are reposted, another worker (this one
-    through chat completions) finishes them and the run continues; (c) the learner SIGKILLed after a checkpoint and restarted: the groups it had in
-    flight keep their requests and claims (not cancelled) and complete; the run reaches its last step."""
+    through chat completions) finishes them and the run continues; (c) the learner SIGKILLed after a checkpoint
+    and restarted: the groups it had in flight keep their requests and claims (not cancelled) and complete; the
+    run reaches its last step."""
     srv, tmp = served
     run, marks = tmp / "run-b", tmp / "marks"
     marks.mkdir()

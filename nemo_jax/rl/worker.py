@@ -71,9 +71,10 @@ def request_sampling(req: dict, stop_token_ids) -> RequestSampling:
     s = req.get("sampling") or {}
     try:
         stop = s.get("stop") or ()
-        return RequestSampling(max_new_tokens=int(s.get("max_tokens", 256)), temperature=float(s.get("temperature", 1.0)),
-                               top_p=float(s.get("top_p", 1.0)), top_k=max(0, int(s.get("top_k", 0))),
-                               stop_token_ids=tuple(stop_token_ids), stop=(stop,) if isinstance(stop, str) else tuple(stop))
+        return RequestSampling(max_new_tokens=int(s.get("max_tokens", 256)),
+                               temperature=float(s.get("temperature", 1.0)), top_p=float(s.get("top_p", 1.0)),
+                               top_k=max(0, int(s.get("top_k", 0))), stop_token_ids=tuple(stop_token_ids),
+                               stop=(stop,) if isinstance(stop, str) else tuple(stop))
     except (TypeError, ValueError) as e:
         raise WorkerError(f"request {req.get('group_id')!r}: sampling {s!r}: {e}") from None
 
@@ -140,8 +141,13 @@ class Server:
         return adapter, {}
 
     def _lora(self, what: str, body: dict):
+        import httpx
+
         path = self.LORA_PATHS.get(self.kind, "/v1/{}_lora_adapter").format(what)
-        r = self.http.post(self.root + path, json=body)
+        try:
+            r = self.http.post(self.root + path, json=body)
+        except httpx.HTTPError as e:
+            raise WorkerError(f"{self.root}{path}: {e}") from None
         try:
             failed = r.status_code == 200 and r.json().get("success") is False  # (SGLang's way of saying no)
         except (ValueError, AttributeError):
@@ -378,7 +384,8 @@ class ServerSampler:
         if not self._warned:
             self._warned = True
             print(f"rollout-worker: warning: a later turn re-tokenised differently: {where}; its logprobs are of "
-                  "the server's context (counted as prompt_mismatch_turns; --api auto avoids this for text)", flush=True)
+                  "the server's context (counted as prompt_mismatch_turns; --api auto avoids this for text)",
+                  flush=True)
 
     def take_failed(self) -> list[tuple[object, str]]:
         out, self.failed = self.failed, []
@@ -703,7 +710,8 @@ def cli_worker(a) -> dict:
             return {}
     c = _run_config(a.run)
     if c is None and (a.env is None or a.tokenizer is None):
-        raise FileNotFoundError(f"{a.run}/config.yaml: not found (the learner writes it); or give --env and --tokenizer")
+        raise FileNotFoundError(f"{a.run}/config.yaml: not found (the learner writes it); or give --env and "
+                                "--tokenizer")
     if env_args is None:
         env_args = c.rollout.env_args if a.env is None else {}
     tok = ChatTokenizer.load(a.tokenizer or c.tokenizer)
