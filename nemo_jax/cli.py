@@ -1,4 +1,5 @@
-"""`nemo-jax` command line: sft, grpo, eval, recipe, plan, generate, plot, import-hf, export-hf, merge, lora, forward."""
+"""`nemo-jax` command line: sft, grpo, eval, recipe, plan, generate, serve, rollout-worker, plot, import-hf,
+export-hf, merge, lora, forward."""
 
 from __future__ import annotations
 
@@ -199,6 +200,25 @@ def cmd_generate(a):
     cli_generate(a)
 
 
+def cmd_serve(a):
+    if not 0 < a.port < 65536:
+        raise ValueError(f"--port {a.port}: expected 1..65535")
+    if a.max_num_seqs < 1 or a.max_model_len < 2 or a.bucket < 1 or a.check_every < 1:
+        raise ValueError("--max-num-seqs, --bucket and --check-every must be >= 1 and --max-model-len >= 2")
+    from nemo_jax.serve import parse_adapter_specs
+
+    adapters = parse_adapter_specs(a.adapters)  # (before JAX starts)
+    from nemo_jax.serve.app import cli_serve
+
+    cli_serve(a, adapters)
+
+
+def cmd_rollout_worker(a):
+    from nemo_jax.rl.worker import cli_worker
+
+    cli_worker(a)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nemo-jax", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -230,8 +250,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--env-args", default=None, help="JSON object of the environment's arguments")
     s.add_argument("--attempts", type=int, default=1)
     s.add_argument("--split", default="eval", help="task split (default eval)")
-    s.add_argument("--max-new-tokens", type=int, default=32)
+    s.add_argument("--max-new-tokens", type=int, default=32, help="per assistant turn")
     s.add_argument("--temperature", type=float, default=1.0)
+    s.add_argument("--rows", type=int, default=32, help="decode rows of the sampler (continuous batching)")
+    s.add_argument("--max-len", type=int, default=1024, help="positions per row: a whole conversation")
     s.add_argument("--tokenizer", default=None, help="dir with tokenizer.json/tokenizer_config.json")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--json", default=None, help="also write the figures as JSON to this file")
@@ -281,6 +303,60 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--kernels", choices=("auto", "reference"), default="auto",
                    help="accelerator kernels (docs/kernels.md): auto = this device's, reference = plain jnp")
     s.set_defaults(fn=cmd_generate)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat and completions with logprobs and token "
+                       "ids, tools, images, LoRA adapters by name) with continuous batching")
+    s.add_argument("--ckpt", required=True, help="native model dir, HF dir, or SFT run dir")
+    s.add_argument("--adapters", action="append", default=[], metavar="NAME=DIR",
+                   help="serve this adapter set (PEFT dir, peft or vllm layout, or adapter checkpoint) as model NAME; "
+                        "repeatable (more load at run time: POST /v1/load_lora_adapter)")
+    s.add_argument("--mesh", default=None, help="mesh preset YAML or sizes like tensor=4: params and the decode "
+                   "state are sharded over it")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--tokenizer", default=None, help="dir with tokenizer.json/tokenizer_config.json (default: the "
+                   "checkpoint's)")
+    s.add_argument("--served-model-name", default=None, help="the base model's name in the API (default: the "
+                   "checkpoint dir's name)")
+    s.add_argument("--max-num-seqs", type=int, default=8, help="decode rows: sequences sampled at once")
+    s.add_argument("--max-model-len", type=int, default=4096, help="positions per row: prompt + completion")
+    s.add_argument("--dtype", default=None, help="cast the weights (default: as stored), e.g. bf16 or fp32")
+    s.add_argument("--bucket", type=int, default=32, help="prompts are padded to a multiple of this (few compiles)")
+    s.add_argument("--check-every", type=int, default=4, help="decode steps between looks for finished rows")
+    s.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="logprob entries name their token as token_id:<id> (as vLLM's flag)")
+    s.add_argument("--seed", type=int, default=0, help="seeds the draws of requests without a seed")
+    s.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
+                   help="uvicorn's log level (info: one line per request)")
+    s.set_defaults(fn=cmd_serve)
+
+    s = sub.add_parser("rollout-worker", help="sample a GRPO run's requested groups (rollout.spool=true) on an "
+                       "OpenAI-compatible server (vLLM, SGLang, nemo-jax serve) with the newest published adapter; "
+                       "rollouts go to the run's spool")
+    s.add_argument("--run", required=True, metavar="RUN_DIR", help="the learner's run dir (on a shared filesystem)")
+    s.add_argument("--server", required=True, metavar="URL", help="the server, e.g. http://inference-0:8000")
+    s.add_argument("--env", default=None, help="environment (default: the run's rollout.env, from RUN/config.yaml)")
+    s.add_argument("--env-args", default=None, help="JSON object of its arguments (default: the run's "
+                   "rollout.env_args)")
+    s.add_argument("--model", default=None, help="the server's base model name (default: the first base model "
+                   "/v1/models lists)")
+    s.add_argument("--tokenizer", default=None, help="the learner's tokenizer (default: the run's `tokenizer`): its "
+                   "chat template renders the prompts and environment turns")
+    s.add_argument("--concurrency", type=int, default=4, help="groups sampled at once (their episodes concurrently)")
+    s.add_argument("--lease-s", type=float, default=None, help="renew claims at least every LEASE_S / 3 seconds "
+                   "(default: each request's lease_s, the learner's rollout.lease_s)")
+    s.add_argument("--worker-id", default=None, help="name in claims and spool files (default: HOST-PID)")
+    s.add_argument("--api", default="auto", choices=("auto", "chat"), help="auto: turns are /v1/completions of the "
+                   "conversation's token ids (exact), chat completions for conversations with pictures; chat: every "
+                   "turn a chat completion of the messages")
+    s.add_argument("--server-run-dir", default=None, help="the run dir as the server's machine sees it (adapter "
+                   "paths it loads; default: --run)")
+    s.add_argument("--api-key", default=None, help="bearer token for the server (default: $OPENAI_API_KEY)")
+    s.add_argument("--request-timeout", type=float, default=900.0, help="seconds one turn may take")
+    s.add_argument("--wait-s", type=float, default=600.0, help="seconds to wait for the server to answer at start")
+    s.add_argument("--max-groups", type=int, default=0, help="stop after completing this many groups (0: run until "
+                   "SIGTERM / SIGINT)")
+    s.set_defaults(fn=cmd_rollout_worker)
 
     s = sub.add_parser("plot", help="PNG figures of runs' metrics.jsonl (several runs overlaid)")
     s.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")

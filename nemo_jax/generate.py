@@ -38,6 +38,14 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
     stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None  # the Engine: a sequence's draws depend only on it (and the tokens), not on its batch
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1 (got {self.max_new_tokens})")
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ValueError(f"sampling: temperature >= 0, 0 < top_p <= 1, top_k >= 0 (got {self.temperature}, "
+                             f"{self.top_p}, {self.top_k})")
 
 
 @dataclass
@@ -83,11 +91,47 @@ def _inverse_cdf_draw(key, lp: jax.Array) -> jax.Array:
     """One draw per row from exp(lp) [b, V] by inverting its CDF with one uniform per row: the same
     distribution as `jax.random.categorical` (Gumbel-max), which draws b x V random numbers, a quarter of a
     decode step on CPU at V = 8k. Zero-probability tokens own empty CDF intervals and are never drawn."""
+    return _draw(jax.random.uniform(key, (lp.shape[0], 1), jnp.float32), lp)
+
+
+def _draw(u: jax.Array, lp: jax.Array) -> jax.Array:
+    """`_inverse_cdf_draw` with the uniforms u [b, 1] in [0, 1) given."""
     p = jnp.exp(lp - jnp.max(lp, axis=-1, keepdims=True))
     cdf = jnp.cumsum(p, axis=-1)
-    u = jax.random.uniform(key, (lp.shape[0], 1), jnp.float32) * cdf[:, -1:]
+    u = u * cdf[:, -1:]
     last = lp.shape[-1] - 1 - jnp.argmax((p > 0)[:, ::-1], axis=-1)  # rounding never reaches past it
     return jnp.minimum(jnp.sum(cdf <= u, axis=-1), last).astype(jnp.int32)
+
+
+def row_sampling_logprobs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, *,
+                          k_max: int = 0, nucleus: bool = False) -> jax.Array:
+    """`sampling_logprobs` with per-row parameters: logits [b, V], temperature / top_k / top_p [b] (a row with
+    temperature 0 is greedy: its distribution is the untempered one, as `sample_token` gives). Static `k_max` >=
+    every row's top_k (0: no row truncates to its top k) and `nucleus` (some row has top_p < 1) leave the
+    truncations out of the compiled step when no row asks for them."""
+    t = jnp.where(temperature > 0, temperature, 1.0).astype(jnp.float32)
+    x = logits.astype(jnp.float32) / t[:, None]
+    if k_max:
+        kth = jnp.take_along_axis(jax.lax.top_k(x, k_max)[0], jnp.clip(top_k - 1, 0, k_max - 1)[:, None], axis=-1)
+        x = jnp.where((top_k[:, None] > 0) & (x < kth), -jnp.inf, x)
+    if nucleus:
+        order = jnp.argsort(-x, axis=-1)
+        sorted_x = jnp.take_along_axis(x, order, axis=-1)
+        p = jax.nn.softmax(sorted_x, axis=-1)
+        before = jnp.cumsum(p, axis=-1) - p  # mass strictly before each token
+        keep_sorted = (before < top_p[:, None]) | (top_p[:, None] >= 1.0)
+        keep = jnp.take_along_axis(keep_sorted, jnp.argsort(order, axis=-1), axis=-1)
+        x = jnp.where(keep, x, -jnp.inf)
+    return jax.nn.log_softmax(x, axis=-1)
+
+
+def sample_rows(logits: jax.Array, u: jax.Array, temperature, top_k, top_p, *, k_max: int = 0,
+                nucleus: bool = False):
+    """One token per row with per-row parameters (`row_sampling_logprobs`) and per-row uniforms u [b] ->
+    (token [b] int32, its logprob [b] under the distribution drawn from; greedy rows: argmax)."""
+    lp = row_sampling_logprobs(logits, temperature, top_k, top_p, k_max=k_max, nucleus=nucleus)
+    tok = jnp.where(temperature > 0, _draw(u[:, None], lp), jnp.argmax(logits, axis=-1).astype(jnp.int32))
+    return tok, jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0]
 
 
 # --------------------------------------------------------------------------- prefill / decode
@@ -296,22 +340,71 @@ def generate(params, prompts: list[list[int]], cfg, sp: SamplingParams = Samplin
     return Generation(out_t, out_l, reasons, state, last_logits)
 
 
-# --------------------------------------------------------------------------- continuous batching
+# --------------------------------------------------------------------------- continuous batching: the engine
 @dataclass
-class Finished:
-    """One sequence of `continuous_generate`: its prompt's index and each sampled turn."""
-    index: int
-    turns: list[tuple[list[int], list[float], str]] = field(default_factory=list)  # (tokens, logprobs, reason)
+class TurnEnd:
+    """A sampled turn of an `Engine` sequence. The sequence is parked after it: `feed` or `release` it."""
+    seq_id: int
+    tokens: list[int]
+    logprobs: list[float]  # of each token under the distribution it was drawn from
+    finish_reason: str  # "stop" (a stop token, the last of `tokens`) | "length" (max_new_tokens reached)
+    version: int  # the adapter version that sampled it (the oldest, when `set_adapters` came mid-turn)
+    tag: object = None  # what `submit` was given
+    versions: tuple[int, ...] = ()  # every adapter version that sampled a token of the turn
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "opts", "sp", "mesh"), donate_argnames=("state",))
-def _decode_rows(params, logits, state, done, budget, key, cfg, opts, sp, mesh=None):
-    """One step over every row: sample, append for the rows still going; a row is done after a stop token or
-    when its budget of new tokens is spent. -> (token, logprob, active [b], logits, state, done, budget)."""
+@dataclass
+class _Seq:
+    id: int
+    sp: SamplingParams
+    tag: object
+    key: np.ndarray  # its own PRNG key data: token n of the sequence is drawn with fold_in(key, n)
+    held: list[int] = field(default_factory=list)  # tokens its row's state holds
+    pics: list = field(default_factory=list)  # (pixels, grid) of every picture in `held`, in order
+    new: list[int] | None = None  # tokens to append before it samples (the prompt, or a fed continuation)
+    new_pics: list = field(default_factory=list)
+    row: int | None = None
+    sampled: int = 0  # tokens drawn so far (every turn)
+    turn_t: list[int] = field(default_factory=list)
+    turn_l: list[float] = field(default_factory=list)
+    turn_v: set = field(default_factory=set)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def chunk_images(v, rows_pics: list[list]) -> dict | None:
+    """The pictures [(pixels [n, C*p*p], (h, w)), ...] of each row of a chunk -> its per-row image batch (patch and
+    image budgets rounded up to powers of two: few compiled shapes), or None when no row has any."""
+    if not any(rows_pics):
+        return None
+    from nemo_jax.data.images import RowImages
+
+    patches = max(sum(len(p) for p, _ in r) for r in rows_pics)
+    ri = RowImages(v, _pow2(max(patches, v.merge ** 2)), _pow2(max(len(r) for r in rows_pics)))
+    rows = [ri.row([(np.concatenate([p for p, _ in r]) if r else np.zeros((0, v.patch_dim), np.float32),
+                     [g for _, g in r])]) for r in rows_pics]
+    return {k: np.stack([x[k] for x in rows]) for k in rows[0]}
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "opts", "k_max", "nucleus", "mesh"), donate_argnames=("state",))
+def _decode_rows(params, logits, state, done, budget, rows, cfg, opts, k_max, nucleus, mesh=None):
+    """One step over every row with per-row sampling parameters `rows` (temperature, top_k, top_p [b], stops [b, S]
+    (-1 pads), key [b, 2] key data, count [b] tokens the row's sequence has drawn): sample, append for the rows
+    still going; a row is done after a stop token or when its budget of new tokens is spent.
+    -> (token, logprob, active [b], logits, state, done, budget, count)."""
     active = ~done
-    tok, lp, stop, logits, state = _decode_and_sample(params, logits, state, done, key, cfg, opts, sp, mesh)
+    u = jax.vmap(lambda k, n: jax.random.uniform(jax.random.fold_in(jax.random.wrap_key_data(k), n), (),
+                                                 jnp.float32))(rows["key"], rows["count"])
+    tok, lp = sample_rows(logits, u, rows["temperature"], rows["top_k"], rows["top_p"], k_max=k_max, nucleus=nucleus)
+    stop = jnp.any(tok[:, None] == rows["stops"], axis=1)
+    new_logits, state = M.forward_cached(params, tok[:, None], active[:, None], state, cfg, opts=opts,
+                                         positions="last")
     budget = budget - active.astype(budget.dtype)
-    return tok, lp, active, logits, state, done | stop | (budget <= 0), budget
+    count = rows["count"] + active.astype(jnp.int32)
+    return (tok, lp, active, new_logits[:, 0], _keep_sharded(state, cfg, mesh), done | stop | (budget <= 0), budget,
+            count)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "mesh"), donate_argnames=("state",))
@@ -328,14 +421,15 @@ def _empty_rows(state, rows, cfg, mesh=None):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "opts", "mesh"), donate_argnames=("state",))
-def _append_rows(params, tokens, valid, state, rows, cfg, opts, mesh=None):
-    """Append a chunk [k, n] to rows `rows` [k] of a [b]-row state only: their state is gathered, run and
-    scattered back, so refilling one row costs one row's prefill, not the batch's. -> (logits [k, V], state)."""
+def _append_rows(params, tokens, valid, state, rows, cfg, opts, mesh=None, images=None):
+    """Append a chunk [k, n] (with its per-row `images`, or None) to rows `rows` [k] of a [b]-row state only: their
+    state is gathered, run and scattered back, so refilling one row costs one row's prefill, not the batch's.
+    -> (logits [k, V], state)."""
     # Mamba conv/SSM and KV leaves hold rows on axis 1 ([layers, b, ...]), `valid` on axis 0
     take = lambda x: jnp.take(x, rows, axis=1)  # noqa: E731
     sub = state._replace(mamba=jax.tree.map(take, state.mamba), kv=jax.tree.map(take, state.kv),
                          valid=jnp.take(state.valid, rows, axis=0), pos=jnp.take(state.pos, rows))
-    logits, sub = M.forward_cached(params, tokens, valid, sub, cfg, opts=opts, positions="last")
+    logits, sub = M.forward_cached(params, tokens, valid, sub, cfg, opts=opts, positions="last", images=images)
     put = lambda x, y: x.at[:, rows].set(y)  # noqa: E731
     state = state._replace(mamba=jax.tree.map(put, state.mamba, sub.mamba), kv=jax.tree.map(put, state.kv, sub.kv),
                            valid=state.valid.at[rows].set(sub.valid), pos=state.pos.at[rows].set(sub.pos))
@@ -343,116 +437,389 @@ def _append_rows(params, tokens, valid, state, rows, cfg, opts, mesh=None):
 
 
 @jax.jit
-def _merge_fed(fed, new_logits, logits, done, budget, max_new):
-    """Rows `fed` just had tokens appended: their logits are the new ones, they decode again with a full budget."""
-    return (jnp.where(fed[:, None], new_logits, logits), done & ~fed,
+def _merge_fed(fed, new_logits, logits, done, budget, max_new, stopped):
+    """Rows `fed` just had tokens appended: their logits are the new ones, they decode again with a budget of
+    `max_new` [b]; rows `stopped` (released mid-turn) decode nothing."""
+    return (jnp.where(fed[:, None], new_logits, logits), (done & ~fed) | stopped,
             jnp.where(fed, max_new, budget).astype(budget.dtype))
+
+
+class Engine:
+    """Continuous batching: `batch` decode rows serve any number of sequences, each with its own sampling
+    parameters (temperature, top-k, top-p, max_new_tokens, stop ids, seed), pictures and turns.
+
+        eng = Engine(params, cfg, batch=8, max_len=1024)
+        sid = eng.submit(prompt_ids, SamplingParams(max_new_tokens=64, stop_token_ids=(eos,)))
+        while ...:
+            for end in eng.step():              # TurnEnd: tokens, logprobs, finish_reason, version, tag
+                eng.feed(end.seq_id, more_ids)  # or eng.release(end.seq_id)
+
+    A submitted sequence waits in a queue for a free row, is prefilled into it (the other rows keep their state)
+    and samples a turn: up to `sp.max_new_tokens` tokens or a stop token. Then it is PARKED: it keeps its row
+    and decode state and samples nothing until the caller `feed`s it (tool results, the next user turn: they
+    are appended and it samples another turn) or `release`s it (its row takes the next queued sequence).
+    Parked rows never hold the others up: `step` decodes the rows that have a turn to sample.
+
+    Each row holds `max_len` positions (the KV cache per row). Chunks fed together are left-padded to a
+    multiple of `bucket` (few compiled shapes); a continuation that does not fit its row's remaining positions
+    is prefilled afresh with the whole conversation. `step` decodes `check_every` steps between looks at
+    which rows finished (a finished row idles at most that long). Tokens and logprobs are exactly those
+    `generate` gives the same sequence alone (up to the random draws: a sequence's draws depend on its own
+    seed and position only, never on the batch around it).
+
+    Pictures: `images` (PIL images, paths or data URLs, in the order of their placeholders) go with the tokens
+    that hold their widened image tokens (`widen_images`); the prefill runs the vision tower. `submit`, `feed`
+    and `release` may be called from other threads than the one calling `step`.
+    """
+
+    def __init__(self, params, cfg, *, batch: int, max_len: int, opts: M.Options = M.Options(), adapters=None,
+                 bucket: int = 32, check_every: int = 4, key=None):
+        import threading
+        from collections import deque
+
+        if batch < 1 or max_len < 2 or bucket < 1 or check_every < 1:
+            raise ValueError(f"engine: batch >= 1, max_len >= 2, bucket >= 1, check_every >= 1 (got {batch}, "
+                             f"{max_len}, {bucket}, {check_every})")
+        self.params, self.cfg, self.opts = params, cfg, opts
+        self.batch, self.max_len, self.bucket, self.check_every = batch, max_len, bucket, check_every
+        self._p = attach(params, adapters)
+        self.version = 0
+        self.mesh = _mesh_of(self._p)
+        key = jax.random.key(0) if key is None else key
+        self._rng = np.random.default_rng(np.asarray(jax.random.key_data(key)).ravel().tolist())
+        self._lock = threading.RLock()
+        self._seqs: dict[int, _Seq] = {}
+        self._queue: deque[int] = deque()
+        self._fed: list[int] = []  # parked sequences with a continuation to append
+        self._stopped: set[int] = set()  # rows released mid-turn
+        self._next_id = 0
+        self.rows: list[int | None] = [None] * batch  # row -> sequence id
+        self._decoding: set[int] = set()  # rows sampling a turn
+        self._pos = np.zeros(batch, np.int64)  # positions each row's state holds
+        self.decode_steps = 0
+        self.state = init_decode_state(cfg, batch, max_len, opts.dtype, mesh=self.mesh)
+        self._logits = _rows_on(jnp.zeros((batch, cfg.vocab_size), jnp.float32), self.mesh)
+        self._done = _rows_on(jnp.ones((batch,), bool), self.mesh)
+        self._budget = _rows_on(jnp.zeros((batch,), jnp.int32), self.mesh)
+        self._rowp = None  # per-row sampling arrays on device (rebuilt when rows change)
+        self._static = (0, False)
+
+    # ------------------------------------------------------------------ counts
+    @property
+    def queued(self) -> int:
+        """Sequences waiting for a row."""
+        return len(self._queue)
+
+    @property
+    def busy(self) -> int:
+        """Rows sampling a turn or about to (a fed continuation)."""
+        return len(self._decoding) + len(self._fed)
+
+    @property
+    def parked(self) -> int:
+        """Rows whose sequence waits for `feed` or `release`."""
+        return sum(s is not None for s in self.rows) - self.busy
+
+    # ------------------------------------------------------------------ the caller's side
+    def _room(self, n: int, sp: SamplingParams) -> bool:
+        return -(-n // self.bucket) * self.bucket + sp.max_new_tokens <= self.max_len
+
+    def submit(self, tokens: list[int], sp: SamplingParams = SamplingParams(), *, images=None, tag=None) -> int:
+        """Queue a sequence (its prompt's token ids, with the widened placeholders of `images`) -> its id."""
+        tokens = [int(t) for t in tokens]
+        if not tokens:
+            raise ValueError("engine: an empty prompt")
+        if not self._room(len(tokens), sp):
+            raise ValueError(f"prompt: {len(tokens)} tokens + max_new_tokens={sp.max_new_tokens} do not fit "
+                             f"max_len={self.max_len}")
+        bad = [t for t in tokens if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"prompt: token id {bad[0]} outside the vocabulary ({self.cfg.vocab_size})")
+        pics = self._pictures(tokens, images, "prompt")
+        with self._lock:
+            sid = self._next_id
+            self._next_id += 1
+            seed = sp.seed if sp.seed is not None else int(self._rng.integers(2 ** 32))
+            key = np.asarray(jax.random.key_data(jax.random.key(seed & 0xFFFFFFFF)))
+            self._seqs[sid] = _Seq(sid, sp, tag, key, new=tokens, new_pics=pics)
+            self._queue.append(sid)
+        return sid
+
+    def feed(self, seq_id: int, tokens: list[int], *, images=None) -> None:
+        """Continue a parked sequence with more tokens (and their pictures): it samples another turn. A
+        continuation that does not fit its row's remaining positions re-prefills the whole conversation."""
+        tokens = [int(t) for t in tokens]
+        with self._lock:
+            s = self._seqs.get(seq_id)
+            if s is None or s.row is None or s.row in self._decoding or s.new is not None:
+                raise ValueError(f"engine: sequence {seq_id} is not parked (feed it after its turn ended)")
+            if not tokens:
+                raise ValueError(f"engine: feeding sequence {seq_id} no tokens")
+            if not self._room(len(s.held) + len(tokens), s.sp):
+                raise ValueError(f"conversation {seq_id}: {len(s.held) + len(tokens)} tokens + max_new_tokens="
+                                 f"{s.sp.max_new_tokens} do not fit max_len={self.max_len}")
+        pics = self._pictures(tokens, images, f"conversation {seq_id}")
+        with self._lock:
+            s.new, s.new_pics = tokens, pics
+            self._fed.append(seq_id)
+
+    def room(self, seq_id: int) -> int:
+        """Tokens a parked sequence can still be fed (its whole conversation re-prefilled if need be) and sample
+        a whole turn after."""
+        s = self._seqs[seq_id]
+        return (self.max_len - s.sp.max_new_tokens) // self.bucket * self.bucket - len(s.held)
+
+    def release(self, seq_id: int) -> None:
+        """The sequence is done (or abandoned, even mid-turn): its row takes the next queued sequence."""
+        with self._lock:
+            s = self._seqs.pop(seq_id, None)
+            if s is None:
+                return
+            if seq_id in self._queue:
+                self._queue.remove(seq_id)
+            if seq_id in self._fed:
+                self._fed.remove(seq_id)
+            if s.row is not None:
+                self.rows[s.row] = None
+                if s.row in self._decoding:
+                    self._decoding.discard(s.row)
+                    self._stopped.add(s.row)
+
+    def set_adapters(self, adapters, version: int) -> None:
+        """Sample with these LoRA adapters (None: the base alone) from the next decode step on; turns record
+        `version`. The engine keeps a reference: pass a copy when the caller's buffers will be donated."""
+        with self._lock:
+            self._p = attach(self.params, adapters)
+            self.version = int(version)
+
+    def _pictures(self, tokens: list[int], images, what: str) -> list:
+        v = self.cfg.vision
+        if v is None:
+            if images:
+                raise ValueError(f"{what}: images given but the model has no vision tower (not a nemotron_h_omni "
+                                 "model)")
+            return []
+        from nemo_jax.data.images import picture
+        from nemo_jax.model.vision import tokens_per_image
+
+        pics = [picture(v, im) for im in (images or [])]
+        need = sum(t == v.image_token_id for t in tokens)
+        got = sum(tokens_per_image(v, [g for _, g in pics])) if pics else 0
+        if need != got:
+            raise ValueError(f"{what}: {need} image placeholder tokens (id {v.image_token_id}) but its {len(pics)} "
+                             f"images make {got} (widen each picture's placeholder with widen_images)")
+        return pics
+
+    # ------------------------------------------------------------------ the loop
+    def _admit(self) -> None:
+        """New sequences into free rows, continuations in place (or afresh when they do not fit), one chunk.
+        Under the lock: a `release` from another thread waits until the rows are consistent again."""
+        with self._lock:
+            self._admit_locked()
+
+    def _admit_locked(self) -> None:
+        b, rnd = self.batch, lambda n: -(-n // self.bucket) * self.bucket
+        stopped, self._stopped = self._stopped, set()
+        plan: dict[int, tuple[_Seq, bool]] = {}  # row -> (sequence, whole: prefilled from position 0)
+        for r in range(b):
+            if self.rows[r] is None and self._queue:
+                s = self._seqs[self._queue.popleft()]
+                s.row, self.rows[r] = r, s.id
+                plan[r] = (s, True)
+        for i in self._fed:
+            plan[self._seqs[i].row] = (self._seqs[i], False)
+        self._fed = []
+        # one chunk width for all (left padding): a continuation that no longer fits its row at that width is
+        # prefilled whole; a row that cannot take the width with room for its turn waits for the next step (the
+        # widest row always fits: its length was checked by submit / feed)
+        length = lambda s, whole: len(s.held) + len(s.new) if whole else len(s.new)  # noqa: E731
+        while True:
+            width = rnd(max((length(s, w) for s, w in plan.values()), default=0))
+            bad = [r for r, (s, w) in plan.items()
+                   if (0 if w else self._pos[r]) + width + s.sp.max_new_tokens > self.max_len]
+            if not bad:
+                break
+            for r in bad:
+                s, whole = plan.pop(r)
+                if not whole:
+                    plan[r] = (s, True)
+                elif s.held:  # a continuation: it stays pending in its row
+                    self._fed.append(s.id)
+                else:  # a new sequence: back to the head of the queue, its row free again
+                    s.row, self.rows[r] = None, None
+                    self._queue.appendleft(s.id)
+        stopped -= set(plan)  # (a row refilled now decodes its new sequence)
+        fresh = {r: s for r, (s, w) in plan.items() if w}
+        feed = {r: s for r, (s, w) in plan.items() if not w}
+        for s in fresh.values():
+            s.new, s.new_pics, s.held, s.pics = s.held + s.new, s.pics + s.new_pics, [], []
+        chunk = {**feed, **fresh}
+        if not chunk and not stopped:
+            return
+        mesh, p = self.mesh, self._p
+        onb = lambda rows: _rows_on(jnp.asarray(np.isin(np.arange(b), list(rows))), mesh)  # noqa: E731
+        new_logits = self._logits
+        if fresh:
+            self.state = _empty_rows(self.state, onb(fresh), self.cfg, mesh)
+            self._pos[list(fresh)] = 0
+        if chunk:
+            k = min(b, _pow2(len(chunk)))  # rows run: the fed ones, padded to a power of 2
+            rows = sorted(chunk) + [r for r in range(b) if r not in chunk][:k - len(chunk)]
+            if k == b:  # every row runs, in the state's order (the chunk's row i is the state's row i)
+                rows = list(range(b))
+            toks = [chunk[r].new if r in chunk else [] for r in rows]
+            v = self.cfg.vision
+            images = None if v is None else chunk_images(v, [chunk[r].new_pics if r in chunk else [] for r in rows])
+            if k < b:  # + rows appending nothing (their state comes back unchanged)
+                t, valid = left_pad(toks, 0, width)
+                if images is not None:
+                    check_images(images, self.cfg)
+                    images = {n: _rows_on(jnp.asarray(x), mesh) for n, x in images.items()}
+                sub, self.state = _append_rows(p, _rows_on(t, mesh), _rows_on(valid, mesh), self.state,
+                                               jnp.asarray(rows, jnp.int32), self.cfg, self.opts, mesh, images)
+                new_logits = self._logits.at[jnp.asarray(rows, jnp.int32)].set(sub)
+            else:
+                new_logits, self.state = _run_chunk(p, toks, self.state, self.cfg, self.opts, None, 0, width, images)
+            for r, s in chunk.items():
+                s.held, s.pics = s.held + s.new, s.pics + s.new_pics
+                s.new, s.new_pics = None, []
+                s.turn_t, s.turn_l, s.turn_v = [], [], set()
+                self._pos[r] += width
+                self._decoding.add(r)
+        max_new = np.zeros(b, np.int32)
+        for r, s in chunk.items():
+            max_new[r] = s.sp.max_new_tokens
+        self._logits, self._done, self._budget = _merge_fed(onb(chunk), new_logits, self._logits, self._done,
+                                                            self._budget, _rows_on(jnp.asarray(max_new), mesh),
+                                                            onb(stopped))
+        self._upload_rows()
+
+    def _seqs_row(self, r: int) -> _Seq:
+        return self._seqs[self.rows[r]]
+
+    def _upload_rows(self) -> None:
+        """The per-row sampling arrays of the rows now sampling (the others' entries are unused)."""
+        b = self.batch
+        live = [self._seqs_row(r) for r in sorted(self._decoding)]
+        S = _pow2(max([len(s.sp.stop_token_ids) for s in live] + [1]))
+        temp, top_k, top_p = np.zeros(b, np.float32), np.zeros(b, np.int32), np.ones(b, np.float32)
+        stops, count = np.full((b, S), -1, np.int32), np.zeros(b, np.int32)
+        key = np.zeros((b,) + live[0].key.shape if live else (b, 2), np.uint32)
+        for r in sorted(self._decoding):
+            s = self._seqs_row(r)
+            sp = s.sp
+            if sp.temperature > 0:  # greedy rows keep the untruncated distribution (their logprobs)
+                temp[r], top_k[r], top_p[r] = sp.temperature, sp.top_k, sp.top_p
+            stops[r, :len(sp.stop_token_ids)] = sp.stop_token_ids
+            key[r], count[r] = s.key, s.sampled
+        k = int(top_k.max()) if b else 0
+        self._static = (min(_pow2(k), self.cfg.vocab_size) if k else 0, bool((top_p < 1).any()))
+        self._rowp = {n: _rows_on(jnp.asarray(x), self.mesh) for n, x in
+                      dict(temperature=temp, top_k=top_k, top_p=top_p, stops=stops, key=key, count=count).items()}
+
+    def step(self) -> list[TurnEnd]:
+        """Admit queued sequences and fed continuations, decode up to `check_every` steps over the rows with a
+        turn to sample -> the turns that ended (their sequences parked)."""
+        self._admit()
+        if not self._decoding:
+            return []
+        with self._lock:
+            p, version = self._p, self.version
+        steps = []
+        k_max, nucleus = self._static
+        for _ in range(self.check_every):
+            tok, lp, act, self._logits, self.state, self._done, self._budget, count = _decode_rows(
+                p, self._logits, self.state, self._done, self._budget, self._rowp, self.cfg, self.opts, k_max,
+                nucleus, self.mesh)
+            self._rowp = dict(self._rowp, count=count)
+            steps.append((tok, lp, act))
+            self.decode_steps += 1
+        T, L, A = (np.asarray(jnp.stack(x, 0)) for x in zip(*steps))
+        D = np.asarray(self._done)
+        self._pos += A.sum(0)
+        out = []
+        with self._lock:
+            for r in sorted(self._decoding):
+                s = self._seqs_row(r)
+                got = A[:, r]
+                s.turn_t += T[got, r].tolist()
+                s.turn_l += L[got, r].tolist()
+                s.sampled += int(got.sum())
+                if got.any():
+                    s.turn_v.add(version)
+                if not D[r]:
+                    continue
+                self._decoding.discard(r)
+                toks = s.turn_t
+                why = "stop" if toks and toks[-1] in s.sp.stop_token_ids else "length"
+                s.held = s.held + toks
+                vs = tuple(sorted(s.turn_v))
+                out.append(TurnEnd(s.id, toks, s.turn_l, why, vs[0] if vs else version, s.tag, vs))
+        return out
+
+
+def widen_images(cfg, ids: list[int], images) -> tuple[list[int], list]:
+    """Token ids holding one `<image>` token per picture (as the chat template renders image parts) -> the ids
+    with each widened to its picture's token count (as SFT data is), and the pictures loaded (PIL images) for
+    `Engine.submit` / `feed`."""
+    if not images:
+        return list(ids), []
+    v = cfg.vision
+    if v is None:
+        raise ValueError("images given but the model has no vision tower (not a nemotron_h_omni model)")
+    from nemo_jax.data.images import load_image, picture_tokens
+
+    pics = [load_image(im) if isinstance(im, str) else im for im in images]
+    ids = np.asarray(ids, np.int64)
+    at = np.flatnonzero(ids == v.image_token_id)
+    if len(at) != len(pics):
+        raise ValueError(f"{len(pics)} images but {len(at)} image tokens (id {v.image_token_id}) in the text")
+    reps = np.ones(len(ids), np.int64)
+    reps[at] = [picture_tokens(v, p) for p in pics]
+    return np.repeat(ids, reps).tolist(), pics
+
+
+@dataclass
+class Finished:
+    """One sequence of `continuous_generate`: its prompt's index and each sampled turn."""
+    index: int
+    turns: list[tuple[list[int], list[float], str]] = field(default_factory=list)  # (tokens, logprobs, reason)
 
 
 def continuous_generate(params, prompts, cfg, sp: SamplingParams, *, batch: int, max_len: int, next_turn=None,
                         key=None, opts: M.Options = M.Options(), adapters=None, bucket: int = 32,
                         check_every: int = 4):
-    """Sample every prompt of the iterable `prompts` through `batch` decode rows, yielding a `Finished` per
-    sequence as it completes (not in input order).
+    """Sample every prompt of the iterable `prompts` through an `Engine` of `batch` decode rows, yielding a
+    `Finished` per sequence as it completes (not in input order).
 
-    A row's turn ends at a stop token or after `sp.max_new_tokens`; then `next_turn(index, turns)` may return
-    more tokens (tool results, the next user turn: they are appended to that row and it samples another turn)
-    or None: the sequence is finished and the row is refilled with the next prompt (emptied and prefilled in
-    place, while the other rows keep their state). Rows are checked every `check_every` steps (a finished row
-    idles at most that long). Each row holds `max_len` positions of its own sequence (the KV cache size per
-    row): a prompt or a continuation (left-padded to a multiple of `bucket`, the widest of those fed together)
-    must leave room for `max_new_tokens` more; a continuation that does not fit is prefilled afresh with the
-    whole conversation. Tokens and logprobs per turn are exactly those `generate` would give the same sequence
-    on its own (up to the random draws).
+    After each turn `next_turn(index, turns)` may return more tokens (tool results, the next user turn: the
+    sequence continues in its row) or None: the sequence is finished and its row takes the next prompt.
     """
-    key = jax.random.key(0) if key is None else key
-    p = attach(params, adapters)
-    mesh = _mesh_of(p)
+    eng = Engine(params, cfg, batch=batch, max_len=max_len, opts=opts, adapters=adapters, bucket=bucket,
+                 check_every=check_every, key=key)
     todo = iter(enumerate(prompts))
-    item: list[Finished | None] = [None] * batch
-    seq: list[list[int]] = [[] for _ in range(batch)]  # the tokens each row's state holds
-    feed: dict[int, list[int]] = {}  # row -> a continuation to append before the next steps
-    stop_ids = set(sp.stop_token_ids)
-    rnd = lambda n: -(-n // bucket) * bucket
-    fits = lambda used, width: used + width + sp.max_new_tokens <= max_len  # noqa: E731
-    turn_t: list[list[int]] = [[] for _ in range(batch)]  # the turn each row is sampling
-    turn_l: list[list[float]] = [[] for _ in range(batch)]
-    used = np.zeros(batch, np.int64)  # positions each row holds (the state's `pos`, read back every check)
-    state = init_decode_state(cfg, batch, max_len, opts.dtype, mesh=mesh)
-    logits = _rows_on(jnp.zeros((batch, cfg.vocab_size), jnp.float32), mesh)
-    done = _rows_on(jnp.ones((batch,), bool), mesh)
-    budget = _rows_on(jnp.zeros((batch,), jnp.int32), mesh)
+    live: dict[int, Finished] = {}
+    exhausted = False
     while True:
-        # ---- admit: new sequences into empty rows, continuations in place (or afresh when they do not fit)
-        fresh: dict[int, list[int]] = {}  # row -> a whole sequence to prefill from position 0
-        for r in range(batch):
-            if item[r] is None:
-                nxt = next(todo, None)
-                if nxt is None:
-                    break
-                if not len(nxt[1]):
-                    raise ValueError(f"prompt {nxt[0]} is empty")
-                item[r], fresh[r] = Finished(nxt[0]), list(nxt[1])
-                turn_t[r], turn_l[r] = [], []
-        width = rnd(max(map(len, (*feed.values(), *fresh.values())), default=0))
-        while moved := [r for r in feed if not fits(used[r], width)]:
-            for r in moved:
-                fresh[r] = seq[r] + feed.pop(r)
-                width = max(width, rnd(len(fresh[r])))
-        for r, toks in fresh.items():
-            if not fits(0, rnd(len(toks))):
-                what = f"prompt {item[r].index}" if not item[r].turns else f"conversation {item[r].index}"
-                raise ValueError(f"{what}: {len(toks)} tokens + max_new_tokens={sp.max_new_tokens} do not fit "
-                                 f"max_len={max_len}")
-        if all(x is None for x in item):
+        while not exhausted and len(live) <= batch:  # one waiting beyond the rows: a freed row never idles
+            nxt = next(todo, None)
+            if nxt is None:
+                exhausted = True
+                break
+            if not len(nxt[1]):
+                raise ValueError(f"prompt {nxt[0]} is empty")
+            live[eng.submit(list(nxt[1]), sp)] = Finished(nxt[0])
+        if not live:
             return
-        chunk = {**feed, **fresh}
-        if chunk:
-            if fresh:
-                state = _empty_rows(state, _rows_on(jnp.asarray(np.isin(np.arange(batch), list(fresh))), mesh), cfg,
-                                    mesh)
-            fed = _rows_on(jnp.asarray(np.isin(np.arange(batch), list(chunk))), mesh)
-            k = min(batch, 1 << (len(chunk) - 1).bit_length())  # rows run: the fed ones, padded to a power of 2
-            if k < batch:  # + rows appending nothing (their state comes back unchanged)
-                rows = sorted(chunk) + [r for r in range(batch) if r not in chunk][:k - len(chunk)]
-                toks, valid = left_pad([chunk.get(r, []) for r in rows], 0, width)
-                sub_logits, state = _append_rows(p, _rows_on(toks, mesh), _rows_on(valid, mesh), state,
-                                                 jnp.asarray(rows, jnp.int32), cfg, opts, mesh)
-                new_logits = logits.at[jnp.asarray(rows, jnp.int32)].set(sub_logits)
-            else:
-                new_logits, state = _run_chunk(p, [chunk.get(r, []) for r in range(batch)], state, cfg, opts, None, 0,
-                                               width)
-            logits, done, budget = _merge_fed(fed, new_logits, logits, done, budget, sp.max_new_tokens)
-            for r, toks in chunk.items():
-                seq[r] = (seq[r] if r in feed else []) + toks
-            feed = {}
-        # ---- decode a few steps, then read which rows finished their turn (admission left each going row room
-        # for a whole turn)
-        steps = []
-        for _ in range(check_every):
-            key, sub = jax.random.split(key)
-            tok, lp, act, logits, state, done, budget = _decode_rows(p, logits, state, done, budget, sub, cfg, opts,
-                                                                     sp, mesh)
-            steps.append((tok, lp, act))
-        T, L, A = (np.asarray(jnp.stack(x, 0)) for x in zip(*steps))
-        D, used = np.asarray(done), np.asarray(state.pos)
-        for r in range(batch):
-            if item[r] is None:
-                continue
-            got = A[:, r]
-            turn_t[r] += T[got, r].tolist()
-            turn_l[r] += L[got, r].tolist()
-            if not D[r]:
-                continue
-            f, toks = item[r], turn_t[r]
-            f.turns.append((toks, turn_l[r], "stop" if toks and toks[-1] in stop_ids else "length"))
-            seq[r] = seq[r] + toks
-            turn_t[r], turn_l[r] = [], []
+        for end in eng.step():
+            f = live[end.seq_id]
+            f.turns.append((end.tokens, end.logprobs, end.finish_reason))
             more = next_turn(f.index, f.turns) if next_turn is not None else None
             if more:
-                feed[r] = list(more)
+                eng.feed(end.seq_id, list(more))
             else:
-                item[r] = None
+                eng.release(end.seq_id)
+                del live[end.seq_id]
                 yield f
 
 

@@ -62,10 +62,12 @@ class EvalEnv:
 @dataclass(frozen=True)
 class EvalSection:
     envs: list[EvalEnv] = field(default_factory=lambda: [EvalEnv()])
-    attempts: int = 2
-    max_new_tokens: int = 32
+    attempts: int = 2  # per held-out task: pass@k and consistency use k = attempts
+    max_new_tokens: int = 32  # per assistant turn
     temperature: float = 1.0
     seed: int = 0
+    rows: int = 32  # decode rows of the eval sampler
+    max_len: int = 1024  # positions per row (a whole conversation)
 
 
 @dataclass(frozen=True)
@@ -190,11 +192,10 @@ class Recipe:
 
         from nemo_jax.checkpoint import load_any
         from nemo_jax.data.chat import ChatTokenizer
-        from nemo_jax.generate import generate
         from nemo_jax.lora.peft import load_adapters_any
         from nemo_jax.plot import bar_chart
         from nemo_jax.rl.envs import make_env
-        from nemo_jax.rl.grpo import evaluate_env
+        from nemo_jax.rl.grpo import eval_engine, evaluate_env
 
         ev = self.c.eval
         names = [e.env for e in ev.envs]
@@ -204,30 +205,34 @@ class Recipe:
         # a rerun that only finishes the report (e.g. after a crash while scoring) keeps the scores it has
         table = json.load(open(path)) if os.path.exists(path) and not self.ran_any else {}
         for stage, model, adapters in self.stages():
-            if stage in table and all(name in table[stage] for name, _ in envs):
+            if stage in table and all("consistency" in table[stage].get(name, {}) for name, _ in envs):
                 continue
             cfg, params = load_any(model, dtype=jnp.float32)
             ad = jax.tree.map(jnp.asarray, load_adapters_any(adapters, cfg)) if adapters else None
             tok = ChatTokenizer.load(model)
-            sample = lambda p, sp, k, params=params, ad=ad: generate(params, p, cfg, sp, key=k,  # noqa: E731
-                                                                     adapters=ad, bucket=32)
             for name, env in envs:
-                r = evaluate_env(sample, tok, cfg, env, ev.attempts, ev.max_new_tokens, ev.temperature,
-                                 jax.random.key(ev.seed))
+                engine = eval_engine(params, cfg, ad, rows=ev.rows, max_len=ev.max_len, seed=ev.seed)
+                r = evaluate_env(engine, tok, cfg, env, ev.attempts, ev.max_new_tokens, ev.temperature)
+                k = ev.attempts
                 table.setdefault(stage, {})[name] = {"reward_mean": r["reward_mean"],
-                                                     "success_rate": r["success_rate"], "tasks": r["tasks"]}
+                                                     "success_rate": r["success_rate"], "pass@1": r["pass@1"],
+                                                     f"pass@{k}": r[f"pass@{k}"], "consistency": r["consistency"],
+                                                     "tasks": r["tasks"]}
                 print(f"[recipe] eval {stage} on {name}: reward {r['reward_mean']:.3f}, "
-                      f"success {r['success_rate']:.3f}", flush=True)
+                      f"success {r['success_rate']:.3f}, pass@{k} {r[f'pass@{k}']:.3f}, "
+                      f"consistency {r['consistency']:.3f}", flush=True)
             with open(path + ".tmp", "w") as f:
                 json.dump(table, f, indent=1)
             os.replace(path + ".tmp", path)
         names = [n for n, _ in envs]
         lines = [f"# {self.c.name}: every stage on every environment", "",
                  f"{ev.attempts} attempts per held-out task, temperature {ev.temperature}; cells: mean reward / "
-                 "full-success rate.", "", "| stage | " + " | ".join(names) + " |",
-                 "| --- |" + " --- |" * len(names)]
+                 f"full-success rate (pass@1) / pass@{ev.attempts} / consistency (solved in all {ev.attempts}).", "",
+                 "| stage | " + " | ".join(names) + " |", "| --- |" + " --- |" * len(names)]
+        k = ev.attempts
         for stage, _, _ in self.stages():
-            cells = [f"{table[stage][n]['reward_mean']:.3f} / {table[stage][n]['success_rate']:.3f}" for n in names]
+            cells = [" / ".join(f"{table[stage][n][m]:.3f}" for m in ("reward_mean", "success_rate", f"pass@{k}",
+                                                                       "consistency")) for n in names]
             lines.append(f"| {stage} | " + " | ".join(cells) + " |")
         with atomic_dir(self.out("report")) as tmp:  # report.md + report.png appear together
             with open(os.path.join(tmp, "report.md"), "w") as f:

@@ -210,3 +210,146 @@ def test_continuous_batching_sampled_logprobs_equal_full_forward(setup):
             seq += toks + MORE
     with pytest.raises(ValueError, match="do not fit max_len"):
         list(continuous_generate(params, [[1] * 30], cfg, sp, batch=2, max_len=32, bucket=8))
+
+
+# --------------------------------------------------------------------------- the engine
+def test_per_row_sampling_equals_the_static_reference():
+    """`row_sampling_logprobs` with one row's parameters is `sampling_logprobs` with them, row by row (greedy rows:
+    the untempered distribution)."""
+    from nemo_jax.generate import row_sampling_logprobs
+
+    logits = jax.random.normal(jax.random.key(0), (5, 97)) * 3
+    rows = [(0.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 3, 1.0), (0.9, 0, 0.6), (1.3, 5, 0.8)]
+    t, k, p = (jnp.asarray(x) for x in zip(*rows))
+    got = row_sampling_logprobs(logits, t, k.astype(jnp.int32), p, k_max=8, nucleus=True)
+    for i, (ti, ki, pi) in enumerate(rows):
+        want = sampling_logprobs(logits[i], ti if ti > 0 else 1.0, ki, pi)
+        np.testing.assert_allclose(got[i], want, rtol=1e-6, atol=1e-6)
+    plain = row_sampling_logprobs(logits[:2], t[:2], k[:2].astype(jnp.int32), p[:2])  # no truncation compiled
+    np.testing.assert_allclose(plain, got[:2], rtol=1e-6, atol=1e-6)
+
+
+def test_engine_rows_with_their_own_sampling_parameters(setup):
+    """One engine batch serves sequences with different temperatures, top-k, top-p, budgets and stop ids: each
+    turn's logprobs are those of its own distribution (a full forward), greedy rows equal `generate`, and a
+    seeded sequence draws the same tokens whatever shares its batch."""
+    from nemo_jax.generate import Engine
+
+    cfg, params = setup
+    g0 = generate(params, PROMPTS[:1], cfg, SamplingParams(max_new_tokens=6, temperature=0.0))
+    sps = [SamplingParams(max_new_tokens=6, temperature=0.0, stop_token_ids=(g0.tokens[0][2],)),
+           SamplingParams(max_new_tokens=6, temperature=0.7, seed=11),
+           SamplingParams(max_new_tokens=4, temperature=1.0, top_k=3),
+           SamplingParams(max_new_tokens=5, temperature=0.9, top_p=0.6)]
+    prompts = PROMPTS + [[4, 5, 6]]
+    eng = Engine(params, cfg, batch=3, max_len=40, bucket=8, check_every=2, key=jax.random.key(1))
+    ids = [eng.submit(p, sp, tag=i) for i, (p, sp) in enumerate(zip(prompts, sps))]  # 4 sequences, 3 rows
+    assert eng.queued == 4 and eng.busy == 0
+    ends = {}
+    while len(ends) < 4:
+        for e in eng.step():
+            ends[e.tag] = e
+            eng.release(e.seq_id)
+    assert [ends[i].seq_id for i in range(4)] == ids and eng.busy == eng.parked == eng.queued == 0
+    assert ends[0].finish_reason == "stop" and ends[0].tokens == g0.tokens[0][:3]
+    for i, (p, sp) in enumerate(zip(prompts, sps)):
+        e = ends[i]
+        assert 1 <= len(e.tokens) <= sp.max_new_tokens and e.version == 0
+        seq = list(p) + e.tokens
+        toks = np.zeros((1, 32), np.int32)
+        toks[0, :len(seq)] = seq
+        logits = _forward(params, jnp.asarray(toks), cfg)[0, len(p) - 1:len(seq) - 1]
+        lp = sampling_logprobs(logits, sp.temperature or 1.0, sp.top_k, sp.top_p)
+        np.testing.assert_allclose(e.logprobs, [lp[j, t] for j, t in enumerate(e.tokens)], atol=1e-4)
+        assert np.all(np.isfinite(e.logprobs))  # never a token outside the kept set
+    alone = Engine(params, cfg, batch=1, max_len=40, bucket=8, key=jax.random.key(99))
+    alone.submit(prompts[1], sps[1])
+    got = []
+    while not got:
+        got = alone.step()
+    assert got[0].tokens == ends[1].tokens
+    with pytest.raises(ValueError, match="do not fit max_len"):
+        eng.submit([1] * 36, SamplingParams(max_new_tokens=8))
+
+
+def test_engine_refills_most_rows_while_one_decodes(setup):
+    """Sequences admitted into most rows at once (the chunk runs every row) while an earlier one is mid-turn in a
+    row before them: each is prefilled into its own row (the mid-turn one is untouched), so every turn's logprobs
+    are those of a full forward of its sequence."""
+    from nemo_jax.generate import Engine
+
+    cfg, params = setup
+    sp = SamplingParams(max_new_tokens=6, temperature=1.0)
+    eng = Engine(params, cfg, batch=4, max_len=40, bucket=8, check_every=2, key=jax.random.key(5))
+    prompts = [PROMPTS[0], PROMPTS[1], [4, 5, 6], [7, 3, 2, 9, 1, 1, 8, 2, 6]]
+    eng.submit(prompts[0], sp, tag=0)
+    assert eng.step() == []  # row 0 mid-turn
+    for i in (1, 2, 3):
+        eng.submit(prompts[i], sp, tag=i)
+    ends = {}
+    while len(ends) < 4:
+        for e in eng.step():
+            ends[e.tag] = e
+            eng.release(e.seq_id)
+    for i, p in enumerate(prompts):
+        seq = list(p) + ends[i].tokens
+        toks = np.zeros((1, 32), np.int32)
+        toks[0, :len(seq)] = seq
+        lp = sampling_logprobs(_forward(params, jnp.asarray(toks), cfg)[0, len(p) - 1:len(seq) - 1], 1.0, 0, 1.0)
+        np.testing.assert_allclose(ends[i].logprobs, [lp[j, t] for j, t in enumerate(ends[i].tokens)], atol=1e-4)
+
+
+def test_engine_parks_finished_turns_and_swaps_adapters(setup):
+    """A parked sequence decodes nothing while the other row keeps decoding; fed, it continues in place with the
+    adapters set meanwhile (its turn records their version) and equals `generate` on the whole conversation;
+    released mid-turn, a row stops at once and takes the next sequence."""
+    from nemo_jax.generate import Engine
+    from nemo_jax.lora import LoraConfig, init_adapters
+
+    cfg, params = setup
+    greedy = lambda n: SamplingParams(max_new_tokens=n, temperature=0.0)  # noqa: E731
+    eng = Engine(params, cfg, batch=2, max_len=48, bucket=8, check_every=2)
+    a = eng.submit(PROMPTS[0], greedy(2))
+    b = eng.submit(PROMPTS[1], greedy(12))
+    first = eng.step()  # both prefilled, two steps: a's turn is over
+    assert [e.seq_id for e in first] == [a] and eng.parked == 1 and eng.busy == 1
+    steps = eng.decode_steps
+    while True:
+        ends = eng.step()
+        if ends:
+            break
+    assert [e.seq_id for e in ends] == [b] and eng.decode_steps == steps + 10 and eng.parked == 2
+    assert ends[0].tokens == generate(params, [PROMPTS[1]], cfg, greedy(12)).tokens[0]
+    ad = init_adapters(cfg, LoraConfig(("attention",), 2, 4.0), jax.random.key(3))
+    ad = jax.tree.map(lambda x: x + 0.3 * jax.random.normal(jax.random.key(4), x.shape, x.dtype), ad)
+    eng.set_adapters(ad, 7)
+    eng.feed(a, [9, 9, 9])
+    with pytest.raises(ValueError, match="not parked"):
+        eng.feed(a, [1])
+    nxt = []
+    while not nxt:
+        nxt = eng.step()
+    whole = PROMPTS[0] + first[0].tokens + [9, 9, 9]
+    assert nxt[0].seq_id == a and nxt[0].version == 7 and nxt[0].versions == (7,)
+    assert nxt[0].tokens == generate(params, [whole], cfg, greedy(2), adapters=ad).tokens[0]
+    eng.feed(b, [3])
+    eng.step()
+    eng.release(b)  # mid-turn
+    c = eng.submit([6, 6], greedy(2))
+    ends = []
+    while not ends:
+        ends = eng.step()
+    assert [e.seq_id for e in ends] == [c] and eng.rows.count(None) == 0  # a parked, c in b's old row
+    assert ends[0].tokens == generate(params, [[6, 6]], cfg, greedy(2), adapters=ad).tokens[0]
+    # rows with their own budgets: a short prompt with a long turn cannot share a chunk as wide as a long prompt's
+    # (32 + 20 > 48 positions): it waits for the next step instead of overrunning its row
+    eng.release(a)
+    eng.release(c)
+    long_id, short_id = eng.submit([5] * 30, greedy(4)), eng.submit([6, 6], greedy(20))
+    got = {}
+    while len(got) < 2:
+        got.update({e.seq_id: e.tokens for e in eng.step()})
+    assert got[long_id] == generate(params, [[5] * 30], cfg, greedy(4), adapters=ad).tokens[0]
+    assert got[short_id] == generate(params, [[6, 6]], cfg, greedy(20), adapters=ad).tokens[0]
+    with pytest.raises(ValueError, match="no vision tower"):
+        eng.submit([1, 2], greedy(2), images=[np.zeros((8, 8, 3), np.uint8)])

@@ -20,9 +20,9 @@ from nemo_jax.data.chat import ChatTokenizer
 from nemo_jax.lora import LoraConfig, attach
 from nemo_jax.model import Options, init
 from nemo_jax.rl.client import TrainingClient
-from nemo_jax.rl.envs import Arithmetic, Constraints, JsonlTasks, Score, Task, make_env
+from nemo_jax.rl.envs import Arithmetic, Constraints, JsonlTasks, Observation, Score, Task, make_env
 from nemo_jax.rl.learner import make_learner_step
-from nemo_jax.rl.producer import sample_rollouts
+from nemo_jax.rl.producer import sample_rollouts, sample_rollouts_plain
 from nemo_jax.rl.rollout import learner_batch
 
 from helpers import FAST_COMPILE, tiny_cfg
@@ -111,8 +111,9 @@ class TwoTurns:
 def test_multi_turn_rollouts_are_the_rendered_conversation(tok, base):
     client = TrainingClient(CFG, base, LCFG)
     env = TwoTurns()
-    rs = sample_rollouts(client.sample, tok, CFG, env, [(env.tasks("train")[0], "g")], 2, 6, 1.0,
-                         jax.random.key(0), (3,))
+    engine = client.engine(batch=2, max_len=128)
+    engine.set_adapters(client.adapters, 3)
+    rs = sample_rollouts(engine, tok, CFG, env, [(env.tasks("train")[0], "g")], 2, 6, 1.0)
     assert len(rs) == 2 and all(r.policy_versions == [3] and r.group_id == "g" for r in rs)
     for r in rs:
         m = np.asarray(r.loss_mask, bool)
@@ -201,7 +202,7 @@ def _grpo_cmd(run_dir, steps):
             f"run_dir={run_dir}", f"steps={steps}", "model.init=random", "model.init_sft_config=null",
             "rollout.env=bandit_env:Digits", "rollout.env_args={}", "rollout.group_size=6",
             "rollout.groups_per_step=4", "rollout.max_new_tokens=6", "rollout.seq_len=32", "optim.lr=0.03",
-            "lora.targets=[lm_head]", "checkpoint.every=3", "logging.tensorboard=false"]
+            "lora.targets=[lm_head]", "checkpoint.every=3", "logging.tensorboard=false", "eval_every=0"]
 
 
 @pytest.mark.slow
@@ -290,21 +291,157 @@ def test_inbox_tools_checks_and_guardrails():
 
 
 def test_streamed_rollouts_equal_the_turn_by_turn_sampler(tok, base, monkeypatch):
-    """Continuous batching (2 decode rows for 4 two-turn rollouts, conversations continued in their rows) gives,
-    greedy, the rollouts the plain turn-by-turn sampler gives."""
+    """The engine-driven episodes (2 decode rows for 4 two-turn rollouts, conversations parked and continued in
+    their rows) give, greedy, the rollouts the plain turn-by-turn sampler gives."""
     import nemo_jax.rl.producer as producer
 
     client = TrainingClient(CFG, base, LCFG)
     env = TwoTurns()
     tasks = [(env.tasks("train")[0], "g0"), (env.tasks("train")[0], "g1")]
-    first = sample_rollouts(client.sample, tok, CFG, env, tasks[:1], 1, 6, 0.0, jax.random.key(0), (1,))[0]
+    sample = lambda p, sp, k, images: client.sample(p, sp, k)  # noqa: E731
+    first = sample_rollouts_plain(sample, tok, CFG, env, tasks[:1], 1, 6, 0.0, jax.random.key(0))[0]
     # a token greedy decoding emits early stands for the end of turn, so the user's follow-up turn happens
     monkeypatch.setattr(producer, "stop_ids", lambda cfg, tok: (first.tokens[first.loss_mask.index(1) + 2],))
-    plain = sample_rollouts(client.sample, tok, CFG, env, tasks, 2, 6, 0.0, jax.random.key(0), (1,))
-    stream = lambda prompts, sp, key, next_turn: client.sample_stream(prompts, sp, key, batch=2, max_len=256,
-                                                                      next_turn=next_turn)
-    streamed = sample_rollouts(None, tok, CFG, env, tasks, 2, 6, 0.0, jax.random.key(0), (1,), stream=stream)
+    plain = sample_rollouts_plain(sample, tok, CFG, env, tasks, 2, 6, 0.0, jax.random.key(0), version=1)
+    engine = client.engine(batch=2, max_len=256)
+    engine.set_adapters(client.adapters, 1)
+    streamed = sample_rollouts(engine, tok, CFG, env, tasks, 2, 6, 0.0)
     assert len(plain) == len(streamed) == 4 and {r.reward for r in plain} == {4.0}  # two turns each
     for a, b in zip(plain, streamed):
-        assert (a.tokens, a.loss_mask, a.reward, a.group_id) == (b.tokens, b.loss_mask, b.reward, b.group_id)
+        assert (a.tokens, a.loss_mask, a.reward, a.group_id, a.policy_versions) == (
+            b.tokens, b.loss_mask, b.reward, b.group_id, b.policy_versions)
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
+
+
+class Gated:
+    """Episodes on the TwoTurns prompt with async steps: a "slow" task's first step waits for `gate`, a "hang"
+    task's never returns; every step asks once more, then ends. Closes are recorded."""
+    name, max_turns = "gated", 3
+
+    def __init__(self):
+        import threading
+
+        self.gate, self.closed = threading.Event(), []
+
+    def tasks(self, split):
+        return [Task(k, ({"role": "user", "content": "What is 1 plus 1?"},)) for k in ("slow", "hang", "fast")]
+
+    def episode(self):
+        env = self
+
+        class Ep:
+            def start(self, task, rollout_id):
+                self.task, self.id, self.n = task, rollout_id, 0
+                return Observation(list(task.messages))
+
+            async def step(self, message):
+                import asyncio
+
+                self.n += 1
+                if self.task.id == "hang":
+                    await asyncio.sleep(3600)
+                while self.task.id == "slow" and self.n == 1 and not env.gate.is_set():
+                    await asyncio.sleep(0.01)
+                return Observation([{"role": "user", "content": "Again?"}] if self.n == 1 else [], float(self.n),
+                                   self.n == 2, self.n == 2)
+
+            def close(self):
+                env.closed.append(self.id)
+
+        return Ep()
+
+
+def test_a_waiting_episode_never_stalls_the_other_rows(tok, base, monkeypatch):
+    """While one episode's environment call waits (async), the engine keeps decoding: the other rollouts run
+    through the second row, two turns each, and reach the driver one by one; adapters swapped in meanwhile
+    sample the waiting rollout's next turn, so it spans two policy versions (staleness from the oldest). An
+    episode past its time limit is scored 0, closed and counted; every episode is closed."""
+    import nemo_jax.rl.producer as producer
+    from nemo_jax.rl.producer import EpisodeDriver, sampling_params
+
+    client = TrainingClient(CFG, base, LCFG)
+    env = Gated()
+    sample = lambda p, sp, k, images: client.sample(p, sp, k)  # noqa: E731
+    first = sample_rollouts_plain(sample, tok, CFG, TwoTurns(), [(TwoTurns().tasks("train")[0], "g")], 1, 6, 0.0,
+                                  jax.random.key(0))[0]
+    monkeypatch.setattr(producer, "stop_ids", lambda cfg, tok: (first.tokens[first.loss_mask.index(1) + 2],))
+    engine = client.engine(batch=2, max_len=256)
+    sp = sampling_params(CFG, tok, 6, 0.0)
+    d = EpisodeDriver(engine, tok, CFG, env, sp)
+    slow, _, fast = env.tasks("train")
+    d.add(slow, "g0", "slow")
+    for i in range(3):
+        d.add(fast, "g1", f"fast{i}")
+    done = []
+    t0 = time.monotonic()
+    while len(done) < 3 and time.monotonic() - t0 < 120:
+        got = d.pump()
+        assert len(got) <= 2  # (rollouts come out as they finish, not as a batch)
+        done += got
+    steps = engine.decode_steps
+    assert sorted(r.rollout_id for r in done) == ["fast0", "fast1", "fast2"] and d.running == 1
+    assert all(r.reward == 2.0 and r.success and r.policy_versions == [0] for r in done)
+    assert steps >= 3 * 2 * 3 and engine.parked == 1  # 3 rollouts x 2 turns x >= 3 tokens while "slow" waited
+    engine.set_adapters(jax.tree.map(lambda x: x * 1.0, client.adapters), 5)
+    env.gate.set()
+    while d.running and time.monotonic() - t0 < 120:
+        done += d.pump()
+    late = done[-1]
+    assert late.rollout_id == "slow" and late.policy_versions == [0, 5] and late.version == 0 and late.success
+    # a time limit: the hanging episode is scored 0, closed, counted
+    d2 = EpisodeDriver(engine, tok, CFG, env, sp, timeout_s=0.5)
+    d2.add(env.tasks("train")[1], "g2", "hang")
+    out = []
+    while not out and time.monotonic() - t0 < 120:
+        out = d2.pump()
+    assert out[0].timed_out and out[0].reward == 0.0 and not out[0].success and d2.counts["timed_out"] == 1
+    d.close()
+    d2.close()
+    assert sorted(env.closed) == ["fast0", "fast1", "fast2", "hang", "slow"]
+
+
+def test_mcp_episode_round_trip_with_the_shipped_server(tok, base):
+    """An MCP episode starts the shipped tiny server (stdio, the official client), lists its tools in the chat
+    template's format, runs the tool calls of each turn (both call forms; an unknown tool and a tool error come
+    back as tool messages), scores with the user scorer, and stops the server on close. Through the engine, the
+    tools are rendered into the prompt and every episode is closed."""
+    import asyncio
+
+    pytest.importorskip("mcp")
+    from nemo_jax.rl.mcp_env import MCPEnv
+
+    env = make_env("mcp", task_args={"n_train": 4, "n_eval": 2}, max_turns=3)
+    assert isinstance(env, MCPEnv) and len(env.tasks("train")) == 4
+    task = env.tasks("train")[0]
+    item, n, total = task.data["item"], task.data["count"], task.data["total"]
+
+    async def scripted():
+        ep = env.episode()
+        obs = await ep.start(task, "r0")
+        names = sorted(t["function"]["name"] for t in obs.tools)
+        assert names == ["add", "lookup", "multiply"] and obs.messages == list(task.messages)
+        assert obs.tools[0]["type"] == "function" and "properties" in obs.tools[0]["function"]["parameters"]
+        o1 = await ep.step({"role": "assistant", "content": f'<tool_call>{{"name": "lookup", "arguments": '
+                                                            f'{{"item": "{item}"}}}}</tool_call>'})
+        assert o1.messages == [{"role": "tool", "content": str(total // n)}] and o1.reward == 0.25 and not o1.done
+        o2 = await ep.step({"role": "assistant", "content": f"<tool_call><function=multiply><parameter=a>{n}"
+                                                            f"</parameter><parameter=b>{total // n}</parameter>"
+                                                            "</function></tool_call><tool_call>{\"name\": \"nope\", "
+                                                            "\"arguments\": {}}</tool_call>"})
+        assert o2.messages[0]["content"] == str(total) and "unknown tool 'nope'" in o2.messages[1]["content"]
+        o3 = await ep.step({"role": "assistant", "content": '<tool_call>{"name": "lookup", "arguments": '
+                                                            '{"item": "car"}}</tool_call>'})
+        assert "no item 'car'" in o3.messages[0]["content"] and ep.calls[-1].get("error")
+        o4 = await ep.step({"role": "assistant", "content": f"It costs {total} dollars."})
+        assert o4.done and o4.success and o4.reward == 1.0 and o4.messages == []
+        proc = ep._runner
+        await ep.close()
+        assert proc.done() and not proc.cancelled() and proc.exception() is None  # the server session ended
+
+    asyncio.run(scripted())
+    # through the driver: the prompt holds the tool list; a random model answers without a tool call
+    client = TrainingClient(CFG, base, LCFG)
+    rs = sample_rollouts(client.engine(batch=2, max_len=512), tok, CFG, env, [(task, "g")], 2, 6, 1.0)
+    text = tok.tokenizer.decode(rs[0].tokens[:rs[0].loss_mask.index(1)])
+    assert "lookup(item): The price of one item" in text and "How much do" in text
+    assert all(0.0 <= r.reward <= 1.0 for r in rs)

@@ -1,6 +1,7 @@
 """PEFT / vLLM adapter directories: round trips, peft + transformers parity, merged HF export, CLI."""
 
 import json
+import os
 import re
 import warnings
 
@@ -77,7 +78,7 @@ def test_export_import_bit_exact(tmp_path, fmt):
     with pytest.warns(UserWarning) as record:
         save_peft(cfg, ad, tmp_path / "a", format=fmt, lora_config=LoraConfig(rank=4, alpha=6.0, rslora=True))
     messages = " ".join(str(w.message) for w in record)
-    assert "out_proj" in messages and "export-hf" in messages
+    assert ("out_proj" in messages and "export-hf" in messages) == (fmt == "peft")  # vLLM reads out_proj
     assert ("left out" in messages) == (fmt == "vllm") and "MTP" in messages
     with open(tmp_path / "a" / "adapter_config.json") as f:
         conf = json.load(f)
@@ -237,3 +238,100 @@ def test_cli_lora_export_import(tmp_path):
     with pytest.raises(SystemExit):
         main(["lora", "import", str(tmp_path / "peft"), str(tmp_path / "nope")])
     assert not (tmp_path / "nope").exists()
+
+
+# --------------------------------------------------------------------------- published policies (GRPO -> vLLM / peft)
+def _vllm_nemotron_h_table(conf: dict, r: int) -> dict[str, tuple[tuple[int, int], tuple[int, int]]]:
+    """The LoRA tensors vLLM's nemotron_h loader reads for adapters on every linear layer, from the HF config alone:
+    {name in adapter_model.safetensors: (lora_A shape [r, in], lora_B shape [out, r])}. From vLLM's source:
+    vllm/model_executor/models/nemotron_h.py (NemotronHForCausalLM: hf_to_vllm_mapper backbone -> model, mtp.* skipped
+    (lora_skip_prefixes); packed_modules_mapping qkv_proj = q_proj + k_proj + v_proj; MambaMixer2 in_proj / out_proj,
+    NemotronHMLP up_proj / down_proj (dense MLP and shared_experts), fc1/fc2_latent_proj; routed experts through
+    get_expert_mapping: checkpoint names experts.{j}.up_proj / experts.{j}.down_proj) and vllm/lora/model_manager.py
+    + vllm/lora/utils.py (process_packed_modules_mapping: packed "experts" = one module per expert and projection,
+    each read as its own lora_A [r, in] / lora_B [out, r]; lora_model.py: names parsed after base_model.model.)."""
+    H, heads, kv, hd = conf["hidden_size"], conf["num_attention_heads"], conf["num_key_value_heads"], conf["head_dim"]
+    d_inner = conf["mamba_num_heads"] * conf["mamba_head_dim"]
+    in_proj = 2 * d_inner + 2 * conf["n_groups"] * conf["ssm_state_size"] + conf["mamba_num_heads"]
+    latent = conf.get("moe_latent_size")
+    D, I = (latent or H), conf["moe_intermediate_size"]
+    S = conf["moe_shared_expert_intermediate_size"] * conf.get("n_shared_experts", 1)
+    kinds = {"linear_attention": {"in_proj": (H, in_proj), "out_proj": (d_inner, H)},
+             "full_attention": {"q_proj": (H, heads * hd), "k_proj": (H, kv * hd), "v_proj": (H, kv * hd),
+                                "o_proj": (heads * hd, H)},
+             "mlp": {"up_proj": (H, conf["intermediate_size"]), "down_proj": (conf["intermediate_size"], H)},
+             "moe": {"shared_experts.up_proj": (H, S), "shared_experts.down_proj": (S, H),
+                     **({"fc1_latent_proj": (H, latent), "fc2_latent_proj": (latent, H)} if latent else {}),
+                     **{f"experts.{j}.{p}": io for j in range(conf["n_routed_experts"])
+                        for p, io in (("up_proj", (D, I)), ("down_proj", (I, D)))}}}
+    out = {}
+    for i, kind in enumerate(conf["layers_block_type"]):
+        for module, (d_in, d_out) in kinds[kind].items():
+            out[f"base_model.model.backbone.layers.{i}.mixer.{module}"] = ((r, d_in), (d_out, r))
+    return out
+
+
+def test_published_policies_vllm_layout_and_peft_logits(hf_model, tmp_path):
+    """`TrainingClient.publish` (the GRPO learner's publishing, in a background thread): the vllm format's tensors
+    are exactly the names and shapes vLLM's nemotron_h LoRA loader reads (a table from vLLM's source), in bf16 when
+    asked; old versions are pruned; the peft format loads in peft with our logits; a format that cannot hold a
+    target is refused before anything is written."""
+    from safetensors import safe_open
+
+    from nemo_jax.rl.client import TrainingClient
+    from nemo_jax.rl.spool import latest_policy, published_versions
+
+    d, cfg, params, toks = hf_model
+    with open(d / "hf" / "config.json") as f:
+        conf = json.load(f)
+    r = 4
+    lc = LoraConfig(targets=("all",), rank=r, alpha=8.0)
+    client = TrainingClient(cfg, params, lc)
+    client.state = client.state._replace(params=jax.tree.map(jnp.asarray, random_adapters(cfg, lc.targets, rank=r)))
+    run = tmp_path / "run"
+    for v in range(4):  # versions 0..3, keep the newest 2 and every 3rd (wait: else a newer one may replace a pending)
+        client.version = v
+        client.publish(str(run), format="vllm", dtype=jnp.bfloat16, keep=2, keep_every=3, wait=True)
+    assert published_versions(str(run)) == [0, 2, 3] and latest_policy(str(run))[0] == 3
+    with safe_open(str(run / "policy" / "3" / "adapter_model.safetensors"), framework="np") as f:
+        got = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        dtypes = {f.get_slice(k).get_dtype() for k in f.keys()}
+    want = _vllm_nemotron_h_table(conf, r)
+    assert got == {f"{m}.lora_{ab}.weight": s for m, (a, b) in want.items() for ab, s in (("A", a), ("B", b))}
+    assert dtypes == {"BF16"}
+    with open(run / "policy" / "3" / "adapter_config.json") as f:
+        ac = json.load(f)
+    supported = {"q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "out_proj", "up_proj", "down_proj",
+                 "fc1_latent_proj", "fc2_latent_proj"}  # the linear layers of vLLM's nemotron_h (+ packed q/k/v)
+    assert ac["r"] == r and ac["lora_alpha"] == 8.0 and set(ac["target_modules"]) <= supported
+    assert not ac.get("target_parameters")
+    # peft: every target but Mamba out_proj (peft refuses it: refused up front, nothing written)
+    with pytest.raises(ValueError, match=r"peft cannot hold .*out_proj"):
+        client.publish(str(tmp_path / "refused"), format="peft")
+    assert not (tmp_path / "refused").exists()
+    lc2 = LoraConfig(targets=("attention", r"^layers/mamba/mixer/in_proj/kernel$", "mlp", "experts"), rank=r, alpha=8.0)
+    peft_client = TrainingClient(cfg, params, lc2)
+    ad = jax.tree.map(jnp.asarray, random_adapters(cfg, lc2.targets, rank=r, seed=3))
+    peft_client.state = peft_client.state._replace(params=ad)
+    peft_client.publish(str(tmp_path / "run2"), format="peft", wait=True)
+    base = transformers.NemotronHForCausalLM.from_pretrained(d / "hf").eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        pm = peft.PeftModel.from_pretrained(base, str(tmp_path / "run2" / "policy" / "0")).eval()
+    assert np.max(np.abs(hf_logits(pm, toks) - ours(params, ad, toks, cfg))) <= 1e-4
+    client.close()
+    peft_client.close()
+
+
+def test_grpo_refuses_targets_the_publish_format_cannot_hold(tmp_path):
+    from nemo_jax.rl.grpo import GRPORunner, load_grpo_config
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    c = load_grpo_config(os.path.join(root, "configs/grpo/tiny-cpu.yaml"), [
+        f"run_dir={tmp_path / 'run'}", "model.init=random", "model.init_sft_config=null", "lora.targets=[mamba]",
+        "rollout.publish_format=peft"])
+    with pytest.raises(ValueError, match=r"rollout.publish_format=peft cannot hold the adapters on 1 target\(s\): "
+                                         r"peft refuses LoRA on Mamba out_proj .*layers/mamba/mixer/out_proj/kernel.*"
+                                         r"use rollout.publish_format=vllm"):
+        GRPORunner(c, quiet=True)
+    assert not (tmp_path / "run").exists()

@@ -303,14 +303,34 @@ def test_spool_round_trip_and_rejections(tmp_path):
         f.write(json.dumps({**bad, "group_id": "g999"}) + "\n")
     (spool / ".producer-d-0.jsonl.tmp-x").write_text("half a line")  # a writer still at work: ignored
     reader = SpoolReader(str(spool), vocab_size=97, max_len=16)
-    finished = reader.poll(pool)
+    finished = reader.poll(pool, version=0)
     assert sorted(finished) == sorted([g, g2]) and reader.accepted == 4
     assert reader.rejected == Counter({"length_mismatch": 1, "malformed": 1, "unknown_group": 1})
-    assert sorted(os.listdir(spool / "consumed")) == ["producer-a-0.jsonl", "producer-b-0.jsonl", "producer-c-0.jsonl"]
-    assert reader.poll(pool) == []  # consumed files are not read again
+    assert sorted(os.listdir(spool / "consumed")) == ["producer-a-0.jsonl", "producer-b-0.jsonl"]
+    assert "producer-c-0.jsonl" in os.listdir(spool / "rejected")  # with its .reason: one line per record
+    assert reader.poll(pool, version=0) == []  # consumed files are not read again
     batch, counts = learner_batch(pool.take(8, version=0), seq_len=10, rows=4)
     assert counts["zero_variance_groups"] == 1 and counts["rollouts"] == 2  # g2's rewards are equal
     np.testing.assert_allclose(batch["advantages"], [0.5, -0.5, 0, 0])
     np.testing.assert_array_equal(batch["loss_mask"].sum(1), [4, 6, 0, 0])  # targets of sampled tokens
     np.testing.assert_allclose(batch["loss_weights"].sum(1), [0.5, 0.5, 0, 0])
     np.testing.assert_array_equal(batch["targets"][0, :5], [2, 3, 4, 5, 6])
+
+
+def test_long_rollouts_are_truncated_not_dropped():
+    """A rollout longer than the learner's row keeps its first seq_len + 1 tokens: the loss mask, targets and
+    behaviour logprobs of the kept part, its group and advantage; counted."""
+    from nemo_jax.rl.rollout import Rollout, learner_batch
+
+    short = Rollout([1, 2, 3, 4, 5], [0, 0, 1, 1, 1], [0.0, 0.0, -0.5, -0.4, -0.3], 1.0, "t", "g")
+    mask = [0] * 4 + [1] * 6 + [0] * 3 + [1] * 7
+    long = Rollout(list(range(1, 21)), mask, [-0.1 * m * (i + 1) for i, m in enumerate(mask)], 0.0, "t", "g")
+    batch, counts = learner_batch([[short, long]], seq_len=12)
+    assert counts["rollouts"] == 2 and counts["truncated"] == 1 and counts["truncated_tokens"] == 20 - 13
+    np.testing.assert_array_equal(batch["advantages"], [0.5, -0.5])
+    np.testing.assert_array_equal(batch["tokens"][1], long.tokens[:12])
+    np.testing.assert_array_equal(batch["targets"][1], long.tokens[1:13])
+    np.testing.assert_array_equal(batch["loss_mask"][1], np.asarray(mask[1:13], bool))
+    np.testing.assert_allclose(batch["behaviour_logprobs"][1], np.asarray(long.logprobs[1:13]) * np.asarray(mask[1:13]))
+    np.testing.assert_allclose(batch["loss_weights"][1].sum(), 0.5)  # mean over its kept loss tokens, / N
+    np.testing.assert_array_equal(batch["loss_mask"][0, :4], [0, 1, 1, 1])

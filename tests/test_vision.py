@@ -452,3 +452,80 @@ def test_blocked_vit_attention_matches_the_plain_one_in_values_and_gradients():
         gb = jax.grad(loss, argnums=(0, 1, 2))(q, k, v, S)
         for x, y in zip(ga, gb):
             np.testing.assert_allclose(x, y, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- RL with pictures
+class Pictures:
+    """An image environment in the episode form: the first observation holds a picture, the answer to the first
+    turn is a tool result with a second picture (a zoom), then the episode ends."""
+    name, max_turns = "pictures", 2
+
+    def tasks(self, split):
+        from nemo_jax.rl.envs import Task
+
+        return [Task(c, ()) for c in ("red", "blue")]
+
+    def episode(self):
+        from PIL import Image
+
+        from nemo_jax.rl.envs import Observation
+
+        class Ep:
+            def start(self, task, rollout_id):
+                self.task, self.n = task, 0
+                img = Image.new("RGB", (48, 32), task.id)
+                return Observation([{"role": "user", "content": [{"type": "image", "image": img},
+                                                                 {"type": "text", "text": "What colour?"}]}])
+
+            def step(self, message):
+                self.n += 1
+                if self.n == 1:
+                    zoom = Image.new("RGB", (24, 40), "green" if self.task.id == "red" else "white")
+                    return Observation([{"role": "tool", "content": [{"type": "text", "text": "zoom:"},
+                                                                     {"type": "image", "image": zoom}]}])
+                return Observation([], float(len(message["content"]) % 2), True)
+
+            def close(self):
+                pass
+
+        return Ep()
+
+
+def test_rl_rollouts_with_images_train_on_the_pictures_they_were_sampled_with(vl, tmp_path, monkeypatch):
+    """Pictures in an episode's observations (the opening message and a tool result) go through the engine's
+    prefill and continuation, into the rollouts as content-hashed files under the run dir, through validation,
+    and into the learner batch: the learner's logprobs equal the sampler's behaviour logprobs, and they depend
+    on the pictures."""
+    import nemo_jax.rl.producer as producer
+    from nemo_jax.lora import LoraConfig
+    from nemo_jax.rl.client import TrainingClient
+    from nemo_jax.rl.rollout import ImageStore, RolloutImages, learner_batch, validate
+
+    cfg, params, tok = vl
+    monkeypatch.setattr(producer, "stop_ids", lambda cfg, tok: tuple(range(0, 500)))  # most turns stop at once
+    client = TrainingClient(cfg, params, LoraConfig(("attention",), 2, 4.0))
+    store = ImageStore(str(tmp_path / "run" / "images"))
+    env = Pictures()
+    rs = producer.sample_rollouts(client.engine(batch=2, max_len=256), tok, cfg, env,
+                                  [(t, t.id) for t in env.tasks("train")], 2, 3, 1.0, images=store)
+    assert all(len(r.images) == 2 for r in rs if sum(r.loss_mask) > 1)  # both turns: both pictures
+    assert any(len(r.images) == 2 for r in rs)
+    v = cfg.vision
+    for r in rs:
+        d = json.loads(json.dumps(r.to_json()))  # a spool record
+        assert all(os.path.exists(store.path(x)) and not x["path"].startswith("/") for x in d["images"])
+        ok = validate(d, cfg.vocab_size, vision=v, image_root=store.root)
+        assert not isinstance(ok, str) and ok.images == r.images
+        assert validate(d, cfg.vocab_size) == "bad_images"  # a text model is given pictures
+        bad = dict(d, images=[dict(d["images"][0], sha256="0" * 64)] + d["images"][1:])
+        assert validate(bad, cfg.vocab_size, vision=v, image_root=store.root) == "bad_images"
+    for r in rs:
+        r.reward = float(r.rollout_id.endswith("0"))  # (a signal in each group)
+    seq = max(len(r.tokens) for r in rs)
+    batch, _ = learner_batch([rs[:2], rs[2:]], seq, images=RolloutImages(v, store.root, 256, 4))
+    assert batch["pixel_values"].shape == (4, 256, v.patch_dim)
+    lp = client.compute_logprobs(batch)
+    m = batch["loss_mask"]
+    np.testing.assert_allclose(lp[m], batch["behaviour_logprobs"][m], atol=1e-5)
+    blind = client.compute_logprobs(dict(batch, pixel_values=np.zeros_like(batch["pixel_values"])))
+    assert np.abs(blind[m] - lp[m]).max() > 1e-3  # the learner sees the pictures

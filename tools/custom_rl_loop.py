@@ -48,13 +48,13 @@ def main():
     client = TrainingClient(cfg, base, LoraConfig(("all",), 8, 16.0),
                             optim=OptimSection(lr=2e-3, warmup_steps=0, decay="constant", weight_decay=0.0),
                             loss=PolicyLossConfig(kind="importance_sampling"))
-    rng, key = np.random.default_rng(0), jax.random.key(0)
+    rng = np.random.default_rng(0)
+    engine = client.engine(batch=a.tasks_per_step * a.group, max_len=128, key=jax.random.key(0))
     tasks = env.tasks("train")
     for step in range(a.steps):
         picked = [tasks[i] for i in rng.choice(len(tasks), a.tasks_per_step, replace=False)]
-        key, sub = jax.random.split(key)
-        rollouts = sample_rollouts(client.sample, tok, cfg, env, [(t, t.id) for t in picked], a.group, 16, 1.0,
-                                   sub, (client.version,))
+        engine.set_adapters(jax.tree.map(jnp.copy, client.adapters), client.version)  # the current policy
+        rollouts = sample_rollouts(engine, tok, cfg, env, [(t, t.id) for t in picked], a.group, 16, 1.0)
         groups = [rollouts[i:i + a.group] for i in range(0, len(rollouts), a.group)]
         batch, counts = learner_batch(groups, seq_len=64)
         if counts["rollouts"]:

@@ -8,7 +8,11 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "nemo_jax", "assets")
 SPECIALS = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
-TEMPLATE = ("{%- for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+# ChatML; tool definitions (OpenAI function format), when given, listed compactly in a system turn first
+TEMPLATE = ("{%- if tools %}<|im_start|>system\nTools:\n{% for t in tools %}{% set f = t['function'] %}"
+            "{{ f['name'] }}({{ (f['parameters']['properties'] or {}) | list | join(', ') }}): {{ f['description'] }}\n"
+            "{% endfor %}Call one as <tool_call>{\"name\": NAME, \"arguments\": {...}}</tool_call><|im_end|>\n"
+            "{% endif %}{%- for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
             "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 COLORS = {"sky": "blue", "grass": "green", "snow": "white", "coal": "black", "a banana": "yellow", "a tomato": "red"}
 CAPITALS = {"France": "Paris", "Italy": "Rome", "Spain": "Madrid", "Japan": "Tokyo", "Egypt": "Cairo",

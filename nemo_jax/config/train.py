@@ -217,6 +217,27 @@ class RolloutSection:
     producer: str = "thread"  # thread (in-process sampler beside the learner) | inline (sample, then learn) | none (spool only)
     spool: bool = False  # also read rollouts external producers write to RUN/spool
     publish_every: int = 1  # publish the adapters to RUN/policy/<version> every this many steps (0: never)
+    episode_timeout_s: float = 0.0  # wall-clock limit per episode (0: the environment's own `timeout_s`, or none);
+    #                                 a timed-out episode is scored 0, closed and counted (episodes_timed_out)
+    env_workers: int = 16  # threads running the environment's plain (non-async) episode methods
+    max_image_patches: int = 0  # vision-language models: picture patches per learner row (0: seq_len x merge^2)
+    max_images: int = 8  # vision-language models: pictures per learner row
+    publish_format: str = "vllm"  # vllm (vLLM's nemotron_h layout: one module per routed expert) | peft (peft's
+    #                               target_parameters layout, transformers >= 5; it cannot hold Mamba out_proj);
+    #                               targets the format cannot hold are refused when the run starts
+    publish_dtype: str = "train"  # train (the adapters' training dtype) | bf16 (half the bytes)
+    publish_keep: int = 3  # keep the newest this many published versions (0: keep all)
+    publish_keep_every: int = 0  # ... and every version that is a multiple of this (0: none)
+    # sampling parameters every request to external producers carries (the in-process producer samples with
+    # loss.temperature and these top_p / top_k too); the learner's logprobs are of the untruncated distribution
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    stop: list[str] = field(default_factory=list)  # stop strings for external producers (needs producer=none)
+    lease_s: float = 120.0  # a claimed request not renewed for this long (worker heartbeat) is reposted
+    max_failed_episodes: int = 0  # a group with more failed episodes (or expired leases) is cancelled (0: group_size)
+    spool_max_file_mb: float = 256.0  # larger spool files are rejected unread
+    reward_range: list[float] | None = None  # [lo, hi]: spool rollouts with rewards outside are rejected
+    min_logprob: float = -1.0e4  # spool rollouts whose sampled tokens have lower behaviour logprobs are rejected
 
 
 @dataclass(frozen=True)
@@ -225,8 +246,10 @@ class GRPOConfig:
     run_dir: str | None = None  # default runs/<name>
     steps: int = 100
     log_every: int = 1
-    eval_every: int = 0  # 0: no periodic eval
-    eval_attempts: int = 1
+    eval_every: int = 0  # held-out eval every this many steps, and before the first (0: none)
+    eval_attempts: int = 1  # attempts per held-out task (pass@k and consistency use k = eval_attempts)
+    eval_tasks: int = 0  # the fixed held-out set: the environment's first eval_tasks "eval" tasks (0: all)
+    eval_rows: int = 0  # decode rows of the eval sampler (0: rollout.sampler_rows or one step's rollouts)
     seed: int = 0
     model: ModelSection = field(default_factory=ModelSection)
     tokenizer: str = "builtin:tiny"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 
 import jinja2
@@ -68,9 +69,10 @@ class ChatTokenizer:
         special = {k: _tok_str(conf.get(k)) for k in ("bos_token", "eos_token", "pad_token")}
         return cls(tok, env.from_string(src), special.get("eos_token"), special, path)
 
-    def render(self, messages, tools=None, add_generation_prompt=False) -> str:
+    def render(self, messages, tools=None, add_generation_prompt=False, **kwargs) -> str:
+        """`kwargs`: extra template variables (e.g. `enable_thinking` of the Nemotron 3 templates)."""
         return self.template.render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                    **{k: v for k, v in self.special.items() if v})
+                                    **{**{k: v for k, v in self.special.items() if v}, **kwargs})
 
     def encode_chat(self, messages, tools=None) -> tuple[np.ndarray, np.ndarray]:
         """-> token ids [n] int32, loss mask [n] bool (True on assistant tokens)."""
@@ -107,6 +109,79 @@ def _tok_str(x):
 
 def _raise(msg):
     raise DataError(f"chat template: {msg}")
+
+
+# --------------------------------------------------------------------------- tool calls
+_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+_FUNCTION = re.compile(r"<function=([^>\s]+)>(.*?)</function>", re.S)
+_PARAMETER = re.compile(r"<parameter=([^>\s]+)>\n?(.*?)\n?</parameter>", re.S)
+
+
+def tool_calls(text: str, tools=None) -> list[dict]:
+    """The tool calls in an assistant's text, in order -> [{"name", "arguments" (dict)}]. Two forms:
+    `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (JSON, as Hermes / Qwen templates write it) and
+    `<tool_call><function=NAME><parameter=KEY>VALUE</parameter>...</function></tool_call>` (Nemotron 3, what vLLM's
+    `qwen3_coder` parser reads; a value that parses as JSON is taken as such, else as a string, and a parameter the
+    call's tool definition in `tools` types `string` stays a string). A call that parses as neither is
+    {"name": "<malformed>", "arguments": {}, "text": ...} (the environment answers it with an error)."""
+    types = _parameter_types(tools)
+    return [_parse_call(m.group(1), types) for m in _TOOL_CALL.finditer(text)]
+
+
+def split_tool_calls(text: str, tools=None) -> tuple[str | None, list[dict]]:
+    """An assistant's text -> (the text outside its well-formed tool calls, stripped: None when that is empty and
+    there are calls; the well-formed calls, as `tool_calls` reads them). Malformed blocks stay in the text."""
+    types = _parameter_types(tools)
+    calls, kept, at = [], [], 0
+    for m in _TOOL_CALL.finditer(text):
+        c = _parse_call(m.group(1), types)
+        if c["name"] != "<malformed>":
+            calls.append(c)
+            kept.append(text[at:m.start()])
+            at = m.end()
+    if not calls:
+        return text, []
+    rest = ("".join(kept) + text[at:]).strip()
+    return rest or None, calls
+
+
+def _parameter_types(tools) -> dict[str, dict]:
+    """OpenAI tool definitions -> {function name: {parameter: its JSON schema type}}."""
+    out = {}
+    for t in tools or ():
+        f = t.get("function", t) if isinstance(t, dict) else None
+        if isinstance(f, dict) and isinstance(f.get("name"), str):
+            props = (f.get("parameters") or {}).get("properties") or {}
+            out[f["name"]] = {k: v.get("type") for k, v in props.items() if isinstance(v, dict)}
+    return out
+
+
+def _parse_call(body: str, types: dict) -> dict:
+    f = _FUNCTION.search(body)
+    if f:
+        kinds, args = types.get(f.group(1), {}), {}
+        for k, v in _PARAMETER.findall(f.group(2)):
+            if kinds.get(k) == "string":
+                args[k] = v
+                continue
+            try:
+                args[k] = json.loads(v)
+            except json.JSONDecodeError:
+                args[k] = v
+        return {"name": f.group(1), "arguments": args}
+    try:
+        c = json.loads(body)
+    except json.JSONDecodeError:
+        c = None
+    if isinstance(c, dict) and isinstance(c.get("name"), str):
+        a = c.get("arguments", c.get("parameters", {}))
+        if isinstance(a, str):
+            try:
+                a = json.loads(a)
+            except json.JSONDecodeError:
+                a = None
+        return {"name": c["name"], "arguments": a if isinstance(a, dict) else {}}
+    return {"name": "<malformed>", "arguments": {}, "text": body[:200]}
 
 
 # --------------------------------------------------------------------------- reading
@@ -162,14 +237,17 @@ def parse_record(raw, tok: ChatTokenizer, vocab_size: int, base_dir: str | None 
 IMAGE_TOKEN, IMAGE_START, IMAGE_END = "<image>", "<img>", "</img>"  # as transformers' nemotron_h_omni processor
 
 
-def _image_ref(part: dict, where: str) -> str:
+def _image_ref(part: dict, where: str):
     """The path or URL of an image content part: {"type": "image", "path"|"image"|"url": ...} or
-    {"type": "image_url", "image_url": {"url": ...} or "..."}."""
+    {"type": "image_url", "image_url": {"url": ...} or "..."}; an environment's message may also hold the picture
+    itself (a PIL image or an [H, W, C] array) under "image"."""
     if part["type"] == "image":
         ref = next((part[k] for k in ("path", "image", "url") if k in part), None)
     else:
         ref = part.get("image_url")
         ref = ref.get("url") if isinstance(ref, dict) else ref
+    if hasattr(ref, "getbbox") or (isinstance(ref, np.ndarray) and ref.ndim == 3):
+        return ref
     if not isinstance(ref, str) or not ref:
         raise DataError(f"{where}: an image part needs a path or URL string")
     return ref

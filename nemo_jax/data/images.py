@@ -180,3 +180,21 @@ class RowImages:
             grids += g
         return {"pixel_values": pix, **layout(self.v, np.asarray(grids, np.int64).reshape(-1, 2), self.max_patches,
                                              self.max_images)}
+
+
+def image_hw(img) -> tuple[int, int]:
+    """(height, width) in pixels of a PIL image or an [H, W, C] array."""
+    return (img.size[1], img.size[0]) if hasattr(img, "getbbox") else tuple(np.asarray(img).shape[:2])
+
+
+def picture(v: VisionConfig, src) -> tuple[np.ndarray, tuple[int, int]]:
+    """One image (PIL image, [H, W, C] uint8 array, path, file:// or data URL), processed alone as the RL sampler
+    and learner both see it -> (pixel patches [h*w, C*p*p] float32, its patch grid (h, w))."""
+    pix, grid = preprocess([load_image(src) if isinstance(src, str) else src], v)
+    return pix, (int(grid[0, 0]), int(grid[0, 1]))
+
+
+def picture_tokens(v: VisionConfig, img) -> int:
+    """Language tokens an image becomes when processed alone (`picture`)."""
+    h, w = image_grid(v, *image_hw(img), 1)
+    return h * w // v.merge ** 2

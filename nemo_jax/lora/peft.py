@@ -29,7 +29,8 @@ them (so our own round trip is lossless; peft ignores keys of modules the model 
 
 Mamba `out_proj`: peft refuses LoRA on `out_proj` / `conv1d` for `model_type: nemotron_h` (its fused Mamba
 kernel reads `out_proj.weight` directly), so `PeftModel.from_pretrained` raises on such an adapter. Export
-writes it (lossless) and warns; serve it merged: `nemo-jax export-hf BASE DST --adapters DIR`.
+writes it (lossless) and, in format "peft", warns; vLLM reads it (format "vllm"); or serve it merged:
+`nemo-jax export-hf BASE DST --adapters DIR`.
 """
 
 from __future__ import annotations
@@ -200,6 +201,34 @@ def _check_group(path: str, g: dict, site_list: list[Site]):
     return a, b, s.astype(np.float32), r
 
 
+# --------------------------------------------------------------------------- what a format can hold
+def unservable(cfg, adapted_paths, format: str) -> dict[str, str]:
+    """Adapted kernel paths (e.g. `nemo_jax.lora.selected_paths`) that an adapter directory in `format` cannot
+    carry to its consumer -> {path: why}. peft: Mamba `out_proj` (peft refuses LoRA there for nemotron_h) and
+    MTP layers (transformers drops them); vllm: MTP layers (vLLM skips `mtp.*` adapters)."""
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+    out = {}
+    for p in adapted_paths:
+        if p.startswith("mtp/"):
+            out[p] = "vLLM skips mtp.* adapters" if format == "vllm" else "transformers drops the MTP layers"
+        elif format == "peft" and re.search(r"(^|/)layers/mamba/mixer/out_proj(/kernel)?$", p):
+            out[p] = "peft refuses LoRA on Mamba out_proj for nemotron_h"
+    return out
+
+
+def check_servable(cfg, lora_config, format: str, what: str = "rollout.publish_format") -> None:
+    """Refuse (one ValueError naming them) LoRA targets that adapter directories in `format` cannot hold."""
+    from nemo_jax.lora import selected_paths
+
+    bad = unservable(cfg, selected_paths(cfg, lora_config), format)
+    if bad:
+        why = "; ".join(sorted({f"{w} ({', '.join(p for p in bad if bad[p] == w)})" for w in bad.values()}))
+        hint = f"use {what}=vllm, or " if format == "peft" and not any(p.startswith("mtp/") for p in bad) else ""
+        raise ValueError(f"{what}={format} cannot hold the adapters on {len(bad)} target(s): {why}; {hint}leave "
+                         "them out of lora.targets")
+
+
 # --------------------------------------------------------------------------- export
 def save_peft(cfg, adapters, path, *, format: str = "peft", base_model_name_or_path: str | None = None,
               lora_config=None) -> str:
@@ -241,8 +270,8 @@ def save_peft(cfg, adapters, path, *, format: str = "peft", base_model_name_or_p
         if any(x.mtp for x in site_list) and format == "vllm":
             skipped_mtp.append(apath)
             continue
-        if re.search(r"(^|/)layers/mamba/mixer/out_proj$", apath):
-            out_proj.append(apath)
+        if format == "peft" and re.search(r"(^|/)layers/mamba/mixer/out_proj$", apath):
+            out_proj.append(apath)  # (vLLM reads it: MambaMixer2.out_proj is a RowParallelLinear)
         for i, site in enumerate(site_list):
             idx = site.index[:1]
             ai, bi, si = a[idx], b[idx], s[idx]

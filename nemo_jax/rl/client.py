@@ -6,8 +6,8 @@ JAX-native, over LoRA adapters on a frozen base, on a mesh.
     m = client.forward_backward(batch, loss="dppo")   # gradients accumulate until optim_step
     client.optim_step()                               # AdamW on the accumulated gradients
     lp = client.compute_logprobs(batch)               # [N, T] logprobs of the targets
-    client.publish(run_dir)                           # PEFT dir RUN/policy/<version> for external samplers
-                                                      # (the version counts optim_steps)
+    client.publish(run_dir)                           # adapter dir RUN/policy/<version> for external samplers
+                                                      # (the version counts optim_steps; written in the background)
     client.save_state(path); client.load_state(path)  # adapters, optimiser, version, and your own JSON state
 
 `batch` is a learner batch (nemo_jax.rl.learner; `nemo_jax.rl.rollout.learner_batch` makes one from rollouts).
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -58,7 +57,6 @@ class TrainingClient:
         self._grads = None  # accumulated gradients (None: nothing pending)
         self._stats = None
         self._grad_fns = {}
-        self._published = False
         self._combine = lambda ad, b: attach(b, ad)  # noqa: E731
         self._update = jax.jit(lambda s, g, loss: apply_update(s, g, loss, self.tx), donate_argnums=0,
                                out_shardings=None if sh is None else (sh, None, None))
@@ -135,16 +133,50 @@ class TrainingClient:
                                    next_turn=next_turn, key=key, opts=self.opts, bucket=bucket,
                                    adapters=self.state.params if adapters is None else adapters)
 
-    def publish(self, run_dir: str) -> int:
-        """Write the adapters as RUN/policy/<version> (PEFT; the version counts optimiser steps) -> the version."""
-        from nemo_jax.rl.spool import publish_policy
+    def engine(self, *, batch: int, max_len: int, bucket: int = 32, check_every: int = 4, key=None):
+        """A continuous-batching `nemo_jax.generate.Engine` over the frozen base, sampling with a copy of the current
+        adapters (its version: `self.version`); swap newer ones in with `Engine.set_adapters`."""
+        from nemo_jax.generate import Engine
 
-        with warnings.catch_warnings():
-            if self._published:  # a warning about the adapters' servability is said once, not per version
-                warnings.simplefilter("ignore", UserWarning)
-            publish_policy(run_dir, self.version, self.cfg, self.state.params, lora_config=self.lora_cfg)
-        self._published = True
+        eng = Engine(self.base, self.cfg, batch=batch, max_len=max_len, opts=self.opts, bucket=bucket,
+                     check_every=check_every, key=key)
+        eng.set_adapters(jax.tree.map(jnp.copy, self.state.params), self.version)
+        return eng
+
+    def publish(self, run_dir: str, *, format: str = "vllm", dtype=None, keep: int = 0, keep_every: int = 0,
+                wait: bool = False) -> int:
+        """Publish the adapters as RUN/policy/<version> (an adapter dir in `format`, peft or vllm; the version
+        counts optimiser steps) -> the version. A device copy (A and B cast to `dtype`, e.g. jnp.bfloat16; None:
+        the training dtype) is taken now; a background thread copies it to the host and writes it, so this
+        returns at once (`wait`: block until written). Keeps the newest `keep` versions (0: all) and every
+        `keep_every`-th. Targets the format cannot hold are refused on the first call."""
+        from nemo_jax.lora.peft import check_servable
+        from nemo_jax.rl.spool import PolicyPublisher
+
+        key = (os.path.abspath(run_dir), format, keep, keep_every)
+        if getattr(self, "_publisher_key", None) != key:
+            check_servable(self.cfg, self.lora_cfg, format, what="publish format")
+            self.flush_publishing()
+            self._publisher = PolicyPublisher(key[0], self.cfg, format=format, keep=keep, keep_every=keep_every,
+                                              lora_config=self.lora_cfg)
+            self._publisher_key = key
+        cast = lambda path, x: (x.astype(dtype) if dtype is not None and x.dtype != dtype  # noqa: E731
+                                and getattr(path[-1], "key", None) in ("lora_a", "lora_b") else jnp.copy(x))
+        self._publisher.submit(self.version, jax.tree_util.tree_map_with_path(cast, self.state.params))
+        if wait:
+            self._publisher.flush()
         return self.version
+
+    @property
+    def publisher(self):
+        """The background `PolicyPublisher` of the last `publish` run dir (its `skipped`, `written`), or None."""
+        return getattr(self, "_publisher", None)
+
+    def flush_publishing(self) -> None:
+        """Wait until every published version is written (raises a failed write)."""
+        if getattr(self, "_publisher", None) is not None:
+            self._publisher.close()
+            self._publisher, self._publisher_key = None, None
 
     # ------------------------------------------------------------------ state
     def save_state(self, path: str, step: int, extra: dict | None = None, force: bool = True):
@@ -174,5 +206,6 @@ class TrainingClient:
         return step, data["extra"]
 
     def close(self):
+        self.flush_publishing()
         if hasattr(self, "_ckpt"):
             self._ckpt.close()

@@ -42,6 +42,11 @@ class Curriculum:
         idx = self.rng.choice(len(self.tasks), size=n, p=self.probabilities())
         return [self.tasks[i] for i in idx]
 
+    def sample_with_p(self, n: int) -> list:
+        """`sample`, each id with the probability it was drawn with -> [(task id, p)]."""
+        p = self.probabilities()
+        return [(self.tasks[i], float(p[i])) for i in self.rng.choice(len(self.tasks), size=n, p=p)]
+
     def state_dict(self) -> dict:
         return {"recent": {str(t): list(r) for t, r in self.recent.items()}, "rng": self.rng.bit_generator.state}
 

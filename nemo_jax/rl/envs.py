@@ -1,8 +1,25 @@
-"""RL environments: a small protocol for single- and multi-turn tasks, built-in task sets, and user task sets.
+"""RL environments: the episode protocol, built-in task sets, and user environments.
 
-An environment hands out `Task`s (`tasks(split)`), answers each assistant turn (`respond`: the messages to append,
-e.g. tool results or the next user turn, or None when the episode is over) and scores a finished conversation
-(`score` -> Score(reward, success)). Rewards are binary or partial credit in [0, 1].
+An environment hands out `Task`s (`tasks(split)`) and runs one EPISODE per rollout (`episode()` -> an object with):
+
+    start(task, rollout_id) -> Observation      the opening messages (and tool definitions); allocate what the
+                                                rollout needs (a VM, a tool server) here
+    step(assistant_message) -> Observation      messages to append (tool results, the next user turn), the reward
+                                                of the conversation so far, done, success, info
+    close()                                     ALWAYS called once the rollout ends (done, cut, timed out, failed)
+
+Each method may be a plain function or `async def`. The sampler runs them on a worker pool (plain ones on
+threads, async ones on an event loop) while it keeps decoding the other rollouts; an episode may end at any step
+(`done`, `max_turns`, a cut turn, a full context, its time limit): the last observation's `reward` and `success`
+are the rollout's. Rewards are binary or partial credit in [0, 1]. A timed-out episode scores 0.
+
+Messages are chat dicts; `content` is a string or a list of parts: {"type": "text", "text"} and image parts
+({"type": "image", "image": PIL image | path | data URL}, or "path" / "url" keys, or OpenAI's "image_url"), the
+format SFT chat data uses.
+
+The earlier synchronous form still works for user environments: `tasks(split)`, `respond(task, history)` -> the
+messages to append or None when the episode is over, and `score(task, history)` -> Score(reward, success)
+(`HistoryEpisode` runs it as an episode).
 
 Built in (`make_env(name, **args)`):
   arithmetic    single turn, "What is A plus B?" (plus / minus / times), exact integer answer
@@ -10,9 +27,11 @@ Built in (`make_env(name, **args)`):
                 reward = share satisfied, success = all
   inbox         multi-turn with tools: a simulated company (emails, chat, calendar); the right action depends
                 on information the agent looks up first; reward = share of checks passed minus violations
+  mcp           multi-turn with the tools of an MCP server started per episode (nemo_jax.rl.mcp_env)
+  gui           screenshots of generated windows and forms; click / type / key actions (nemo_jax.rl.gui_env)
   jsonl:PATH    a user task set: one JSON object per line, {"id", "prompt" | "messages", "answer",
                 "verifier": "exact" | "regex" | "numeric", "tolerance" (numeric), "split" (train | eval)}
-  pkg.mod:Class a user class implementing the protocol, built with the config's `env_args`
+  pkg.mod:Class a user environment (either form), built with the config's `env_args`
 """
 
 from __future__ import annotations
@@ -25,6 +44,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
+
+from nemo_jax.data.chat import tool_calls
 
 
 @dataclass(frozen=True)
@@ -41,15 +62,84 @@ class Score:
     success: bool
 
 
+@dataclass
+class Observation:
+    """What an episode answers: `start` -> the opening conversation; `step` -> what follows the assistant's turn."""
+    messages: list = field(default_factory=list)  # messages to append (roles user / tool / system)
+    reward: float = 0.0  # the conversation's reward so far: the rollout's if the episode ends here
+    done: bool = False  # the episode is over (the assistant's last turn was its final answer)
+    success: bool = False  # full success (logged; pass@k and consistency in evals)
+    info: dict = field(default_factory=dict)  # anything to log with the rollout (JSON values)
+    tools: list | None = None  # (from start) tool definitions for the chat template (OpenAI function format)
+
+
+class Episode(Protocol):
+    def start(self, task: Task, rollout_id: str) -> Observation: ...
+
+    def step(self, message: dict) -> Observation: ...
+
+    def close(self) -> None: ...
+
+
 class Environment(Protocol):
     name: str
-    max_turns: int
+    max_turns: int  # assistant turns per episode at most
 
     def tasks(self, split: str) -> list[Task]: ...
 
-    def respond(self, task: Task, history: list[dict]) -> list[dict] | None: ...
+    def episode(self) -> Episode: ...
 
-    def score(self, task: Task, history: list[dict]) -> Score: ...
+
+class HistoryEpisode:
+    """The synchronous form (`respond` / `score` over the whole history) as an episode: each step appends the
+    assistant's message, asks `respond` what follows (None: done) and scores the conversation so far."""
+
+    def __init__(self, env):
+        self.env = env
+
+    def start(self, task: Task, rollout_id: str) -> Observation:
+        self.task, self.history = task, list(task.messages)
+        return Observation(list(task.messages))
+
+    def step(self, message: dict) -> Observation:
+        self.history.append(message)
+        follow = self.env.respond(self.task, self.history)
+        s = self.env.score(self.task, self.history)
+        self.history += list(follow or [])
+        return Observation(list(follow or []), float(s.reward), not follow, bool(s.success))
+
+    def close(self) -> None:
+        self.history = []
+
+
+class HistoryEnv:
+    """Base of environments written in the synchronous form: `episode()` runs them through `HistoryEpisode`."""
+    max_turns = 1
+
+    def episode(self) -> HistoryEpisode:
+        return HistoryEpisode(self)
+
+
+class SyncForm:
+    """A user environment of the synchronous form (tasks / respond / score) as a protocol environment."""
+
+    def __init__(self, env):
+        self.env = env
+        self.name = getattr(env, "name", type(env).__name__)
+        self.max_turns = int(getattr(env, "max_turns", 1))
+        self.timeout_s = float(getattr(env, "timeout_s", 0) or 0)
+
+    def tasks(self, split: str) -> list[Task]:
+        return self.env.tasks(split)
+
+    def episode(self) -> HistoryEpisode:
+        return HistoryEpisode(self.env)
+
+    def score(self, task: Task, history: list[dict]) -> Score:
+        return self.env.score(task, history)
+
+    def respond(self, task: Task, history: list[dict]):
+        return self.env.respond(task, history)
 
 
 def last_assistant(history: list[dict]) -> str:
@@ -64,7 +154,7 @@ def last_number(text: str) -> float | None:
     return float(found[-1]) if found else None
 
 
-class SingleTurn:
+class SingleTurn(HistoryEnv):
     """Base for single-turn environments: no follow-up turns."""
     max_turns = 1
 
@@ -135,11 +225,15 @@ _PHRASES = {"max_words": "use at most {} words", "min_words": "use at least {} w
 
 
 class Constraints(SingleTurn):
-    """'Write a sentence about TOPIC. Rules: ...' with `k` checkable rules; reward = share of rules met."""
+    """'Write a sentence about TOPIC. Rules: ...' with `k` checkable rules (drawn from `rules`, default every kind:
+    max_words, min_words, include, exclude, lowercase, end_with, no_digits); reward = share of rules met."""
     name = "constraints"
 
-    def __init__(self, k: int = 3, n_train: int = 256, n_eval: int = 64, seed: int = 0):
+    def __init__(self, k: int = 3, n_train: int = 256, n_eval: int = 64, seed: int = 0, rules=None):
         rng = np.random.default_rng(seed)
+        unknown = set(rules or ()) - set(_PHRASES)
+        if unknown or (rules is not None and len(rules) < k):
+            raise ValueError(f"constraints: rules {sorted(rules)} must name at least k={k} of {sorted(_PHRASES)}")
         self._split = {}
         for split, n in (("train", n_train), ("eval", n_eval)):
             out = []
@@ -147,11 +241,12 @@ class Constraints(SingleTurn):
                 pool = [("max_words", int(rng.integers(5, 15))), ("min_words", int(rng.integers(2, 5))),
                         ("include", str(rng.choice(WORDS))), ("exclude", "the"), ("lowercase", None),
                         ("end_with", str(rng.choice([".", "!"]))), ("no_digits", None)]
+                pool = [x for x in pool if rules is None or x[0] in rules]  # (drawn all the same: fixed tasks)
                 chosen = [pool[j] for j in sorted(rng.choice(len(pool), size=min(k, len(pool)), replace=False))]
                 topic = str(rng.choice(TOPICS))
-                rules = "; ".join(_PHRASES[c].format(a) for c, a in chosen)
+                said = "; ".join(_PHRASES[c].format(a) for c, a in chosen)
                 out.append(Task(f"{split}-{i}", ({"role": "user", "content": f"Write a sentence about {topic}. "
-                                                                            f"Rules: {rules}."},),
+                                                                            f"Rules: {said}."},),
                                 {"checks": chosen}, "constraints"))
             self._split[split] = out
 
@@ -168,7 +263,6 @@ class Constraints(SingleTurn):
 PEOPLE = ("alice", "bruno", "chen", "dana", "emeka", "farah", "goran", "hana")
 TOPICS_WORK = ("the budget review", "the launch plan", "hiring", "the vendor contract", "the offsite", "Q3 goals")
 VENDORS = ("Acme Corp", "Globex", "Initech", "Umbrella Ltd")
-TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
 
 _INBOX_SYSTEM = (
     "You are an assistant at a company, with tools to read and act on the user's mail, chat and calendar. "
@@ -179,7 +273,7 @@ _INBOX_SYSTEM = (
     "When the request is done, answer without a tool call.")
 
 
-class Inbox:
+class Inbox(HistoryEnv):
     """A simulated company: emails, chat channels and a calendar, seven tools, and requests whose right action
     depends on information the agent must look up first (a colleague's proposed meeting time, a vendor's
     invoice amount, a fact to post in a channel). Multi-turn: each assistant turn's <tool_call>{json}</tool_call>
@@ -229,14 +323,7 @@ class Inbox:
 
     @staticmethod
     def calls(text: str) -> list[dict]:
-        out = []
-        for m in TOOL_CALL.finditer(text):
-            try:
-                c = json.loads(m.group(1))
-            except json.JSONDecodeError:
-                c = {"name": "<malformed>", "arguments": {}}
-            out.append(c if isinstance(c, dict) else {"name": "<malformed>", "arguments": {}})
-        return out
+        return tool_calls(text)
 
     def _run(self, task: Task, history: list[dict]):
         """Replay every tool call of the conversation on a fresh copy of the task's world -> (results of the last
@@ -350,14 +437,34 @@ class JsonlTasks(SingleTurn):
         return Score(float(ok), ok)
 
 
+def as_environment(env) -> Environment:
+    """An environment object of either form -> one with `tasks` and `episode` (the synchronous form wrapped)."""
+    if callable(getattr(env, "episode", None)):
+        return env
+    for attr in ("tasks", "respond", "score"):
+        if not callable(getattr(env, attr, None)):
+            raise ValueError(f"environment {type(env).__name__}: neither episode() nor {attr}() (give tasks() and "
+                             "episode(), or tasks(), respond() and score())")
+    return SyncForm(env)
+
+
 def make_env(spec: str, **args) -> Environment:
-    """'arithmetic' | 'constraints' | 'inbox' | 'jsonl:PATH' | 'package.module:Class' (built with **args)."""
+    """'arithmetic' | 'constraints' | 'inbox' | 'mcp' | 'gui' | 'jsonl:PATH' | 'package.module:Class' (built with
+    **args) -> an environment with `tasks` and `episode` (a user class of the synchronous form is wrapped)."""
     if spec == "arithmetic":
         return Arithmetic(**args)
     if spec == "constraints":
         return Constraints(**args)
     if spec == "inbox":
         return Inbox(**args)
+    if spec == "mcp":
+        from nemo_jax.rl.mcp_env import MCPEnv
+
+        return MCPEnv(**args)
+    if spec == "gui":
+        from nemo_jax.rl.gui_env import GUIEnv
+
+        return GUIEnv(**args)
     if spec.startswith("jsonl:"):
         return JsonlTasks(spec[len("jsonl:"):], **args)
     if ":" in spec:
@@ -366,8 +473,11 @@ def make_env(spec: str, **args) -> Environment:
             env = getattr(importlib.import_module(mod), cls)(**args)
         except (ImportError, AttributeError) as e:
             raise ValueError(f"rl.env {spec!r}: cannot import ({e})") from None
-        for attr in ("tasks", "respond", "score"):
-            if not callable(getattr(env, attr, None)):
-                raise ValueError(f"rl.env {spec!r}: the environment has no {attr}() method")
-        return env
-    raise ValueError(f"rl.env: {spec!r} (expected arithmetic, constraints, inbox, jsonl:PATH or package.module:Class)")
+        if not callable(getattr(env, "tasks", None)):
+            raise ValueError(f"rl.env {spec!r}: the environment has no tasks() method")
+        try:
+            return as_environment(env)
+        except ValueError as e:
+            raise ValueError(f"rl.env {spec!r}: {e}") from None
+    raise ValueError(f"rl.env: {spec!r} (expected arithmetic, constraints, inbox, mcp, gui, jsonl:PATH or "
+                     "package.module:Class)")

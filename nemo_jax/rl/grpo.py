@@ -6,9 +6,17 @@ they are ready (never waiting for the slowest rollout of a batch), drops groups 
 `max_off_policy_steps` policy versions, computes Dr. GRPO advantages, and takes one forward_backward +
 optim_step on the DPPO loss. Tasks are drawn by the reward-variance curriculum.
 
-Run dir (runs/<name>): metrics.jsonl (reward_mean every step), tensorboard/, checkpoints/ (adapters, optimiser,
-counters, RNG, policy version, pool and curriculum state: a killed run continues from the last one),
-policy/<version>/ (PEFT), spool/ (external rollouts), adapters/ (the final adapters, `nemo-jax lora export`).
+Rollouts longer than `rollout.seq_len` are truncated (the loss covers the kept part; counted), never dropped.
+Every `eval_every` steps (and before the first) the policy attempts a fixed held-out task set
+(`eval_tasks` of the environment's "eval" split, `eval_attempts` times each): eval_reward_mean,
+eval_success_rate, eval_pass@1, eval_pass@k, eval_consistency.
+
+Run dir (runs/<name>): config.yaml (the resolved config), model/ (the model's config.json, for rollout workers),
+metrics.jsonl (every step), tensorboard/,
+checkpoints/ (adapters, optimiser, counters, RNG, policy version, pool and curriculum state: a killed run continues
+from the last one), policy/<version>/ (adapter dirs in rollout.publish_format), requests/ and spool/ (external
+samplers: docs/serving.md), images/ (the pictures of rollouts, by
+content hash), adapters/ (the final adapters, `nemo-jax lora export`).
 """
 
 from __future__ import annotations
@@ -16,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import shutil
 import signal
 import threading
 import time
@@ -26,24 +33,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nemo_jax.config.load import load_config
+from nemo_jax.config.load import dump_yaml, load_config
 from nemo_jax.config.train import GRPOConfig
 from nemo_jax.data.chat import ChatTokenizer
 from nemo_jax.lora import LoraConfig, save_adapter_checkpoint
+from nemo_jax.lora.peft import check_servable
 from nemo_jax.parallel.mesh import batch_shards, make_mesh
 from nemo_jax.parallel.rules import Rules
 from nemo_jax.rl.client import TrainingClient
 from nemo_jax.rl.curriculum import Curriculum
 from nemo_jax.rl.envs import make_env
 from nemo_jax.rl.pool import RolloutPool
-from nemo_jax.rl.producer import ThreadProducer, sample_rollouts
-from nemo_jax.rl.rollout import learner_batch
-from nemo_jax.rl.spool import SpoolReader, post_request
+from nemo_jax.rl.producer import ThreadProducer, as_text, sample_rollouts
+from nemo_jax.rl.rollout import RolloutImages, learner_batch
+from nemo_jax.rl.spool import RequestBoard, SpoolReader
 from nemo_jax.train.metrics import MetricsLogger, check_logging
 from nemo_jax.train.sft import DTYPES, initial_params, options_from
 
 
 MAX_DRAWS = 4  # groups drawn per step, at most, as a multiple of groups_per_step (zero-variance ones are skipped)
+PUBLISH_DTYPES = {"train": None, "bf16": jnp.bfloat16}
 
 
 def load_grpo_config(path: str | None, overrides=()) -> GRPOConfig:
@@ -60,7 +69,35 @@ def load_grpo_config(path: str | None, overrides=()) -> GRPOConfig:
         raise ValueError("rollout.producer=none needs rollout.spool=true (otherwise nothing produces rollouts)")
     if not c.lora.targets:
         raise ValueError("grpo trains LoRA adapters: set lora.targets (e.g. [all])")
+    _check_transport(r)
     return c
+
+
+def _check_transport(r) -> None:
+    """The publishing, request, lease and spool settings (rollout.*)."""
+    from nemo_jax.lora.peft import FORMATS
+
+    checks = [
+        (r.publish_format in FORMATS,
+         f"rollout.publish_format: {r.publish_format!r} (expected {' or '.join(FORMATS)})"),
+        (r.publish_dtype in PUBLISH_DTYPES, f"rollout.publish_dtype: {r.publish_dtype!r} (expected train or bf16)"),
+        (r.publish_every >= 0 and r.publish_keep >= 0 and r.publish_keep_every >= 0,
+         "rollout.publish_every, publish_keep and publish_keep_every must be >= 0"),
+        (0.0 < r.top_p <= 1.0, f"rollout.top_p must be in (0, 1], got {r.top_p}"),
+        (r.top_k >= 0, f"rollout.top_k must be >= 0 (0: off), got {r.top_k}"),
+        (not r.stop or r.producer == "none", "rollout.stop (stop strings) needs rollout.producer=none: the "
+         "in-process sampler stops at end-of-turn tokens only"),
+        (r.lease_s > 0, f"rollout.lease_s must be > 0, got {r.lease_s}"),
+        (r.max_failed_episodes >= 0, f"rollout.max_failed_episodes must be >= 0, got {r.max_failed_episodes}"),
+        (r.spool_max_file_mb > 0, f"rollout.spool_max_file_mb must be > 0, got {r.spool_max_file_mb}"),
+        (r.reward_range is None or (len(r.reward_range) == 2 and all(map(math.isfinite, r.reward_range))
+                                    and r.reward_range[0] <= r.reward_range[1]),
+         f"rollout.reward_range must be [lo, hi] with finite lo <= hi, got {r.reward_range}"),
+        (math.isfinite(r.min_logprob) and r.min_logprob < 0, f"rollout.min_logprob must be < 0, got {r.min_logprob}"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise ValueError(msg)
 
 
 class GRPORunner:
@@ -81,22 +118,43 @@ class GRPORunner:
         lcfg = LoraConfig(tuple(c.lora.targets), c.lora.rank, c.lora.alpha, c.lora.rslora, c.lora.init_seed)
         self.client = TrainingClient(cfg, base, lcfg, self.mesh, optim=c.optim, loss=c.loss, total_steps=c.steps,
                                      grad_accum=c.optim.grad_accum, seed=c.seed, opts=options_from(c.model, self.mesh))
-        self.pool = RolloutPool(c.rollout.group_size, c.rollout.max_off_policy_steps)
+        self.pool = RolloutPool(c.rollout.group_size, c.rollout.max_off_policy_steps,
+                                c.rollout.max_failed_episodes or None)
+        if c.rollout.publish_every:  # before any work: a format that cannot hold the targets is refused now
+            check_servable(cfg, lcfg, c.rollout.publish_format)
         cu = c.curriculum
         self.curriculum = Curriculum(list(self.tasks), cu.window, cu.floor, cu.prior, seed=c.seed)
+        self.draw_p: dict[str, float] = {}  # group id -> the probability its task was drawn with
         self.lock = threading.Lock()
-        self.spool = (SpoolReader(os.path.join(self.run_dir, "spool"), cfg.vocab_size, c.rollout.seq_len)
-                      if c.rollout.spool else None)
+        v = cfg.vision
+        self.image_dir = os.path.join(self.run_dir, "images") if v is not None else None
+        self.images = None
+        if v is not None:
+            self.images = RolloutImages(v, self.image_dir, c.rollout.max_image_patches or c.rollout.seq_len * v.merge ** 2,
+                                        c.rollout.max_images)
+        r = c.rollout
+        self.spool = self.board = None
+        if r.spool:  # (rollouts longer than a learner row are truncated there, not rejected here)
+            self.spool = SpoolReader(os.path.join(self.run_dir, "spool"), cfg.vocab_size, None, vision=v,
+                                     image_root=self.image_dir, max_file_bytes=int(r.spool_max_file_mb * 2**20),
+                                     min_logprob=r.min_logprob, temperature=c.loss.temperature,
+                                     reward_range=tuple(r.reward_range) if r.reward_range else None)
+            self.board = RequestBoard(self.run_dir, r.lease_s)
+        self.sampling = {"temperature": c.loss.temperature, "top_p": r.top_p, "top_k": r.top_k,
+                         "max_tokens": r.max_new_tokens, "stop": list(r.stop)}
         unit = batch_shards(self.mesh) * c.optim.grad_accum  # rows split into micro-batches, each over the shards
         self.rows = math.ceil(c.rollout.groups_per_step * c.rollout.group_size / unit) * unit
-        longest = max(len(self.tok.tokenizer.encode(self.tok.render(list(t.messages), add_generation_prompt=True),
-                                                    add_special_tokens=False).ids) for t in self.tasks.values())
-        if longest + c.rollout.max_new_tokens > c.rollout.seq_len + 1:
+        longest = max((len(self.tok.tokenizer.encode(self.tok.render(as_text(list(t.messages))[0],
+                                                                     add_generation_prompt=True),
+                                                     add_special_tokens=False).ids)
+                       for t in self.tasks.values() if t.messages), default=0)
+        if longest >= c.rollout.seq_len:
             raise ValueError(f"rollout.seq_len={c.rollout.seq_len} is too short: the longest {c.rollout.env} prompt "
-                             f"has {longest} tokens and rollout.max_new_tokens={c.rollout.max_new_tokens} "
-                             f"(set rollout.seq_len >= {longest + c.rollout.max_new_tokens - 1})")
-        self.too_long = 0  # groups dropped because a rollout outgrew rollout.seq_len
-        self.requested = set()  # groups asked of external producers, not finished yet
+                             f"has {longest} tokens and leaves no room for an answer")
+        eval_tasks = self.env.tasks("eval")
+        self.eval_tasks = eval_tasks[:c.eval_tasks] if c.eval_tasks else eval_tasks
+        self._eval_engine = None
+        self.truncated = 0  # rollouts truncated to rollout.seq_len so far
         self.stop_requested = False
         self.step = 0
         self.saved_step = None
@@ -132,11 +190,13 @@ class GRPORunner:
             if self.spool is not None:
                 self._request_groups()
                 with self.lock:
-                    for gid in self.spool.poll(self.pool):
-                        self.curriculum.update(self.pool.ready[gid][0].task_id,
-                                               [r.reward for r in self.pool.ready[gid]])
+                    self._read_spool()
+                    self._leases()
             with self.lock:
                 self.pool.drop_stale(self.client.version)
+                if self.board is not None:
+                    for gid, why in self.pool.drain_dropped():
+                        self.board.cancel(gid, why)
                 if len(self.pool.ready) >= need:
                     return time.perf_counter() - t0
             if self.stop_requested:
@@ -149,17 +209,53 @@ class GRPORunner:
                 producer.check()
                 time.sleep(0.005)
 
+    def _read_spool(self):
+        """The rollouts (and failure reports) workers wrote; a group they completed needs its request no more.
+        (Called under the lock.)"""
+        for gid in self.spool.poll(self.pool, self.client.version):
+            self.board.done(gid)
+            self.curriculum.update(self.pool.ready[gid][0].task_id, [r.reward for r in self.pool.ready[gid]])
+
     def _request_groups(self):
         """Keep `in_flight_groups` groups requested from external producers (RUN/requests)."""
         with self.lock:
-            self.requested &= set(self.pool.in_flight)
-            want = self.c.rollout.in_flight_groups - len(self.requested)
+            want = self.c.rollout.in_flight_groups - sum(g["external"] for g in self.pool.in_flight.values())
             if want <= 0:
                 return
-            for t in self.curriculum.sample(want):
-                gid = self.pool.open_group(t, f"s{self.step}-{self.pool.counts['groups_opened']}")
-                post_request(self.run_dir, gid, self.tasks[t], self.c.rollout.group_size, self.client.version)
-                self.requested.add(gid)
+            for t, p in self.curriculum.sample_with_p(want):
+                gid = self.pool.open_group(t, f"s{self.step}-{self.pool.counts['groups_opened']}", external=True)
+                self.draw_p[gid] = p
+                self.board.post(gid, self.tasks[t], self.c.rollout.group_size, self.client.version, self.sampling)
+
+    def _leases(self):
+        """Expired leases count as failed episodes (a group past rollout.max_failed_episodes is cancelled) and are
+        posted again for the rollouts their group still needs. (Called under the lock.)"""
+        for gid in self.board.expired():
+            if self.pool.fail(gid) == "counted":
+                g = self.pool.in_flight[gid]
+                self.board.post(gid, self.tasks[g["task_id"]], self.c.rollout.group_size, self.client.version,
+                                self.sampling, rollouts=self.pool.missing(gid))
+
+    def _resume_requests(self):
+        """After a (re)start: keep the requests and claims of the in-flight groups the pool restored, cancel those
+        of groups it does not know, post again what a restored group lost (after reading what workers wrote
+        meanwhile: a group they completed is not posted again)."""
+        with self.lock:
+            self._read_spool()
+            _, lost = self.board.reconcile(self.pool)
+            for gid in lost:
+                g = self.pool.in_flight[gid]
+                if g["task_id"] not in self.tasks:  # the task set changed under the run
+                    del self.pool.in_flight[gid]
+                    self.board.cancel(gid, "unknown")
+                    continue
+                self.board.post(gid, self.tasks[g["task_id"]], self.c.rollout.group_size, self.client.version,
+                                self.sampling, rollouts=self.pool.missing(gid))
+
+    def _publish(self):
+        r = self.c.rollout
+        self.client.publish(self.run_dir, format=r.publish_format, dtype=PUBLISH_DTYPES[r.publish_dtype],
+                            keep=r.publish_keep, keep_every=r.publish_keep_every)
 
     def _install_signals(self):
         def handler(signum, frame):
@@ -168,40 +264,77 @@ class GRPORunner:
             signal.signal(signal.SIGTERM, handler)
             signal.signal(signal.SIGINT, handler)
 
+    def evaluate(self) -> dict:
+        """The current policy on the fixed held-out tasks (see `evaluate_env`)."""
+        c, r = self.c, self.c.rollout
+        if self._eval_engine is None:
+            self._eval_engine = self.client.engine(
+                batch=c.eval_rows or r.sampler_rows or r.groups_per_step * r.group_size,
+                max_len=r.sampler_positions or 2 * (r.seq_len + r.max_new_tokens), key=jax.random.key(c.seed + 7))
+        else:
+            self._eval_engine.set_adapters(jax.tree.map(jnp.copy, self.client.adapters), self.client.version)
+        return evaluate_env(self._eval_engine, self.tok, self.cfg, self.env, c.eval_attempts, r.max_new_tokens,
+                            c.loss.temperature, tasks=self.eval_tasks, timeout_s=r.episode_timeout_s)
+
+    def _log_eval(self, logger, bar) -> dict:
+        ev = self.evaluate()
+        rec = {"step": self.step, **{f"eval_{k}": v for k, v in ev.items() if k not in ("tasks", "attempts")}}
+        logger.log(rec)
+        k = self.c.eval_attempts
+        bar.write(f"step {self.step}: held-out eval on {ev['tasks']} tasks x {k}: reward {ev['reward_mean']:.3f}  "
+                  f"pass@1 {ev['pass@1']:.3f}  pass@{k} {ev[f'pass@{k}']:.3f}  consistency {ev['consistency']:.3f}")
+        return rec
+
     def run(self) -> dict:
+        from tqdm import tqdm
+
         c, r = self.c, self.c.rollout
         os.makedirs(self.run_dir, exist_ok=True)
+        if jax.process_index() == 0:  # what rollout workers need of the model (stop tokens, the vision tower)
+            from nemo_jax.config.model import write_config
+            from nemo_jax.fsutil import atomic_dir
+
+            with atomic_dir(os.path.join(self.run_dir, "model")) as tmp:
+                write_config(self.cfg, tmp)
         producer = None
         if r.producer != "none":
             producer = ThreadProducer(self.client, self.tok, self.env, self.pool, self.curriculum, r,
-                                      c.loss.temperature, c.seed, self.lock)
+                                      c.loss.temperature, c.seed, self.lock, image_dir=self.image_dir,
+                                      draw_p=self.draw_p)
         resumed = self.restore(producer)
-        if self.spool is not None:  # requests of an earlier process name groups this one never opened
-            shutil.rmtree(os.path.join(self.run_dir, "requests"), ignore_errors=True)
+        if self.board is not None:  # requests and in-flight groups are part of the run's state
+            self._resume_requests()
         if producer is not None:
             producer.set_policy(self.client.version, self.client.adapters)
         if r.publish_every:
-            self.client.publish(self.run_dir)
+            self._publish()
         self._install_signals()
         logger = MetricsLogger(self.run_dir, enabled=jax.process_index() == 0, logging=c.logging,
                                config=dataclasses.asdict(c), name=c.name)
         if not self.quiet:
             print(f"grpo {c.name}: {len(self.tasks)} {getattr(self.env, 'name', 'env')} tasks, "
                   f"{r.groups_per_step} groups x {r.group_size} rollouts per step, run dir {self.run_dir}"
-                  + (f" (resumed at step {self.step})" if resumed else ""))
+                  + (f" (resumed at step {self.step})" if resumed else ""), flush=True)
         if producer is not None and r.producer == "thread":
             producer.start()
+        bar = tqdm(total=c.steps, initial=self.step, desc="grpo", disable=self.quiet or jax.process_index() != 0,
+                   dynamic_ncols=True)
         last = {}
         try:
+            if c.eval_every and self.step == 0:
+                last.update(self._log_eval(logger, bar))
+            first = True
             while self.step < c.steps and not self.stop_requested:
-                last = self._one_step(producer, logger) or last
+                last.update(self._one_step(producer, logger, bar) or {})
+                bar.update(1)
+                if first:  # rate and ETA from here on (the first step compiled the learner and sampler)
+                    bar.initial, bar.start_t, first = bar.n, bar._time(), False
                 if c.eval_every and self.step % c.eval_every == 0:
-                    ev = evaluate_env(self.client.sample, self.tok, self.cfg, self.env, c.eval_attempts,
-                                      r.max_new_tokens, c.loss.temperature, jax.random.key(c.seed + self.step))
-                    logger.log({"step": self.step, **{f"eval_{k}": v for k, v in ev.items()}})
+                    last.update(self._log_eval(logger, bar))
                 if c.checkpoint.every and self.step % c.checkpoint.every == 0:
                     self.save(producer)
         finally:
+            bar.close()
             if producer is not None:
                 producer.close()
             logger.close()
@@ -211,9 +344,13 @@ class GRPORunner:
                                 self.client.adapters)
         last["step"] = self.step
         last["stopped_early"] = self.stop_requested
+        if not self.quiet:
+            print(f"grpo {c.name}: {'stopped' if self.stop_requested else 'done'} at step {self.step}; outputs in "
+                  f"{self.run_dir}: adapters/ (final LoRA adapters), metrics.jsonl, config.yaml, checkpoints/"
+                  + (", policy/" if r.publish_every else ""), flush=True)
         return last
 
-    def _one_step(self, producer, logger) -> dict:
+    def _one_step(self, producer, logger, bar) -> dict:
         c, r = self.c, self.c.rollout
         t0 = time.perf_counter()
         busy0 = producer.busy_s if producer is not None else 0.0
@@ -227,15 +364,14 @@ class GRPORunner:
             with self.lock:
                 got = self.pool.take(r.groups_per_step - len(groups), version)
             seen += got
-            fits = [g for g in got if max(len(x.tokens) for x in g) <= r.seq_len + 1]
-            self.too_long += len(got) - len(fits)  # (multi-turn conversations can outgrow rollout.seq_len)
-            groups += [g for g in fits if len({x.reward for x in g}) > 1]
+            groups += [g for g in got if len({x.reward for x in g}) > 1]
         if not seen:
             return {}
         stale = self.pool.counts["groups_stale_dropped"]
         rollouts = [x for g in seen for x in g]
         batch, counts = learner_batch(groups, r.seq_len, rows=self.rows, scale=c.loss.advantage_scale,
-                                      reduction=c.loss.reduction, max_len=r.max_new_tokens)
+                                      reduction=c.loss.reduction, max_len=r.max_new_tokens, images=self.images)
+        self.truncated += counts["truncated"]
         counts["zero_variance_frac"] = sum(len({x.reward for x in g}) == 1 for g in seen) / len(seen)
         t1 = time.perf_counter()
         rec = {"step": self.step + 1}
@@ -249,7 +385,7 @@ class GRPORunner:
         if producer is not None:
             producer.set_policy(self.client.version, self.client.adapters)
         if r.publish_every and self.step % r.publish_every == 0:
-            self.client.publish(self.run_dir)
+            self._publish()
         dt = time.perf_counter() - t0
         rewards = np.array([x.reward for x in rollouts])
         lengths = np.array([sum(x.loss_mask) for x in rollouts])
@@ -260,15 +396,22 @@ class GRPORunner:
             f = self.tasks[x.task_id].family if x.task_id in self.tasks else "external"
             fam[f] += 1
             fam_sum[f] += x.reward
+        with self.lock:  # importance weights 1 / p(task drawn): each task counts as if drawn uniformly
+            w = np.array([1.0 / max(self.draw_p.pop(g[0].group_id, 0.0) or 1.0 / len(self.tasks), 1e-12)
+                          for g in seen for _ in g])
+        timed_out = producer.driver.counts["timed_out"] if producer is not None and producer.driver else 0
         rec.update({"reward_mean": float(rewards.mean()) if rewards.size else float("nan"),
+                    "reward_mean_uniform": float(np.sum(w * rewards) / np.sum(w)) if rewards.size else float("nan"),
                     "success_rate": float(np.mean([x.success for x in rollouts])) if rollouts else float("nan"),
                     **{f"reward_mean/{f}": fam_sum[f] / n for f, n in fam.items()},
                     "zero_variance_frac": counts["zero_variance_frac"], "groups_stale_dropped": stale,
-                    "groups_too_long": self.too_long,
+                    "rollouts_truncated": self.truncated, "truncated_frac": counts["truncated"] / max(len(rollouts), 1),
+                    "episodes_timed_out": timed_out,
                     "response_len_mean": float(lengths.mean()) if lengths.size else 0.0,
                     "response_len_max": int(lengths.max()) if lengths.size else 0,
                     "staleness_mean": float(staleness.mean()) if staleness.size else 0.0,
                     "staleness_max": int(staleness.max()) if staleness.size else 0,
+                    "versions_per_rollout": float(np.mean([len(x.policy_versions) for x in rollouts])),
                     "learner_s": time.perf_counter() - t1, "wait_s": waited, "wait_frac": waited / max(dt, 1e-9),
                     "tokens_per_sec": float(batch["segment_ids"].sum()) / max(time.perf_counter() - t1, 1e-9),
                     "policy_version": self.client.version})
@@ -276,44 +419,50 @@ class GRPORunner:
             rec["producer_busy_s"] = producer.busy_s - busy0
         if self.spool is not None:
             rec.update({f"spool_rejected/{k}": v for k, v in self.spool.rejected.items()})
+            rec.update({k: v for k, v in self.board.counts.items() if k != "requests_posted"})
+            rec["episodes_failed"] = self.pool.counts["episodes_failed"]
+        if self.client.publisher is not None:
+            rec["publish_skipped"] = self.client.publisher.skipped
         logger.log(rec)
         logger.histogram(rec["step"], "staleness", staleness)
         logger.histogram(rec["step"], "rewards", rewards)
-        if not self.quiet and (rec["step"] % c.log_every == 0):
+        bar.set_postfix(reward=f"{rec['reward_mean']:.3f}", uniform=f"{rec['reward_mean_uniform']:.3f}",
+                        stale=f"{rec['staleness_mean']:.2f}", refresh=False)
+        if not self.quiet and bar.disable and rec["step"] % c.log_every == 0:
             print(f"step {rec['step']}: reward_mean {rec['reward_mean']:.3f}  wait {waited:.1f}s  "
-                  f"learner {rec['learner_s']:.1f}s  masked {rec.get('masked_frac_high', 0):.3f}/"
-                  f"{rec.get('masked_frac_low', 0):.3f}  version {self.client.version}", flush=True)
+                  f"learner {rec['learner_s']:.1f}s  version {self.client.version}", flush=True)
         return rec
 
 
 # ----------------------------------------------------------------------------- eval
-def evaluate_env(sample, tok, cfg, env, attempts: int, max_new_tokens: int, temperature: float, key,
-                 split: str = "eval", batch_tasks: int = 16) -> dict:
-    """Every `split` task attempted `attempts` times -> mean reward, full-success rate, pass@1 (the mean success
-    of single attempts), pass@k (solved at least once) and consistency (solved in all k attempts)."""
-    tasks = env.tasks(split)
-    succ = np.zeros((len(tasks), attempts), bool)
-    rew = np.zeros((len(tasks), attempts))
-    for s in range(0, len(tasks), batch_tasks):
-        chunk = tasks[s:s + batch_tasks]
-        chunk = chunk + [chunk[-1]] * (batch_tasks - len(chunk)) if len(tasks) > batch_tasks else chunk  # one shape
-        key, sub = jax.random.split(key)
-        # the group size is the attempt count: every attempt of a task is one row of the same batch
-        got = sample_rollouts(sample, tok, cfg, env, [(t, str(i)) for i, t in enumerate(chunk)], attempts,
-                              max_new_tokens, temperature, sub, (0,))
-        for j, x in enumerate(got):
-            i, a = divmod(j, attempts)
-            if s + i < len(tasks):
-                rew[s + i, a], succ[s + i, a] = x.reward, x.success
+def evaluate_env(engine, tok, cfg, env, attempts: int, max_new_tokens: int, temperature: float, *,
+                 split: str = "eval", tasks=None, timeout_s: float = 0.0) -> dict:
+    """Every `split` task (or the given `tasks`) attempted `attempts` times through `engine` (its adapters) ->
+    tasks, attempts, reward_mean (each task weighted equally), success_rate, pass@1 (the mean success of single
+    attempts), pass@k (solved at least once in k = attempts), consistency (solved in all k attempts)."""
+    tasks = list(env.tasks(split) if tasks is None else tasks)
+    if not tasks:
+        raise ValueError(f"{getattr(env, 'name', 'environment')}: no {split!r} tasks to evaluate")
+    got = sample_rollouts(engine, tok, cfg, env, [(t, f"eval{i}") for i, t in enumerate(tasks)], attempts,
+                          max_new_tokens, temperature, timeout_s=timeout_s)
+    rew = np.array([x.reward for x in got]).reshape(len(tasks), attempts)
+    succ = np.array([x.success for x in got]).reshape(len(tasks), attempts)
     return {"tasks": len(tasks), "attempts": attempts, "reward_mean": float(rew.mean()),
-            "success_rate": float(succ.mean()), "pass@1": float(succ.mean()), f"pass@{attempts}": float(
-                succ.any(axis=1).mean()), "consistency": float(succ.all(axis=1).mean())}
+            "success_rate": float(succ.mean()), "pass@1": float(succ.mean()),
+            f"pass@{attempts}": float(succ.any(axis=1).mean()), "consistency": float(succ.all(axis=1).mean())}
+
+
+def eval_engine(params, cfg, adapters=None, *, rows: int = 32, max_len: int = 1024, seed: int = 0):
+    """An `Engine` for evals over `params` (+ `adapters`)."""
+    from nemo_jax.generate import Engine
+
+    return Engine(params, cfg, batch=rows, max_len=max_len, adapters=adapters, key=jax.random.key(seed))
 
 
 def cli_eval(a) -> dict:
     import json
 
-    from nemo_jax.generate import generate, load_for_generation
+    from nemo_jax.generate import load_for_generation
 
     cfg, params, tok_dir = load_for_generation(a.ckpt, dtype=jnp.float32)
     adapters = None
@@ -323,9 +472,8 @@ def cli_eval(a) -> dict:
         adapters = jax.tree.map(jnp.asarray, load_adapters_any(a.adapters, cfg))
     tok = ChatTokenizer.load(a.tokenizer or tok_dir)
     env = make_env(a.env, **(json.loads(a.env_args) if a.env_args else {}))
-    sample = lambda prompts, sp, key: generate(params, prompts, cfg, sp, key=key, adapters=adapters)  # noqa: E731
-    out = evaluate_env(sample, tok, cfg, env, a.attempts, a.max_new_tokens, a.temperature, jax.random.key(a.seed),
-                       split=a.split)
+    engine = eval_engine(params, cfg, adapters, rows=a.rows, max_len=a.max_len, seed=a.seed)
+    out = evaluate_env(engine, tok, cfg, env, a.attempts, a.max_new_tokens, a.temperature, split=a.split)
     out.update(env=a.env, ckpt=a.ckpt, adapters=a.adapters)
     width = max(len(k) for k in out)
     for k, v in out.items():
@@ -337,4 +485,12 @@ def cli_eval(a) -> dict:
 
 
 def main(path: str | None, overrides=()) -> dict:
-    return GRPORunner(load_grpo_config(path, overrides)).run()
+    c = load_grpo_config(path, overrides)
+    text = dump_yaml(c)
+    run_dir = os.path.abspath(c.run_dir or os.path.join("runs", c.name))
+    if jax.process_index() == 0:
+        os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, "config.yaml.tmp"), "w") as f:
+            f.write(text)
+        os.replace(os.path.join(run_dir, "config.yaml.tmp"), os.path.join(run_dir, "config.yaml"))
+    return GRPORunner(c).run()

@@ -6,7 +6,7 @@ advantage `A_i`:
     rho    = exp(clip(lp - mu, -20, 20))                      importance ratio
     keep   = not (A > 0 and p - p_mu > delta_high) and not (A < 0 and p - p_mu < -delta_low)
              with p = exp(lp), p_mu = exp(mu), held constant      DPPO binary total-variation trust region
-    loss_t = -where(keep, rho * A, 0) + kl_coef * (lp - mu)^2  [+ ref_kl_coef * k3(lp, ref)]
+    loss_t = -where(keep, rho * A, 0) + kl_coef * clip(lp - mu, -20, 20)^2  [+ ref_kl_coef * k3(lp, ref)]
 
 and the loss is sum_{i,t} w_{i,t} loss_t with weights from `loss_weights` (computed on the host from the
 counts of the whole batch, so micro-batches and data-parallel shards add up to the update of one big batch):
@@ -51,7 +51,8 @@ def group_advantages(rewards, group_ids, scale: str = "none", eps: float = 1e-6)
     var = np.bincount(inv, centred ** 2) / count
     zero = var[inv] <= 1e-12
     adv = centred / (np.sqrt(var[inv]) + eps) if scale == "std" else centred
-    return np.where(zero, 0.0, adv).astype(np.float32), zero
+    fmax = float(np.finfo(np.float32).max)  # rewards finite in fp32 can be 2x apart: never an inf advantage
+    return np.clip(np.where(zero, 0.0, adv), -fmax, fmax).astype(np.float32), zero
 
 
 def loss_weights(loss_mask, reduction: str = "rollout", max_len: int | None = None, n_rollouts: int | None = None):
@@ -101,7 +102,9 @@ def policy_terms(logprobs, behaviour_logprobs, advantages, weights, loss_mask, *
         pg = -jnp.minimum(rho * a, jnp.clip(rho, 1.0 - delta_low, 1.0 + delta_high) * a)
     else:
         pg = -lp
-    per_token = pg + kl_coef * jnp.square(lp - mu)
+    if kl_coef:  # on the clipped log ratio: a huge gap never gives an inf term (nor 0 x inf at kl_coef 0)
+        pg = pg + kl_coef * jnp.square(log_ratio)
+    per_token = pg
     d = jax.lax.stop_gradient(log_ratio)
     stats = {"loss_tokens": jnp.sum(m), "masked_high": jnp.sum(m * high), "masked_low": jnp.sum(m * low),
              # KL(behaviour || learner) on the behaviour's samples, k3 estimator: rho - 1 - log rho
@@ -113,7 +116,8 @@ def policy_terms(logprobs, behaviour_logprobs, advantages, weights, loss_mask, *
         k3 = jnp.exp(jnp.clip(r, -LOG_RATIO_CLIP, LOG_RATIO_CLIP)) - r - 1.0
         per_token = per_token + ref_kl_coef * k3
         stats["ref_kl_sum"] = jnp.sum(m * jax.lax.stop_gradient(k3))
-    return jnp.sum(weights.astype(jnp.float32) * per_token), stats
+    # tokens outside the mask (weight 0) add exactly 0, whatever their terms are
+    return jnp.sum(jnp.where(m > 0, weights.astype(jnp.float32) * per_token, 0.0)), stats
 
 
 def summarise(stats: dict) -> dict:

@@ -1,28 +1,41 @@
-"""The in-process rollout producer: render each task's conversation with the chat template, sample G rollouts per
-task with the JAX sampler (behaviour logprobs of every sampled token), let the environment answer each assistant
-turn (tool results, the next user turn) until it is done, score, and hand the rollouts to the pool.
+"""The in-process rollout producer: episodes (nemo_jax.rl.envs) driven through the continuous-batching `Engine`.
 
-A rollout's token sequence is the whole conversation: prompt and environment turns (loss mask 0, rendered by the
-chat template: the text the template adds after the assistant's end-of-turn token, tokenised) and the sampled
-tokens (loss mask 1, exactly as sampled, with their logprobs).
+A rollout's token sequence is the whole conversation: the opening messages and every environment turn (loss mask
+0, rendered by the chat template: the text the template adds after the assistant's end-of-turn token, tokenised,
+pictures widened to their tokens as SFT does) and the sampled turns (loss mask 1, exactly as sampled, with their
+behaviour logprobs and the adapter version that sampled them).
 
-Two samplers: `stream` (continuous batching, what the producer uses: a fixed number of decode rows, each
-conversation continuing in its row as the environment answers, a finished rollout's row refilled with the next
-at once) and the plain `sample` (each turn one batched `generate` over the rows still going: a row that stops
-early waits for the batch), which the tests compare it with.
+`EpisodeDriver` keeps many episodes going at once. Environment calls (`start`, `step`, `close`) run on a worker
+pool (plain methods on threads, `async def` ones on one event-loop thread) while the engine keeps decoding the
+other rollouts; a rollout waiting for its environment is parked in its decode row (its state kept; a
+continuation that no longer fits the row is re-prefilled whole). Each rollout comes out as soon as it finishes.
+Adapters swapped in with `Engine.set_adapters` apply from the next decode step, so a rollout may span policy
+versions (each turn records its own; staleness counts from the oldest).
+
+`ThreadProducer` runs a driver in a background thread beside the learner: it keeps `in_flight_groups` groups of
+curriculum-drawn tasks going and adds each finished rollout to the pool at once. `sample_rollouts` runs a set of
+groups to completion (evals, tools); `sample_rollouts_plain` is the plain reference (each turn one batched
+`generate` over the rollouts still going, the whole conversation re-prefilled) the tests compare it with.
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
+import queue
+import tempfile
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
 
-from nemo_jax.generate import SamplingParams
-from nemo_jax.rl.envs import Environment, Task
-from nemo_jax.rl.rollout import Rollout
+from nemo_jax.data.chat import content_text
+from nemo_jax.generate import Engine, SamplingParams, chunk_images, widen_images
+from nemo_jax.rl.envs import Observation, Task, as_environment
+from nemo_jax.rl.rollout import ImageStore, Rollout
 
 
 def stop_ids(cfg, tok) -> tuple[int, ...]:
@@ -34,11 +47,23 @@ def _encode(tok, text: str) -> list[int]:
     return tok.tokenizer.encode(text, add_special_tokens=False).ids
 
 
-def _turn_delta(tok, history: list[dict], follow: list[dict]) -> str:
+def as_text(messages: list[dict], where: str = "observation") -> tuple[list[dict], list]:
+    """Messages whose content may hold image parts -> (the messages with text content, each picture an
+    `<img><image></img>` marker as SFT data renders it; the pictures in order)."""
+    pics: list = []
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ValueError(f"{where}: message {i} is not a chat dict with a role: {m!r:.80}")
+        out.append(dict(m, content=content_text(m.get("content", ""), f"{where}.messages[{i}]", pics)))
+    return out, pics
+
+
+def _turn_delta(tok, history: list[dict], follow: list[dict], tools=None) -> str:
     """The text the chat template puts after the last assistant turn's end-of-turn token: the environment's
     messages and the next generation prompt."""
-    before = tok.render(history)
-    after = tok.render(history + follow, add_generation_prompt=True)
+    before = tok.render(history, tools)
+    after = tok.render(history + follow, tools, add_generation_prompt=True)
     eos = tok.eos_token or ""
     cut = before.rfind(eos) + len(eos) if eos and eos in before else len(before)
     if not after.startswith(before[:cut]):
@@ -47,73 +72,388 @@ def _turn_delta(tok, history: list[dict], follow: list[dict]) -> str:
     return after[cut:]
 
 
-def _take_turn(tok, env, r: dict, turn: int, new: list[int], lps: list[float], why: str) -> list[int] | None:
-    """Record a sampled assistant turn of rollout row `r`; the environment answers -> the tokens that continue
-    the conversation (its messages and the next generation prompt), or None when the rollout is done."""
-    r["tokens"] += new
-    r["mask"] += [1] * len(new)
-    r["lps"] += lps
-    r["history"].append({"role": "assistant", "content": tok.tokenizer.decode(new, skip_special_tokens=True)})
-    follow = None if why != "stop" else env.respond(r["task"], r["history"])
-    if not follow or turn + 1 == getattr(env, "max_turns", 1):
-        r["done"] = True
-        return None
-    extra = _encode(tok, _turn_delta(tok, r["history"], follow))
-    r["history"] += follow
-    r["tokens"] += extra
-    r["mask"] += [0] * len(extra)
-    r["lps"] += [0.0] * len(extra)
-    return extra
+@dataclass(eq=False)
+class _Live:
+    """One rollout in progress: its episode, its conversation (as text for the template) and its token record."""
+    task: Task
+    group_id: str
+    rollout_id: str
+    episode: object
+    deadline: float = 0.0  # time.monotonic() past which it times out (0: never)
+    text: list = field(default_factory=list)  # the conversation, image parts as markers
+    tools: list | None = None
+    tokens: list = field(default_factory=list)
+    mask: list = field(default_factory=list)
+    lps: list = field(default_factory=list)
+    images: list = field(default_factory=list)  # image store records, in token order
+    versions: set = field(default_factory=set)
+    turns: int = 0
+    cut: bool = False  # its last turn hit max_new_tokens
+    seq: int | None = None  # its engine sequence
+    pending: Future | None = None
+    obs: Observation | None = None
+    timed_out: bool = False
+    ended: bool = False
+    sp: SamplingParams | None = None  # its own sampling parameters (None: the driver's)
 
 
-def sample_rollouts(sample, tok, cfg, env: Environment, tasks: list[tuple[Task, str]], group_size: int,
-                    max_new_tokens: int, temperature: float, key, versions: tuple[int, ...], stream=None) -> list[Rollout]:
-    """tasks: (task, group id) pairs -> group_size scored rollouts per task. versions: the policy version(s)
-    sampling. With `stream(prompts, sp, key, next_turn)` (e.g. TrainingClient.sample_stream with an adapter
-    snapshot and its rows) the rollouts go through continuous batching; else each turn is one
-    `sample(prompts, sp, key)` -> Generation over the rollouts still going."""
-    sp = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=stop_ids(cfg, tok))
-    rows = []
+class Conversation:
+    """Turns an episode's observations into tokens and pictures (and the sampled tokens back into messages)."""
+
+    def __init__(self, tok, cfg, store: ImageStore | None):
+        self.tok, self.cfg, self.store = tok, cfg, store
+
+    def _ids(self, text: str, pics: list, r: _Live) -> tuple[list[int], list]:
+        ids, pics = widen_images(self.cfg, _encode(self.tok, text), pics)
+        if pics:
+            if self.store is None:
+                raise ValueError("an observation holds images but the sampler has no image store")
+            r.images += [self.store.put(p) for p in pics]
+        return ids, pics
+
+    def opening(self, r: _Live, obs: Observation) -> tuple[list[int], list]:
+        r.obs, r.tools = obs, obs.tools
+        r.text, pics = as_text(list(obs.messages), f"episode {r.rollout_id}: start")
+        if not r.text:
+            raise ValueError(f"episode {r.rollout_id}: start() gave no messages")
+        ids, pics = self._ids(self.tok.render(r.text, r.tools, add_generation_prompt=True), pics, r)
+        r.tokens, r.mask, r.lps = list(ids), [0] * len(ids), [0.0] * len(ids)
+        return ids, pics
+
+    def sampled(self, r: _Live, tokens: list[int], logprobs: list[float], reason: str, versions) -> dict:
+        r.tokens += tokens
+        r.mask += [1] * len(tokens)
+        r.lps += logprobs
+        r.versions.update(versions)
+        r.turns += 1
+        r.cut = reason != "stop"
+        msg = {"role": "assistant", "content": self.tok.tokenizer.decode(tokens, skip_special_tokens=True)}
+        r.text.append(msg)
+        return msg
+
+    def following(self, r: _Live, obs: Observation) -> tuple[list[int], list]:
+        follow, pics = as_text(list(obs.messages), f"episode {r.rollout_id}: step")
+        ids, pics = self._ids(_turn_delta(self.tok, r.text, follow, r.tools), pics, r)
+        r.text += follow
+        r.tokens += ids
+        r.mask += [0] * len(ids)
+        r.lps += [0.0] * len(ids)
+        return ids, pics
+
+    @staticmethod
+    def rollout(r: _Live, version: int, temperature: float | None = None) -> Rollout:
+        """The finished rollout (policy `version` when no turn was sampled; the sampling temperature)."""
+        obs = r.obs or Observation()
+        reward, success = (0.0, False) if r.timed_out else (float(obs.reward), bool(obs.success))
+        return Rollout(r.tokens, r.mask, r.lps, reward, r.task.id, r.group_id, sorted(r.versions) or [version],
+                       success, list(r.images), r.rollout_id, r.timed_out, temperature)
+
+
+class EnvCalls:
+    """Runs episode methods off the decode loop: plain ones on a thread pool, coroutines on one event-loop thread.
+    Each finished call is put on `done` as (token, future)."""
+
+    def __init__(self, workers: int):
+        self.pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="episode")
+        self.done: queue.Queue = queue.Queue()
+        self._loop = None
+        self._lock = threading.Lock()
+
+    def loop(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+                threading.Thread(target=self._loop.run_forever, name="episode-loop", daemon=True).start()
+            return self._loop
+
+    def _sync(self, fn, args):
+        out = fn(*args)
+        if inspect.isawaitable(out):  # a plain function that returned a coroutine
+            out = asyncio.run_coroutine_threadsafe(_awaited(out), self.loop()).result()
+        return out
+
+    def call(self, token, fn, *args) -> Future:
+        if inspect.iscoroutinefunction(fn):
+            fut = asyncio.run_coroutine_threadsafe(fn(*args), self.loop())
+        else:
+            fut = self.pool.submit(self._sync, fn, args)
+        fut.add_done_callback(lambda f: self.done.put((token, f)))
+        return fut
+
+    def close(self):
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+
+
+async def _awaited(x):
+    return await x
+
+
+class EpisodeDriver:
+    """Runs episodes through a sampler: `add` rollouts, call `pump` repeatedly; each call returns the rollouts
+    that finished. Environment calls never block decoding; an episode past `timeout_s` (0: none) is scored 0,
+    closed, and counted (`counts["timed_out"]`).
+
+    The sampler is an `Engine` or anything with its interface (`submit`, `feed`, `step` -> TurnEnds, `room`,
+    `release`, `busy`, `queued`, `version`): the rollout worker drives an OpenAI-compatible server through the
+    same loop (nemo_jax.rl.worker.ServerSampler). An environment error ends the driver (`report_failures=False`,
+    the in-process producer) or only its episode (`report_failures=True`: closed, nothing returned, and
+    (group id, rollout id, reason) appended to `failures` for the caller to report); `fail` ends an episode the
+    caller saw fail (e.g. the sampler could not sample its turn) the same way, and `abandon` ends a group's
+    episodes without a word (its request was cancelled)."""
+
+    def __init__(self, engine: Engine, tok, cfg, env, sp: SamplingParams, *, images: ImageStore | None = None,
+                 timeout_s: float = 0.0, workers: int = 16, report_failures: bool = False):
+        self.engine, self.env, self.sp = engine, as_environment(env), sp
+        env = self.env
+        self.conv = Conversation(tok, cfg, images)
+        self.max_turns = max(1, int(getattr(env, "max_turns", 1)))
+        self.timeout_s = float(timeout_s or getattr(env, "timeout_s", 0) or 0)
+        self.calls = EnvCalls(workers)
+        self.live: dict[str, _Live] = {}
+        self.closing: set = set()  # close() calls not finished yet
+        self.report_failures = report_failures
+        self.failures: list[tuple[str, str, str]] = []  # (group id, rollout id, reason) not yet taken
+        self.counts = {"timed_out": 0, "context_full": 0, "cut": 0, "finished": 0, "failed": 0, "abandoned": 0}
+
+    def add(self, task: Task, group_id: str, rollout_id: str, sp: SamplingParams | None = None) -> None:
+        """Start an episode of `task` (its `start` runs on the pool), sampled with `sp` (default: the driver's)."""
+        if rollout_id in self.live:
+            raise ValueError(f"rollout {rollout_id!r} is already running")
+        ep = self.env.episode()
+        r = _Live(task, group_id, rollout_id, ep, time.monotonic() + self.timeout_s if self.timeout_s else 0.0, sp=sp)
+        self.live[rollout_id] = r
+        r.pending = self.calls.call((r, "start"), ep.start, task, rollout_id)
+
+    @property
+    def running(self) -> int:
+        return len(self.live)
+
+    def fail(self, rollout_id: str, reason: str) -> None:
+        """End a running episode as failed: closed, nothing returned, (group, rollout, reason) in `failures`."""
+        r = self.live.get(rollout_id)
+        if r is not None:
+            self._end(r, reason)
+
+    def abandon(self, group_id: str) -> int:
+        """End every running episode of a group (closed, nothing returned) -> how many."""
+        gone = [r for r in self.live.values() if r.group_id == group_id]
+        for r in gone:
+            self._stop(r)
+            self.counts["abandoned"] += 1
+        return len(gone)
+
+    # ------------------------------------------------------------------ the loop
+    def pump(self, wait_s: float = 0.05) -> list[Rollout]:
+        """Handle finished environment calls, time-outs and one engine step (or, with nothing to decode, wait up to
+        `wait_s` for the environment) -> the rollouts that finished."""
+        out: list[Rollout] = []
+        while True:
+            try:
+                self._handle(*self.calls.done.get_nowait(), out)
+            except queue.Empty:
+                break
+        now = time.monotonic()
+        for r in [r for r in self.live.values() if r.deadline and now > r.deadline]:
+            r.timed_out = True
+            self.counts["timed_out"] += 1
+            self._finish(r, out)  # (its pending call: an async one is cancelled, a thread's result ignored)
+        if self.engine.busy or self.engine.queued:
+            for end in self.engine.step():
+                r = end.tag
+                if r.ended:  # (ended while its turn was sampled)
+                    continue
+                msg = self.conv.sampled(r, end.tokens, end.logprobs, end.finish_reason, end.versions)
+                r.pending = self.calls.call((r, "step"), r.episode.step, msg)
+        elif self.live or self.closing:
+            try:
+                self._handle(*self.calls.done.get(timeout=wait_s), out)
+            except queue.Empty:
+                pass
+        return out
+
+    def _handle(self, token, fut: Future, out: list) -> None:
+        r, what = token
+        if what == "close":
+            self.closing.discard(token)
+            if not fut.cancelled() and fut.exception() is not None:
+                e = fut.exception()
+                msg = f"environment {getattr(self.env, 'name', '?')}: episode {r.rollout_id}: close() failed: {e}"
+                if not self.report_failures:
+                    raise RuntimeError(msg) from e
+                print(msg, flush=True)  # (its rollout is already out: nothing to report it against)
+            return
+        if r.ended:  # timed out meanwhile: its late result is dropped
+            return
+        r.pending = None
+        e = fut.exception()
+        if e is not None:
+            msg = f"environment {getattr(self.env, 'name', '?')}: episode {r.rollout_id}: {what}() failed: " \
+                  f"{type(e).__name__}: {e}"
+            if not self.report_failures:
+                raise RuntimeError(msg) from e
+            return self._end(r, msg)
+        obs = fut.result()
+        if not isinstance(obs, Observation):
+            msg = (f"environment {getattr(self.env, 'name', '?')}: {what}() returned {type(obs).__name__}, not an "
+                   "Observation")
+            if not self.report_failures:
+                raise TypeError(msg)
+            return self._end(r, msg)
+        if what == "start":
+            try:
+                ids, pics = self.conv.opening(r, obs)
+            except ValueError as e:
+                if not self.report_failures:
+                    raise
+                return self._end(r, f"episode {r.rollout_id}: {e}")
+            if obs.done:
+                return self._finish(r, out)
+            r.seq = self.engine.submit(ids, r.sp or self.sp, images=pics, tag=r)
+            return
+        r.obs = obs
+        if obs.done or r.cut or r.turns >= self.max_turns:
+            self.counts["cut"] += r.cut and not obs.done
+            return self._finish(r, out)
+        room = self.engine.room(r.seq)
+        n_before = len(r.tokens)
+        ids, pics = self.conv.following(r, obs)
+        if len(ids) > room:  # the conversation outgrew the sampler's positions: it ends here
+            del r.tokens[n_before:], r.mask[n_before:], r.lps[n_before:]
+            self.counts["context_full"] += 1
+            return self._finish(r, out)
+        self.engine.feed(r.seq, ids, images=pics)
+
+    def _stop(self, r: _Live) -> None:
+        """Take a rollout out: its sampler sequence released, its episode closed (on the pool)."""
+        r.ended = True
+        del self.live[r.rollout_id]
+        if r.pending is not None:
+            r.pending.cancel()
+        if r.seq is not None:
+            self.engine.release(r.seq)
+        token = (r, "close")
+        self.closing.add(token)
+        self.calls.call(token, r.episode.close)
+
+    def _end(self, r: _Live, reason: str) -> None:
+        self._stop(r)
+        self.counts["failed"] += 1
+        self.failures.append((r.group_id, r.rollout_id, reason))
+
+    def _finish(self, r: _Live, out: list) -> None:
+        self._stop(r)
+        self.counts["finished"] += 1
+        out.append(self.conv.rollout(r, self.engine.version, (r.sp or self.sp).temperature))
+
+    def close(self, wait_s: float = 30.0) -> None:
+        """End every running episode (closed, nothing returned) and wait up to `wait_s` for the closes."""
+        for r in list(self.live.values()):
+            self._stop(r)
+        t = time.monotonic() + wait_s
+        while self.closing and time.monotonic() < t:
+            try:
+                self._handle(*self.calls.done.get(timeout=0.05), [])
+            except queue.Empty:
+                pass
+        self.calls.close()
+
+
+def sampling_params(cfg, tok, max_new_tokens: int, temperature: float, top_p: float = 1.0, top_k: int = 0):
+    return SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                          stop_token_ids=stop_ids(cfg, tok))
+
+
+def sample_rollouts(engine: Engine, tok, cfg, env, tasks: list[tuple[Task, str]], group_size: int,
+                    max_new_tokens: int, temperature: float, *, images: ImageStore | None = None,
+                    timeout_s: float = 0.0, workers: int = 16, top_p: float = 1.0, top_k: int = 0) -> list[Rollout]:
+    """tasks: (task, group id) pairs -> group_size scored rollouts per task (task-major order), sampled through
+    `engine` (continuous batching over its rows; its adapters and version). Pictures go to `images` (default: a
+    temporary store, removed afterwards: the rollouts' image records then point nowhere)."""
+    sp = sampling_params(cfg, tok, max_new_tokens, temperature, top_p, top_k)
+    tmp = None
+    if images is None and cfg.vision is not None:
+        tmp = tempfile.TemporaryDirectory(prefix="nemo_jax_images-")
+        images = ImageStore(tmp.name)
+    d = EpisodeDriver(engine, tok, cfg, env, sp, images=images, timeout_s=timeout_s, workers=workers)
+    got: dict[str, Rollout] = {}
+    ids = [f"{gid}/{j}" for task, gid in tasks for j in range(group_size)]
+    try:
+        for (task, gid), j in ((t, j) for t in tasks for j in range(group_size)):
+            d.add(task, gid, f"{gid}/{j}")
+        while d.running:
+            for x in d.pump():
+                got[x.rollout_id] = x
+    finally:
+        d.close()
+        if tmp is not None:
+            tmp.cleanup()
+    return [got[i] for i in ids]
+
+
+def _call(fn, *args):
+    out = fn(*args)
+    return asyncio.run(_awaited(out)) if inspect.isawaitable(out) else out
+
+
+def sample_rollouts_plain(sample, tok, cfg, env, tasks: list[tuple[Task, str]], group_size: int,
+                          max_new_tokens: int, temperature: float, key, version: int = 0) -> list[Rollout]:
+    """The plain reference of `sample_rollouts`: episodes called in turn on this thread, each turn one batched
+    `sample(prompts, sp, key, images)` -> Generation (e.g. `generate`) over the whole conversations of the rollouts
+    still going; a row that stops early waits for the batch."""
+    sp = sampling_params(cfg, tok, max_new_tokens, temperature)
+    env = as_environment(env)
+    conv = Conversation(tok, cfg, None)
+    lives, pics = [], {}
     for task, gid in tasks:
-        ids = _encode(tok, tok.render(list(task.messages), add_generation_prompt=True))
-        for _ in range(group_size):
-            rows.append({"task": task, "gid": gid, "history": list(task.messages), "tokens": list(ids),
-                         "mask": [0] * len(ids), "lps": [0.0] * len(ids), "done": False})
-    if stream is not None:
-        def next_turn(i, turns):
-            new, lps, why = turns[-1]
-            return _take_turn(tok, env, rows[i], len(turns) - 1, new, lps, why)
-
-        for _ in stream([list(r["tokens"]) for r in rows], sp, key, next_turn):
-            pass
-    for turn in range(max(1, getattr(env, "max_turns", 1)) if stream is None else 0):
-        live = [r for r in rows if not r["done"]]
-        if not live:
+        for j in range(group_size):
+            r = _Live(task, gid, f"{gid}/{j}", env.episode())
+            lives.append(r)
+            pics[r.rollout_id] = list(conv.opening(r, _call(r.episode.start, task, r.rollout_id))[1])
+    going = [r for r in lives if not r.obs.done]
+    for _ in range(max(1, getattr(env, "max_turns", 1))):
+        if not going:
             break
         key, sub = jax.random.split(key)
-        g = sample([r["tokens"] for r in live], sp, sub)
-        for r, new, lps, why in zip(live, g.tokens, g.logprobs, g.finish_reason):
-            _take_turn(tok, env, r, turn, new, lps, why)
-    out = []
-    for r in rows:
-        s = env.score(r["task"], r["history"])
-        out.append(Rollout(r["tokens"], r["mask"], r["lps"], float(s.reward), r["task"].id, r["gid"], list(versions),
-                           bool(s.success)))
-    return out
+        batch = None if cfg.vision is None else chunk_images(cfg.vision, [
+            [p for p in map(_picture(cfg), pics[r.rollout_id])] for r in going])
+        g = sample([r.tokens for r in going], sp, sub, batch)
+        nxt = []
+        for r, toks, lps, why in zip(going, g.tokens, g.logprobs, g.finish_reason):
+            r.obs = _call(r.episode.step, conv.sampled(r, toks, lps, why, [version]))
+            if not (r.obs.done or r.cut or r.turns >= getattr(env, "max_turns", 1)):
+                pics[r.rollout_id] += conv.following(r, r.obs)[1]
+                nxt.append(r)
+        going = nxt
+    for r in lives:
+        _call(r.episode.close)
+    return [conv.rollout(r, version, temperature) for r in lives]
+
+
+def _picture(cfg):
+    from nemo_jax.data.images import picture
+
+    return lambda img: picture(cfg.vision, img)
 
 
 class ThreadProducer:
-    """Samples groups in a background thread with the newest published adapters while the learner trains: keeps
-    `in_flight` groups requested (tasks from the curriculum), adds finished rollouts to the pool. The pool, the
-    curriculum and the adapter snapshot are shared under `lock`."""
+    """Samples rollouts in a background thread with the newest adapters while the learner trains: keeps
+    `in_flight_groups` groups of curriculum-drawn tasks going through one engine (`sampler_rows` decode rows) and
+    adds each rollout to the pool as it finishes. The pool and the curriculum are shared under `lock`; adapters
+    the learner publishes with `set_policy` are swapped into the engine at its next step."""
 
-    def __init__(self, client, tok, env, pool, curriculum, rcfg, temperature: float, seed: int, lock):
+    def __init__(self, client, tok, env, pool, curriculum, rcfg, temperature: float, seed: int, lock, *,
+                 image_dir: str | None = None, draw_p: dict | None = None):
         self.client, self.tok, self.env, self.pool, self.cur = client, tok, env, pool, curriculum
         self.r, self.temperature, self.lock = rcfg, temperature, lock
         self.by_id = {t.id: t for t in env.tasks("train")}
         self.key = jax.random.key(seed)
-        self.snapshot = None
-        self.mine = set()  # ids of the groups this producer opened
+        self.images = ImageStore(image_dir) if image_dir else None
+        self.draw_p = draw_p if draw_p is not None else {}  # group id -> the curriculum's probability of its task
+        self.mine: set = set()  # ids of the groups this producer opened
+        self.driver = None
+        self._policy = None
         self.set_policy(client.version, client.adapters)
         self.stop = threading.Event()
         self.error = None
@@ -124,42 +464,51 @@ class ThreadProducer:
         """Sample with these adapters from now on (copied: the learner's step donates its own buffers)."""
         snap = (version, jax.tree.map(jnp.copy, adapters))
         with self.lock:
-            self.snapshot = snap
+            self._policy = snap
+
+    def _ensure_driver(self):
+        if self.driver is None:
+            r = self.r
+            rows = r.sampler_rows or r.groups_per_step * r.group_size
+            positions = r.sampler_positions or 2 * (r.seq_len + r.max_new_tokens)
+            engine = self.client.engine(batch=rows, max_len=positions, key=self.key)
+            sp = sampling_params(self.client.cfg, self.tok, r.max_new_tokens, self.temperature, r.top_p, r.top_k)
+            self.driver = EpisodeDriver(engine, self.tok, self.client.cfg, self.env, sp, images=self.images,
+                                        timeout_s=r.episode_timeout_s, workers=r.env_workers)
+        return self.driver
 
     def produce_once(self) -> int:
-        """Open and sample `groups_per_step` groups (always that many: one compiled batch shape) when the pool has
-        room under the in-flight target -> rollouts added."""
+        """Open groups up to the in-flight target, swap in new adapters, one driver step -> rollouts added."""
+        d = self._ensure_driver()
         with self.lock:
-            want = self.r.groups_per_step
-            self.mine &= set(self.pool.in_flight) | set(self.pool.ready)  # its groups not yet trained on
-            if len(self.mine) + want > max(self.r.in_flight_groups, want):
-                return 0
-            tasks = [(self.by_id[t], self.pool.open_group(t)) for t in self.cur.sample(want)]
-            self.mine |= {g for _, g in tasks}
-            version, adapters = self.snapshot
-        self.key, sub = jax.random.split(self.key)
+            policy, self._policy = self._policy, None
+            self.mine &= set(self.pool.in_flight) | set(self.pool.ready)  # its groups not trained on yet
+            opened = []
+            while len(self.mine) < self.r.in_flight_groups:
+                (t, p), = self.cur.sample_with_p(1)
+                gid = self.pool.open_group(t)
+                self.draw_p[gid] = p
+                self.mine.add(gid)
+                opened.append((self.by_id[t], gid))
+        if policy is not None:
+            d.engine.set_adapters(policy[1], policy[0])
+        for task, gid in opened:
+            for j in range(self.r.group_size):
+                d.add(task, gid, f"{gid}/{j}")
         t0 = time.perf_counter()
-        rows = self.r.sampler_rows or want * self.r.group_size
-        positions = self.r.sampler_positions or 2 * (self.r.seq_len + self.r.max_new_tokens)
-
-        def stream(prompts, sp, key, next_turn):  # continuous batching over `rows` decode rows
-            return self.client.sample_stream(prompts, sp, key, adapters=adapters, batch=rows, max_len=positions,
-                                             next_turn=next_turn)
-
-        rollouts = sample_rollouts(None, self.tok, self.client.cfg, self.env, tasks, self.r.group_size,
-                                   self.r.max_new_tokens, self.temperature, sub, (version,), stream=stream)
+        rollouts = d.pump()
         self.busy_s += time.perf_counter() - t0
-        with self.lock:
-            for x in rollouts:
-                if self.pool.add(x) not in (None, "unknown_group"):  # a finished group: curriculum statistics
-                    self.cur.update(x.task_id, [y.reward for y in self.pool.ready[x.group_id]])
+        if rollouts:
+            with self.lock:
+                for x in rollouts:
+                    if self.pool.add(x) not in (None, "unknown_group"):  # a finished group: curriculum statistics
+                        self.cur.update(x.task_id, [y.reward for y in self.pool.ready[x.group_id]])
         return len(rollouts)
 
     def _run(self):
         try:
             while not self.stop.is_set():
-                if self.produce_once() == 0:
-                    time.sleep(0.01)
+                self.produce_once()
         except BaseException as e:  # surfaced to the learner by `check`
             self.error = e
 
@@ -174,3 +523,5 @@ class ThreadProducer:
         self.stop.set()
         if self.thread.is_alive():
             self.thread.join()
+        if self.driver is not None:
+            self.driver.close()

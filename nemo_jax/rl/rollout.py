@@ -3,13 +3,20 @@
 A rollout is one sampled conversation: `tokens` (prompt and every turn, token ids), `loss_mask` (1 on the tokens
 the policy sampled), `logprobs` (the behaviour policy's logprob of each token, 0 where the mask is 0), `reward`,
 `task_id`, `group_id` (the G rollouts of one task draw share it) and `policy_versions` (the adapter versions that
-sampled its tokens; a rollout that spans a policy update has several). Producers in other processes write them
-as JSON lines (nemo_jax.rl.spool); `validate` is the one gate every rollout passes before it can be trained on.
+sampled its tokens; a rollout that spans a policy update has several), `images` (its pictures, in the order of
+their placeholder tokens: files under the run dir named by content hash, see `ImageStore`), `rollout_id` (unique
+within its group) and the sampling `temperature` its logprobs are of. Producers in other
+processes write them as JSON lines (nemo_jax.rl.spool); `validate` is the one gate every rollout passes before it
+can be trained on.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
+import json
 import math
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,6 +34,10 @@ class Rollout:
     group_id: str
     policy_versions: list[int] = field(default_factory=lambda: [0])
     success: bool = False  # the environment's verdict (full success), for logging and eval
+    images: list = field(default_factory=list)  # [{"path": relative to the image root, "sha256"}] in token order
+    rollout_id: str = ""  # the episode's id (what `Episode.start` was given)
+    timed_out: bool = False  # the episode ran past its time limit (scored 0)
+    temperature: float | None = None  # the sampling temperature its logprobs are of (None: not recorded)
 
     @property
     def version(self) -> int:
@@ -37,51 +48,219 @@ class Rollout:
         return {"tokens": list(map(int, self.tokens)), "loss_mask": list(map(int, self.loss_mask)),
                 "logprobs": list(map(float, self.logprobs)), "reward": float(self.reward),
                 "task_id": str(self.task_id), "group_id": str(self.group_id),
-                "policy_versions": list(map(int, self.policy_versions)), "success": bool(self.success)}
+                "policy_versions": list(map(int, self.policy_versions)), "success": bool(self.success),
+                "images": [dict(x) for x in self.images], "rollout_id": str(self.rollout_id),
+                "timed_out": bool(self.timed_out),
+                **({} if self.temperature is None else {"temperature": float(self.temperature)})}
+
+    def dedupe_key(self) -> str:
+        """What makes two records the same rollout: its `rollout_id`, or (a producer that gives none) its content."""
+        if self.rollout_id:
+            return "id:" + self.rollout_id
+        return "sha1:" + hashlib.sha1(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()
+
+
+class ImageStore:
+    """The pictures of rollouts as PNG files under `root` (RUN/images), each named by the SHA-256 of its bytes:
+    `put` -> the record {"path": "<sha[:2]>/<sha>.png" (relative to root), "sha256"} a rollout carries. Files are
+    written whole (temporary name, rename) and never pickled; the same picture is stored once."""
+
+    def __init__(self, root: str):
+        self.root = os.path.abspath(root)
+
+    def put(self, img) -> dict:
+        from PIL import Image
+
+        from nemo_jax.data.images import load_image
+
+        img = load_image(img) if isinstance(img, str) else img
+        img = img if hasattr(img, "getbbox") else Image.fromarray(np.asarray(img, np.uint8))
+        buf = io.BytesIO()
+        img.convert("RGB").save(buf, format="PNG")
+        data = buf.getvalue()
+        sha = hashlib.sha256(data).hexdigest()
+        rel = os.path.join(sha[:2], sha + ".png")
+        path = os.path.join(self.root, rel)
+        if not os.path.exists(path):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = f"{path}.tmp-{os.getpid()}-{id(buf)}"
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        return {"path": rel, "sha256": sha}
+
+    def path(self, rec: dict) -> str:
+        return os.path.join(self.root, rec["path"])
+
+
+def check_images(r: "Rollout", vision, root: str | None) -> str | None:
+    """None when a rollout's image records are sound for a model with `vision` (None: a text model): each file
+    under `root` exists, has its recorded SHA-256, and the pictures' token counts fill its placeholder tokens
+    exactly; else the reject reason."""
+    if not r.images:
+        return None if vision is None or vision.image_token_id not in r.tokens else "bad_images"
+    if vision is None or root is None:
+        return "bad_images"  # a text model cannot train on pictures
+    from nemo_jax.data.images import ImageError, load_image, picture_tokens
+
+    need = 0
+    for rec in r.images:
+        if not isinstance(rec, dict) or not isinstance(rec.get("path"), str) or not isinstance(rec.get("sha256"), str):
+            return "bad_images"
+        path = os.path.normpath(os.path.join(root, rec["path"]))
+        if not path.startswith(os.path.abspath(root) + os.sep):
+            return "bad_images"  # outside the image root
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+            if hashlib.sha256(data).hexdigest() != rec["sha256"]:
+                return "bad_images"
+            need += picture_tokens(vision, load_image(path))
+        except (OSError, ImageError):
+            return "bad_images"
+    return None if need == sum(t == vision.image_token_id for t in r.tokens) else "bad_images"
 
 
 REJECT_REASONS = ("malformed", "length_mismatch", "bad_reward", "bad_logprob", "bad_token", "no_loss_tokens",
-                  "unknown_group", "too_long")
+                  "unknown_group", "too_long", "bad_success", "bad_version", "bad_temperature", "duplicate",
+                  "bad_images")
+MIN_LOGPROB = -1e4  # default floor of a sampled token's behaviour logprob (rollout.min_logprob)
+_FP32_MAX = float(np.finfo(np.float32).max)
 
 
-def validate(d: dict, vocab_size: int, max_len: int | None = None) -> Rollout | str:
-    """A rollout record (dict from JSON) -> Rollout, or the reason it is rejected (one of REJECT_REASONS)."""
+def _ints(x, bools: bool = False) -> np.ndarray | None:
+    """A JSON list of integers (not floats or strings; not bools unless `bools`) -> int64 array, else None."""
+    if not isinstance(x, list) or not set(map(type, x)) <= ({int, bool} if bools else {int}):
+        return None
     try:
-        versions = d.get("policy_versions", [d["policy_version"]] if "policy_version" in d else None)
-        r = Rollout(tokens=[int(t) for t in d["tokens"]], loss_mask=[int(m) for m in d["loss_mask"]],
-                    logprobs=[float(x) for x in d["logprobs"]], reward=d.get("reward"), task_id=str(d["task_id"]),
-                    group_id=str(d["group_id"]), policy_versions=[int(v) for v in versions],
-                    success=bool(d.get("success", False)))
-    except (KeyError, TypeError, ValueError):
+        return np.asarray(x, np.int64)
+    except OverflowError:
+        return None
+
+
+def _numbers(x) -> np.ndarray | None:
+    """A JSON list of numbers (ints or floats, not bools or strings) -> float64 array, else None."""
+    if not isinstance(x, list) or not set(map(type, x)) <= {int, float}:
+        return None
+    try:
+        return np.asarray(x, np.float64)
+    except OverflowError:
+        return None
+
+
+def _number(x) -> bool:
+    return type(x) in (int, float) and math.isfinite(x)
+
+
+def validate(d: dict, vocab_size: int, max_len: int | None = None, *, version: int | None = None,
+             reward_range: tuple[float, float] | None = None, min_logprob: float = MIN_LOGPROB,
+             temperature: float | None = None, vision=None, image_root: str | None = None) -> Rollout | str:
+    """A rollout record (dict from JSON) -> Rollout, or the reason it is rejected (one of REJECT_REASONS).
+
+    Types are strict (nothing is coerced): token ids and the mask are JSON integers (3.7 or "3" is `bad_token`,
+    not 3), `success` a JSON boolean, policy versions integers in [0, `version`] (the learner's current one:
+    a future or negative version is `bad_version`), the reward a number finite in fp32 and inside
+    `reward_range` when one is given, each sampled token's logprob in [`min_logprob`, 0]. A record that states
+    its sampling `temperature` must state the learner's (`temperature`, when given): its logprobs are of that
+    distribution. Pictures (`images`) are checked against the files under `image_root` for a model with `vision`."""
+    if not isinstance(d, dict):
         return "malformed"
-    if not r.policy_versions:
+    for k in ("tokens", "loss_mask", "logprobs", "task_id", "group_id"):
+        if k not in d:
+            return "malformed"
+    if not isinstance(d["task_id"], str) or not isinstance(d["group_id"], str):
         return "malformed"
-    n = len(r.tokens)
-    if len(r.loss_mask) != n or len(r.logprobs) != n or n < 2:
+    rid, images, timed_out = d.get("rollout_id", ""), d.get("images") or [], d.get("timed_out", False)
+    if not isinstance(rid, str) or not isinstance(images, list) or type(timed_out) is not bool:
+        return "malformed"
+    toks, mask, lps = _ints(d["tokens"]), _ints(d["loss_mask"], bools=True), _numbers(d["logprobs"])
+    if toks is None:
+        return "bad_token"
+    if mask is None or lps is None:
+        return "malformed"
+    n = len(toks)
+    if len(mask) != n or len(lps) != n or n < 2:
         return "length_mismatch"
     if max_len is not None and n - 1 > max_len:
         return "too_long"
-    if isinstance(r.reward, bool) or not isinstance(r.reward, (int, float)) or not math.isfinite(r.reward):
+    reward = d.get("reward")
+    if not _number(reward) or abs(reward) > _FP32_MAX:  # the learner computes in fp32: 1e39 would be inf there
         return "bad_reward"
-    if any(t < 0 or t >= vocab_size for t in r.tokens):
+    if reward_range is not None and not reward_range[0] <= reward <= reward_range[1]:
+        return "bad_reward"
+    if np.any(toks < 0) or np.any(toks >= vocab_size):
         return "bad_token"
-    if r.loss_mask[0] or not any(r.loss_mask[1:]) or any(m not in (0, 1) for m in r.loss_mask):
+    if mask[0] or not np.any(mask[1:]) or np.any((mask != 0) & (mask != 1)):
         return "no_loss_tokens"  # the first token has no context to be sampled from
-    lp = np.asarray(r.logprobs)
-    if not np.all(np.isfinite(lp)) or np.any(lp[np.asarray(r.loss_mask, bool)] > 0):
+    sampled = lps[mask.astype(bool)]
+    if not np.all(np.isfinite(lps)) or np.any(sampled > 0) or np.any(sampled < min_logprob):
         return "bad_logprob"
-    r.reward = float(r.reward)
+    success = d.get("success", False)
+    if type(success) is not bool:
+        return "bad_success"
+    versions = d["policy_versions"] if "policy_versions" in d else [d["policy_version"]] if "policy_version" in d \
+        else None
+    v = _ints(versions)
+    if v is None or not len(v) or np.any(v < 0) or (version is not None and np.any(v > version)):
+        return "bad_version"
+    temp = d.get("temperature")
+    if temp is not None and (not _number(temp) or temp < 0
+                             or (temperature is not None and abs(temp - temperature) > 1e-6)):
+        return "bad_temperature"
+    r = Rollout(tokens=toks.tolist(), loss_mask=mask.tolist(), logprobs=lps.tolist(), reward=float(reward),
+                task_id=d["task_id"], group_id=d["group_id"], policy_versions=v.tolist(), success=success,
+                images=list(images), rollout_id=rid, timed_out=timed_out,
+                temperature=None if temp is None else float(temp))
+    if check_images(r, vision, image_root):
+        return "bad_images"
     return r
 
 
+class RolloutImages:
+    """The pictures of learner rows: each rollout's images read from the store under `root` and processed as the
+    sampler processed them (`nemo_jax.data.images.picture`), laid out per row within `max_patches` patches and
+    `max_images` images (`rollout.max_image_patches` / `rollout.max_images`)."""
+
+    def __init__(self, vision, root: str, max_patches: int, max_images: int):
+        from nemo_jax.data.images import RowImages
+
+        self.v, self.root = vision, root
+        self.rows = RowImages(vision, max_patches, max_images)
+
+    def row(self, r: Rollout | None, kept_tokens: int) -> dict:
+        """The row arrays of rollout `r` (None: an empty row) whose first `kept_tokens` tokens are in the row:
+        a picture whose placeholders start past them is left out."""
+        from nemo_jax.data.images import picture
+
+        if r is None or not r.images:
+            return self.rows.row([])
+        pics, start = [], 0
+        ph = np.flatnonzero(np.asarray(r.tokens[:kept_tokens]) == self.v.image_token_id)
+        for rec in r.images:
+            if start >= len(ph):
+                break
+            pix, grid = picture(self.v, os.path.join(self.root, rec["path"]))
+            pics.append((pix, [grid]))
+            start += grid[0] * grid[1] // self.v.merge ** 2
+        patches = sum(len(p) for p, _ in pics)
+        if patches > self.rows.max_patches or len(pics) > self.rows.max_images:
+            raise ValueError(f"rollout {r.rollout_id or r.group_id}: {len(pics)} pictures of {patches} patches exceed "
+                             f"rollout.max_images={self.rows.max_images} / rollout.max_image_patches="
+                             f"{self.rows.max_patches}")
+        return self.rows.row(pics)
+
+
 def learner_batch(groups: list[list[Rollout]], seq_len: int, *, rows: int | None = None, scale: str = "none",
-                  reduction: str = "rollout", max_len: int | None = None,
-                  drop_zero_variance: bool = True) -> tuple[dict, dict]:
+                  reduction: str = "rollout", max_len: int | None = None, drop_zero_variance: bool = True,
+                  images: RolloutImages | None = None) -> tuple[dict, dict]:
     """Finished groups -> (learner batch of numpy arrays, counts). Groups whose rewards are all equal carry no
     signal: they are counted (`zero_variance_groups`) and left out (kept, with advantage 0, when
     drop_zero_variance=False: e.g. demonstrations for a cross-entropy term). Rows are padded to `rows` (a multiple the
     mesh and micro-batches need) with empty rows (no loss tokens, weight 0). Each rollout is one row: tokens
-    [:-1] in, tokens[1:] as targets, mask and logprobs of the targets."""
+    [:-1] in, tokens[1:] as targets, mask and logprobs of the targets. A rollout longer than a row (seq_len + 1
+    tokens) is TRUNCATED to its first seq_len + 1 tokens: the loss covers the kept part, its group and advantage
+    stay (counted: `truncated`, `truncated_tokens`). With `images`, each row's pictures (`pixel_values` and the
+    vision layout arrays) come along, so the learner's logprobs see what the sampler saw."""
     kept = []
     zero = 0
     for g in groups:
@@ -98,18 +277,27 @@ def learner_batch(groups: list[list[Rollout]], seq_len: int, *, rows: int | None
     out = {"tokens": np.zeros((rows, seq_len), np.int32), "targets": np.zeros((rows, seq_len), np.int32),
            "segment_ids": np.zeros((rows, seq_len), np.int32), "loss_mask": np.zeros((rows, seq_len), bool),
            "behaviour_logprobs": np.zeros((rows, seq_len), np.float32), "advantages": np.zeros((rows,), np.float32)}
+    truncated = truncated_tokens = 0
+    pictures = []
     for i, (r, a) in enumerate(kept):
-        t = len(r.tokens) - 1
-        if t > seq_len:
-            raise ValueError(f"rollout of group {r.group_id} has {t + 1} tokens > seq_len + 1 = {seq_len + 1}")
-        out["tokens"][i, :t] = r.tokens[:-1]
-        out["targets"][i, :t] = r.tokens[1:]
+        t = min(len(r.tokens), seq_len + 1) - 1
+        if len(r.tokens) > seq_len + 1:
+            truncated += 1
+            truncated_tokens += len(r.tokens) - seq_len - 1
+        out["tokens"][i, :t] = r.tokens[:t]
+        out["targets"][i, :t] = r.tokens[1:t + 1]
         out["segment_ids"][i, :t] = 1
-        out["loss_mask"][i, :t] = np.asarray(r.loss_mask[1:], bool)
-        out["behaviour_logprobs"][i, :t] = np.where(out["loss_mask"][i, :t], r.logprobs[1:], 0.0)
+        out["loss_mask"][i, :t] = np.asarray(r.loss_mask[1:t + 1], bool)
+        out["behaviour_logprobs"][i, :t] = np.where(out["loss_mask"][i, :t], r.logprobs[1:t + 1], 0.0)
         out["advantages"][i] = a
+        if images is not None:
+            pictures.append(images.row(r, t))
+    if images is not None:
+        pictures += [images.row(None, 0)] * (rows - n)
+        out.update({k: np.stack([p[k] for p in pictures]) for k in pictures[0]})
     out["loss_weights"] = loss_weights(out["loss_mask"], reduction, max_len, n_rollouts=n)
     counts = {"rollouts": n, "zero_variance_groups": zero, "groups": len(groups),
               "zero_variance_frac": zero / max(len(groups), 1),
-              "response_tokens": int(out["loss_mask"].sum())}
+              "response_tokens": int(out["loss_mask"].sum()), "truncated": truncated,
+              "truncated_tokens": truncated_tokens}
     return out, counts
