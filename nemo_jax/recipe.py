@@ -109,15 +109,6 @@ def _rel(path: str, base: str) -> str:
     return path if os.path.exists(path) else os.path.join(os.path.dirname(os.path.abspath(base)), path)
 
 
-def _export_run(run_dir: str, dst: str) -> None:
-    """An SFT run dir's latest params (and its tokenizer) -> a native model dir at dst."""
-    from nemo_jax.checkpoint import save_model
-    from nemo_jax.generate import load_for_generation
-
-    cfg, params, tok_dir = load_for_generation(run_dir)
-    save_model(dst, cfg, params, tokenizer_dir=tok_dir)
-
-
 class Recipe:
     def __init__(self, c: RecipeConfig, path: str):
         self.c, self.path = c, path
@@ -140,7 +131,11 @@ class Recipe:
 
         extra = [f"run_dir={run_dir}"] + ([f"model.init={init}", "model.init_sft_config=null"] if init else [])
         sft_main(_rel(config, self.path), list(overrides) + extra)
-        _export_run(run_dir, dst)
+        from nemo_jax.checkpoint import save_model
+        from nemo_jax.sources import load_for_generation
+
+        cfg, params, tok_dir = load_for_generation(run_dir)  # the run's latest good checkpoint (and tokenizer)
+        save_model(dst, cfg, params, tokenizer_dir=tok_dir)
 
     def _merge(self, stage: MergeStage, sets: list[str]):
         from nemo_jax.merge import load_recipe, run_recipe, summary
@@ -188,10 +183,9 @@ class Recipe:
         import jax
         import jax.numpy as jnp
 
-        from nemo_jax.checkpoint import load_any
         from nemo_jax.data.chat import ChatTokenizer
         from nemo_jax.generate import generate
-        from nemo_jax.lora.peft import load_adapters_any
+        from nemo_jax.sources import load_adapters, load_any
         from nemo_jax.plot import bar_chart
         from nemo_jax.rl.envs import make_env
         from nemo_jax.rl.grpo import evaluate_env
@@ -207,7 +201,7 @@ class Recipe:
             if stage in table and all(name in table[stage] for name, _ in envs):
                 continue
             cfg, params = load_any(model, dtype=jnp.float32)
-            ad = jax.tree.map(jnp.asarray, load_adapters_any(adapters, cfg)) if adapters else None
+            ad = jax.tree.map(jnp.asarray, load_adapters(adapters, cfg)) if adapters else None
             tok = ChatTokenizer.load(model)
             sample = lambda p, sp, k, params=params, ad=ad: generate(params, p, cfg, sp, key=k,  # noqa: E731
                                                                      adapters=ad, bucket=32)
@@ -229,7 +223,7 @@ class Recipe:
         for stage, _, _ in self.stages():
             cells = [f"{table[stage][n]['reward_mean']:.3f} / {table[stage][n]['success_rate']:.3f}" for n in names]
             lines.append(f"| {stage} | " + " | ".join(cells) + " |")
-        with atomic_dir(self.out("report")) as tmp:  # report.md + report.png appear together
+        with atomic_dir(self.out("report"), "recipe report", overwrite=True) as tmp:  # md + png together
             with open(os.path.join(tmp, "report.md"), "w") as f:
                 f.write("\n".join(lines) + "\n")
             bar_chart({s: {n: table[s][n]["reward_mean"] for n in names} for s, _, _ in self.stages()},

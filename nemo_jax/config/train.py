@@ -1,8 +1,45 @@
-"""Run configuration for SFT: small dataclasses, one per concern."""
+"""Run configuration for SFT and GRPO: small frozen dataclasses, one per concern.
+
+Every section checks its own values when it is built (`__post_init__`): sizes and counts positive, ranges and
+choices checked, each failure a `SettingError` naming the key (`config.load.from_dict` prefixes the section,
+e.g. `data.batch_size`). Loading a config therefore rejects a bad setting before JAX is imported, before any work
+and before the run dir exists. (Choices that belong to the model, such as model.remat or model.attention, are
+checked by `nemo_jax.model.Options`, also before the run dir is made.)
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+
+class SettingError(ValueError):
+    """A setting out of its range: `key` is its dotted name within the section that raised it."""
+
+    def __init__(self, key: str, msg: str):
+        self.key, self.msg = key, msg
+        super().__init__(f"{key}: {msg}")
+
+
+def _at_least(section, lo, *names):
+    for n in names:
+        v = getattr(section, n)
+        if v < lo:
+            raise SettingError(n, f"must be >= {lo}, got {v!r}")
+
+
+def _within(section, name: str, lo: float, hi: float, *, hi_open: bool = False, lo_open: bool = False):
+    v = getattr(section, name)
+    if (v <= lo if lo_open else v < lo) or (v >= hi if hi_open else v > hi):
+        raise SettingError(name, f"must be in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}, got {v!r}")
+
+
+def _one_of(section, name: str, choices: tuple):
+    v = getattr(section, name)
+    if v not in choices:
+        raise SettingError(name, f"{v!r} is not one of {', '.join(map(str, choices))}")
+
+
+DTYPES = ("float32", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -22,6 +59,11 @@ class ModelSection:
     attention: str = "blocked"  # blocked | ring (context-parallel K/V passed around the ring) | full (reference)
     freeze_vision: bool = False  # vision-language models: the vision tower gets no gradient or update (projector trains)
     seed: int = 0
+
+    def __post_init__(self):
+        _one_of(self, "dtype", DTYPES)
+        _within(self, "capacity_factor", 0, float("inf"), lo_open=True)
+        _at_least(self, 0, "ep_capacity")
 
 
 @dataclass(frozen=True)
@@ -48,6 +90,13 @@ class DataSection:
     prefetch: int = 2  # batches each loader worker keeps ready
     prepare_workers: int = 1  # processes tokenising JSONL given directly (prepared into RUN_DIR/data)
 
+    def __post_init__(self):
+        _at_least(self, 1, "seq_len", "batch_size", "max_eval_batches", "pack_window", "prepare_workers")
+        _at_least(self, 0, "max_image_patches", "max_images", "shards", "workers", "prefetch")
+        _one_of(self, "on_error", ("raise", "skip"))
+        _one_of(self, "packing", ("ffd", "greedy"))
+        _one_of(self, "long_documents", ("split", "drop"))
+
 
 @dataclass(frozen=True)
 class OptimSection:
@@ -66,6 +115,17 @@ class OptimSection:
     mtp_loss_coef: float = 0.0
     max_nonfinite_in_a_row: int = 5
 
+    def __post_init__(self):
+        _within(self, "lr", 0, float("inf"))
+        _within(self, "min_lr_ratio", 0, 1)
+        _one_of(self, "decay", ("cosine", "linear", "constant"))
+        _within(self, "b1", 0, 1, hi_open=True)
+        _within(self, "b2", 0, 1, hi_open=True)
+        _within(self, "eps", 0, float("inf"), lo_open=True)
+        _at_least(self, 0, "warmup_steps", "weight_decay", "clip_norm", "aux_loss_coef", "bias_update_rate",
+                  "mtp_loss_coef")
+        _at_least(self, 1, "grad_accum", "max_nonfinite_in_a_row")
+
 
 @dataclass(frozen=True)
 class MeshSection:
@@ -77,6 +137,16 @@ class MeshSection:
     # devices per node (tensor and expert are kept inside one, data/fsdp span nodes: parallel.mesh.make_mesh);
     # 0 = one node per process (one process per host, as launch/ starts them) or per TPU slice
     devices_per_node: int = 0
+
+    def __post_init__(self):
+        sizes = self.sizes()
+        for k, v in sizes.items():
+            if v == 0 or v < -1:
+                raise SettingError(k, f"must be a positive size or -1 (the devices left over), got {v!r}")
+        free = [k for k, v in sizes.items() if v == -1]
+        if len(free) > 1:
+            raise SettingError(free[1], f"only one mesh axis may be -1 (also {free[0]})")
+        _at_least(self, 0, "devices_per_node")
 
     def sizes(self) -> dict[str, int]:
         """Axis sizes for `parallel.mesh.make_mesh` (-1 = the devices left over)."""
@@ -94,12 +164,24 @@ class LoraSection:
     init_seed: int = 0
     base_dtype: str = "float32"  # dtype the frozen base is held in: float32 | bfloat16
 
+    def __post_init__(self):
+        _at_least(self, 1, "rank")
+        _within(self, "alpha", 0, float("inf"), lo_open=True)
+        _one_of(self, "base_dtype", DTYPES)
+
 
 @dataclass(frozen=True)
 class CheckpointSection:
-    every: int = 100
-    keep: int = 3
+    every: int = 100  # save every this many steps (0: only at the end)
+    keep: int = 3  # newest steps kept
     async_save: bool = True
+    # restore checks every file of a step against the manifest written when it was saved (every byte read; a
+    # damaged step is moved aside to N.damaged and the previous one used): false trusts the files
+    verify: bool = True
+
+    def __post_init__(self):
+        _at_least(self, 0, "every")
+        _at_least(self, 1, "keep")
 
 
 @dataclass(frozen=True)
@@ -115,6 +197,15 @@ class DistributedSection:
     initialization_timeout: int = 300  # seconds for every peer to join
     heartbeat_timeout: int = 30  # seconds without a heartbeat before a peer counts as lost
 
+    def __post_init__(self):
+        _one_of(self, "cluster", ("auto", "none", "explicit", "slurm", "k8s", "tpu"))
+        if self.num_processes is not None:
+            _at_least(self, 1, "num_processes")
+        if self.process_id is not None:
+            _at_least(self, 0, "process_id")
+        _within(self, "port", 0, 65535)
+        _at_least(self, 1, "initialization_timeout", "heartbeat_timeout")
+
 
 @dataclass(frozen=True)
 class WandbSection:
@@ -123,6 +214,9 @@ class WandbSection:
     entity: str | None = None
     name: str | None = None  # default: the run name
     mode: str = "online"  # online | offline (no network; `wandb sync` later) | disabled
+
+    def __post_init__(self):
+        _one_of(self, "mode", ("online", "offline", "disabled"))
 
 
 @dataclass(frozen=True)
@@ -148,6 +242,10 @@ class SFTConfig:
     logging: LoggingSection = field(default_factory=LoggingSection)
     distributed: DistributedSection = field(default_factory=DistributedSection)
 
+    def __post_init__(self):
+        _at_least(self, 1, "steps", "log_every")
+        _at_least(self, 0, "eval_every")
+
 
 # ----------------------------------------------------------------------------- GRPO (nemo_jax.rl)
 POLICY_LOSS_KINDS = ("dppo", "importance_sampling", "ppo", "cross_entropy")
@@ -167,14 +265,11 @@ class PolicyLossConfig:
     advantage_scale: str = "none"  # none (Dr. GRPO: r - mean) | std (divide by the group's std)
 
     def __post_init__(self):
-        if self.kind not in POLICY_LOSS_KINDS:
-            raise ValueError(f"loss.kind: {self.kind!r} (expected one of {', '.join(POLICY_LOSS_KINDS)})")
-        if self.reduction not in REDUCTIONS:
-            raise ValueError(f"loss.reduction: {self.reduction!r} (expected one of {', '.join(REDUCTIONS)})")
-        if self.temperature <= 0:
-            raise ValueError(f"loss.temperature must be > 0 (got {self.temperature})")
-        if self.advantage_scale not in ("none", "std"):
-            raise ValueError(f"loss.advantage_scale: {self.advantage_scale!r} (expected none or std)")
+        _one_of(self, "kind", POLICY_LOSS_KINDS)
+        _one_of(self, "reduction", REDUCTIONS)
+        _within(self, "temperature", 0, float("inf"), lo_open=True)
+        _one_of(self, "advantage_scale", ("none", "std"))
+        _at_least(self, 0, "delta_low", "delta_high", "kl_coef", "ref_kl_coef")
 
 
 @dataclass(frozen=True)
@@ -183,6 +278,10 @@ class CurriculumSection:
     window: int = 16
     floor: float = 0.01
     prior: float = 0.25
+
+    def __post_init__(self):
+        _at_least(self, 1, "window")
+        _at_least(self, 0, "floor", "prior")
 
 
 @dataclass(frozen=True)
@@ -201,6 +300,14 @@ class RolloutSection:
     producer: str = "thread"  # thread (in-process sampler beside the learner) | inline (sample, then learn) | none (spool only)
     spool: bool = False  # also read rollouts external producers write to RUN/spool
     publish_every: int = 1  # publish the adapters to RUN/policy/<version> every this many steps (0: never)
+
+    def __post_init__(self):
+        _at_least(self, 2, "group_size")
+        _at_least(self, 1, "groups_per_step", "in_flight_groups", "max_new_tokens", "seq_len")
+        _at_least(self, 0, "max_off_policy_steps", "sampler_rows", "sampler_positions", "publish_every")
+        _one_of(self, "producer", ("thread", "inline", "none"))
+        if self.producer == "none" and not self.spool:
+            raise SettingError("producer", "none needs rollout.spool=true (otherwise nothing produces rollouts)")
 
 
 @dataclass(frozen=True)
@@ -224,3 +331,63 @@ class GRPOConfig:
     mesh: MeshSection = field(default_factory=MeshSection)
     checkpoint: CheckpointSection = field(default_factory=lambda: CheckpointSection(every=10, keep=2))
     logging: LoggingSection = field(default_factory=LoggingSection)
+
+    def __post_init__(self):
+        _at_least(self, 1, "steps", "log_every", "eval_attempts")
+        _at_least(self, 0, "eval_every")
+        if not self.lora.targets:
+            raise SettingError("lora.targets", "grpo trains LoRA adapters: name some (e.g. [all])")
+
+
+# ----------------------------------------------------------------------------- loading (no JAX needed)
+def load_sft_config(path: str | None, overrides=()) -> SFTConfig:
+    """YAML (None: the embedded tiny CPU defaults) + dotted overrides -> a validated SFTConfig; the run is named
+    after the file unless `name` is set."""
+    import dataclasses
+    import os
+
+    from nemo_jax.config.load import load_config
+
+    c = load_config(SFTConfig, path, list(overrides))
+    if path and c.name == "sft":
+        c = dataclasses.replace(c, name=os.path.splitext(os.path.basename(path))[0])
+    return c
+
+
+def load_grpo_config(path: str | None, overrides=()) -> GRPOConfig:
+    """YAML + dotted overrides -> a validated GRPOConfig, named after the file unless `name` is set."""
+    import dataclasses
+    import os
+
+    from nemo_jax.config.load import load_config
+
+    c = load_config(GRPOConfig, path, list(overrides))
+    if path and c.name == "grpo":  # runs/<config name> by default
+        c = dataclasses.replace(c, name=os.path.splitext(os.path.basename(path))[0])
+    return c
+
+
+def read_mesh_sizes(spec: str) -> dict:
+    """A `--mesh` argument: a preset YAML (configs/mesh/*.yaml) or inline sizes "fsdp=8,tensor=2" -> {axis: size}."""
+    import os
+
+    axes = tuple(MeshSection().sizes())
+    if os.path.isfile(spec):
+        import yaml
+
+        with open(spec) as f:
+            sizes = yaml.safe_load(f) or {}
+        if not isinstance(sizes, dict):
+            raise ValueError(f"{spec}: a mesh preset must be a mapping of axis: size")
+    elif "=" in spec:
+        sizes = {k.strip(): v for k, v in (kv.split("=", 1) for kv in spec.split(",") if kv)}
+    else:
+        raise FileNotFoundError(f"--mesh {spec!r}: neither a preset file nor sizes like fsdp=8,tensor=2")
+    for k, v in sizes.items():
+        if k not in axes + ("devices_per_node",):
+            raise ValueError(f"--mesh {spec}: unknown axis {k!r} (axes: {', '.join(axes)}; or devices_per_node)")
+        try:
+            sizes[k] = int(v)
+        except (TypeError, ValueError):
+            raise ValueError(f"--mesh {spec}: size of {k!r} must be an integer, got {v!r}") from None
+    return sizes

@@ -34,14 +34,17 @@ def _host_numpy(x) -> np.ndarray:
     return np.asarray(x)
 
 
-def save_adapter_checkpoint(path: str, cfg: NemotronHConfig, lora_cfg: LoraConfig, adapters) -> None:
-    """Write the adapter set (every process must call this with sharded arrays; process 0 writes)."""
+def save_adapter_checkpoint(path: str, cfg: NemotronHConfig, lora_cfg: LoraConfig, adapters, *,
+                            overwrite: bool = False) -> None:
+    """Write the adapter set (every process must call this with sharded arrays; process 0 writes). An existing
+    `path` is replaced only with `overwrite` and only when it is an earlier adapter checkpoint (a trainer's
+    RUN/adapters is: it passes overwrite=True)."""
     from safetensors.numpy import save_file
 
     flat = {path_str(p): _host_numpy(x) for p, x in jax.tree_util.tree_flatten_with_path(adapters)[0]}
     if jax.process_index() != 0:
         return
-    with atomic_dir(path) as tmp:
+    with atomic_dir(path, "adapter checkpoint", overwrite=overwrite, own_files=(META, TENSORS)) as tmp:
         save_file({k: np.ascontiguousarray(v) for k, v in flat.items()}, os.path.join(tmp, TENSORS),
                   metadata={"format": "nemo_jax-lora"})
         with open(os.path.join(tmp, META), "w") as f:

@@ -26,8 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nemo_jax.config.load import load_config
-from nemo_jax.config.train import GRPOConfig
+from nemo_jax.config.train import GRPOConfig, load_grpo_config  # noqa: F401 (load_grpo_config: re-exported)
 from nemo_jax.data.chat import ChatTokenizer
 from nemo_jax.lora import LoraConfig, save_adapter_checkpoint
 from nemo_jax.parallel.mesh import batch_shards, make_mesh
@@ -46,23 +45,6 @@ from nemo_jax.train.sft import DTYPES, initial_params, options_from
 MAX_DRAWS = 4  # groups drawn per step, at most, as a multiple of groups_per_step (zero-variance ones are skipped)
 
 
-def load_grpo_config(path: str | None, overrides=()) -> GRPOConfig:
-    c = load_config(GRPOConfig, path, list(overrides))
-    if path and c.name == "grpo":  # runs/<config name> by default
-        c = dataclasses.replace(c, name=os.path.splitext(os.path.basename(path))[0])
-    r = c.rollout
-    if r.group_size < 2 or r.groups_per_step < 1:
-        raise ValueError(f"rollout.group_size >= 2 and rollout.groups_per_step >= 1 (got {r.group_size}, "
-                         f"{r.groups_per_step})")
-    if r.producer not in ("thread", "inline", "none"):
-        raise ValueError(f"rollout.producer: {r.producer!r} (expected thread, inline or none)")
-    if r.producer == "none" and not r.spool:
-        raise ValueError("rollout.producer=none needs rollout.spool=true (otherwise nothing produces rollouts)")
-    if not c.lora.targets:
-        raise ValueError("grpo trains LoRA adapters: set lora.targets (e.g. [all])")
-    return c
-
-
 class GRPORunner:
     def __init__(self, c: GRPOConfig, *, quiet: bool = False, devices=None):
         check_logging(c.logging)
@@ -70,8 +52,6 @@ class GRPORunner:
         self.run_dir = os.path.abspath(c.run_dir or os.path.join("runs", c.name))
         self.mesh = make_mesh(c.mesh.sizes(), devices, c.mesh.devices_per_node)
         cfg, params = initial_params(c, self.mesh, Rules())
-        if c.lora.base_dtype not in DTYPES:
-            raise ValueError(f"lora.base_dtype: {c.lora.base_dtype!r} (expected one of {sorted(DTYPES)})")
         dt = DTYPES[c.lora.base_dtype]
         base = jax.tree.map(lambda x: x.astype(dt), params)
         self.cfg = cfg
@@ -109,11 +89,12 @@ class GRPORunner:
 
     def save(self, producer):
         if self.step != self.saved_step:  # (the last periodic checkpoint may already be this step's)
-            self.client.save_state(os.path.join(self.run_dir, "checkpoints"), self.step, self._extra(producer))
+            self.client.save_state(os.path.join(self.run_dir, "checkpoints"), self.step, self._extra(producer),
+                                   meta={"config": dataclasses.asdict(self.c)}, verify=self.c.checkpoint.verify)
             self.saved_step = self.step
 
     def restore(self, producer) -> bool:
-        out = self.client.load_state(os.path.join(self.run_dir, "checkpoints"))
+        out = self.client.load_state(os.path.join(self.run_dir, "checkpoints"), verify=self.c.checkpoint.verify)
         if out is None:
             return False
         self.step, extra = out
@@ -208,7 +189,7 @@ class GRPORunner:
         self.save(producer)
         self.client.close()
         save_adapter_checkpoint(os.path.join(self.run_dir, "adapters"), self.cfg, self.client.lora_cfg,
-                                self.client.adapters)
+                                self.client.adapters, overwrite=True)
         last["step"] = self.step
         last["stopped_early"] = self.stop_requested
         return last
@@ -313,14 +294,15 @@ def evaluate_env(sample, tok, cfg, env, attempts: int, max_new_tokens: int, temp
 def cli_eval(a) -> dict:
     import json
 
-    from nemo_jax.generate import generate, load_for_generation
+    from nemo_jax.generate import generate
+    from nemo_jax.sources import load_for_generation
 
     cfg, params, tok_dir = load_for_generation(a.ckpt, dtype=jnp.float32)
     adapters = None
     if a.adapters:
-        from nemo_jax.lora.peft import load_adapters_any
+        from nemo_jax.sources import load_adapters
 
-        adapters = jax.tree.map(jnp.asarray, load_adapters_any(a.adapters, cfg))
+        adapters = jax.tree.map(jnp.asarray, load_adapters(a.adapters, cfg))
     tok = ChatTokenizer.load(a.tokenizer or tok_dir)
     env = make_env(a.env, **(json.loads(a.env_args) if a.env_args else {}))
     sample = lambda prompts, sp, key: generate(params, prompts, cfg, sp, key=key, adapters=adapters)  # noqa: E731
@@ -336,5 +318,6 @@ def cli_eval(a) -> dict:
     return out
 
 
-def main(path: str | None, overrides=()) -> dict:
-    return GRPORunner(load_grpo_config(path, overrides)).run()
+def main(path: str | None = None, overrides=(), *, config: GRPOConfig | None = None) -> dict:
+    """`nemo-jax grpo`: the config (`config`, or loaded from `path` + `overrides`) is validated before any work."""
+    return GRPORunner(config or load_grpo_config(path, overrides)).run()
