@@ -114,8 +114,9 @@ def check_output(path: str, kind: str, overwrite: bool = False, own_files=()) ->
                                 f"{m.get('command') or 'nemo-jax'}), not a {kind}")
     foreign = [e for e in entries if e != OUTPUT_MARKER and e not in set(m.get("files") or ())]
     if foreign:
-        raise OutputExistsError(f"{path}: not replaced: {foreign[0]!r} (and {len(foreign) - 1} more) was not written "
-                                f"by nemo-jax; move it out first")
+        more = f" (and {len(foreign) - 1} more)" if len(foreign) > 1 else ""
+        raise OutputExistsError(f"{path}: not replaced: {foreign[0]!r}{more} in it was not written by nemo-jax; move "
+                                "it out first")
     return path
 
 

@@ -202,11 +202,17 @@ def open_lazy(path: str):
 
 # --------------------------------------------------------------------------- adapters
 def run_adapters(run: Run) -> dict:
-    """A LoRA / GRPO run step's adapters (the trainable tree of its train state) as host numpy arrays."""
+    """A LoRA / GRPO run step's adapters (the trainable tree of its train state) as host numpy arrays; a step
+    without a train state: the run's RUN/adapters."""
     import jax
     import numpy as np
 
-    return jax.tree.map(np.asarray, restore_run_params(os.path.join(run.step_dir, "state")))
+    state = os.path.join(run.step_dir, "state")
+    if not os.path.isdir(state):
+        from nemo_jax.lora import load_adapter_checkpoint
+
+        return load_adapter_checkpoint(run.run_dir)[2]
+    return jax.tree.map(np.asarray, restore_run_params(state))
 
 
 def load_adapter_set(path: str):

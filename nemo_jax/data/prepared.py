@@ -304,8 +304,9 @@ def claim_output(out: str, overwrite: bool = False):
                                 f"{marker.get('command')}), not prepared data")
     foreign = [e for e in entries if e not in OWN_ENTRIES + (OUTPUT_MARKER, MANIFEST + ".tmp")]
     if foreign:
-        raise OutputExistsError(f"{out}: not touched: {foreign[0]!r} (and {len(foreign) - 1} more) is not part of a "
-                                "prepared-data folder (choose an empty or new --out)")
+        more = f" (and {len(foreign) - 1} more)" if len(foreign) > 1 else ""
+        raise OutputExistsError(f"{out}: not touched: {foreign[0]!r}{more} in it is not part of a prepared-data "
+                                "folder (choose an empty or new --out)")
     os.makedirs(out, exist_ok=True)
     if overwrite:
         for e in OWN_ENTRIES + (MANIFEST + ".tmp",):

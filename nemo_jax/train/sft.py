@@ -35,7 +35,7 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 def model_config_path(name: str) -> str:
-    if os.path.exists(name):
+    if os.path.isfile(name):
         return name
     p = os.path.join(ASSETS, "models", f"{name}.json")
     if os.path.exists(p):
