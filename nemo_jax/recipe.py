@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 from dataclasses import dataclass, field
 
 from nemo_jax.config.load import load_config
@@ -231,7 +232,7 @@ class Recipe:
                       ylabel="mean reward")
         for f in ("report.md", "report.png"):
             os.replace(self.out("report", f), self.out(f))
-        os.rmdir(self.out("report"))
+        shutil.rmtree(self.out("report"))  # made just above (what is left: its output marker)
         print("\n".join(lines), flush=True)
         return table
 
