@@ -440,7 +440,7 @@ def main(argv=None):
         print(f"nemo-jax {args.cmd}: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     except OSError as e:  # a full disk, a read-only or missing folder: where and why, in one line
-        print(f"nemo-jax {args.cmd}: error: {e if e.filename is None and not e.errno else fsutil.describe_os_error(e)}",
+        print(f"nemo-jax {args.cmd}: error: {e if e.filename is None else fsutil.describe_os_error(e)}",
               file=sys.stderr)
         raise SystemExit(1) from None
 

@@ -24,7 +24,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from nemo_jax.checkpoint import latest_good_step, set_aside, step_dirs, step_verified, warn_damaged
-from nemo_jax.fsutil import Damage, describe_os_error, write_manifest
+from nemo_jax.fsutil import Damage, write_manifest
 from nemo_jax.model.spec import PARAM_LAYOUT, check_param_layout, flatten_with_paths
 
 
@@ -97,14 +97,11 @@ class RunCheckpointer:
         for name in os.listdir(self.directory) if jax.process_index() == 0 else ():
             if re.fullmatch(rf"{step}\.orbax-checkpoint-tmp.*", name):
                 shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
-        if isinstance(e, OSError) and e.errno:
-            code, why = e.errno, describe_os_error(e)
-        else:
-            text = str(e)
-            m = re.search(r"os_error_code='?(\d+)|\[Errno (\d+)\]", text)
-            code = int(m.group(1) or m.group(2)) if m else None
-            why = (f"[Errno {code}] {os.strerror(code)} ({errno.errorcode.get(code, '?')})" if code
-                   else f"{type(e).__name__}: {text.splitlines()[0][:300] if text else ''}")
+        text = str(e)
+        m = re.search(r"os_error_code='?(\d+)|\[Errno (\d+)\]", text)
+        code = e.errno if isinstance(e, OSError) and e.errno else int(m.group(1) or m.group(2)) if m else None
+        why = (f"{os.strerror(code)} ({errno.errorcode.get(code, '?')})" if code
+               else f"{type(e).__name__}: {text.splitlines()[0][:300] if text else ''}")
         last = [s for s in self.steps() if s < step]
         resume = f"the run resumes from step {last[-1]}" if last else "no earlier step is saved"
         return CheckpointWriteError(code, f"checkpoint step {step} could not be written to "
@@ -166,6 +163,10 @@ class RunCheckpointer:
         want = {k: tuple(v.shape) for k, v in flatten_with_paths(target_state).items()}
         where = os.path.join(self.directory, str(step))
         hint = "the checkpoint was written by another configuration (start a new run_dir, or restore that config)"
+        if any(k.startswith("opt_state/") and k.endswith("lora_scale") for k in saved):
+            hint = ("it was written by an older nemo_jax that trained the LoRA scale (its optimiser state holds "
+                    "lora_scale), so it cannot be resumed; its adapters are still read as they are (generate, eval, "
+                    "export-hf, lora export name the run dir): start a new run_dir")
         for k in want:
             if k not in saved:
                 raise ValueError(f"{where}: holds no {k!r}, which this run's train state has: {hint}")
