@@ -77,9 +77,10 @@ def _share_note() -> str:
 
 def cmd_import_hf(a):
     from nemo_jax.fsutil import check_output
-    from nemo_jax.hf.io import import_pretrained
 
     check_output(a.dst, "native model", a.overwrite)  # before JAX starts
+    from nemo_jax.hf.io import import_pretrained
+
     with _converting("import-hf"):
         import_pretrained(a.src, a.dst, dtype=_dtype(a.dtype), ignore_unexpected=a.ignore_unexpected, progress=True,
                           overwrite=a.overwrite, allow_nonfinite=a.allow_nonfinite)
@@ -432,16 +433,15 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     keep_freed_memory()  # CPU-only processes: see nemo_jax.hostmem
     tune_xla_cpu()
-    fsutil.COMMAND = " ".join(x for x in (args.cmd, getattr(args, "lora_cmd", None), getattr(args, "data_cmd", None))
-                              if x)  # recorded in the output markers
+    cmd = fsutil.COMMAND = " ".join(  # e.g. "lora export" (recorded in the output markers)
+        x for x in (args.cmd, getattr(args, "lora_cmd", None), getattr(args, "data_cmd", None)) if x)
     try:
         args.fn(args)
     except (ValueError, FileNotFoundError, MissingDependency) as e:
-        print(f"nemo-jax {args.cmd}: error: {e}", file=sys.stderr)
+        print(f"nemo-jax {cmd}: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     except OSError as e:  # a full disk, a read-only or missing folder: where and why, in one line
-        print(f"nemo-jax {args.cmd}: error: {e if e.filename is None else fsutil.describe_os_error(e)}",
-              file=sys.stderr)
+        print(f"nemo-jax {cmd}: error: {e if e.filename is None else fsutil.describe_os_error(e)}", file=sys.stderr)
         raise SystemExit(1) from None
 
 

@@ -143,8 +143,10 @@ def atomic_dir(path: str, kind: str, *, overwrite: bool = False, own_files=(), m
         yield tmp
         seal(tmp, kind, manifest)
         check_output(path, kind, overwrite, own_files)  # nothing appeared there meanwhile
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) and type(e) is OSError and e.errno and e.filename is None:
+            raise OSError(e.errno, e.strerror, path) from e  # a full disk while writing: say which output
         raise
     publish(tmp, path)
 

@@ -154,7 +154,10 @@ class ShardWriter:
 
     def add(self, doc: Document):
         meta = {"images": doc.images, **({"image_hw": doc.image_hw} if doc.image_hw else {})} if doc.images else None
-        self.w.write(encode_record(doc.ids, doc.mask, meta))
+        try:
+            self.w.write(encode_record(doc.ids, doc.mask, meta))
+        except RuntimeError as e:
+            raise _os_error(e, self.base + ".array_record") from None
         st, n = self.stats, len(doc.ids)
         st["documents"] += 1
         st["tokens"] += n
@@ -171,8 +174,11 @@ class ShardWriter:
 
     def close(self):
         if self.w is not None:
-            self.w.close()
-            self.w = None
+            w, self.w = self.w, None
+            try:
+                w.close()
+            except RuntimeError as e:
+                raise _os_error(e, self.base + ".array_record") from None
 
     def finish(self) -> dict:
         self.close()
@@ -189,7 +195,6 @@ def _shard_job(args) -> dict:
     chunk, tokenizer, out, fp, on_error, vocab = args
     tok = ChatTokenizer.load(tokenizer)
     w = ShardWriter(out, chunk.name, input=chunk.path, fingerprint=fp)
-    done = False
     try:
         for line, raw in _records(chunk):
             try:
@@ -201,13 +206,23 @@ def _shard_job(args) -> dict:
                 w.reject(where, str(e))
                 continue
             w.add(doc)
-        done = True
+        return w.finish()
     finally:
-        w.close()
-        if not done:  # a stopped shard leaves no temporary behind
+        if w.w is not None or not os.path.exists(w.base + ".array_record"):  # stopped: no temporary left behind
+            with contextlib.suppress(OSError):
+                w.close()
             with contextlib.suppress(FileNotFoundError):
                 os.remove(w.base + ".array_record.tmp")
-    return w.finish()
+
+
+def _os_error(e: RuntimeError, path: str) -> OSError:
+    """array_record reports a failed write (e.g. a full disk) as a RuntimeError with the C library's message ->
+    the OSError it stands for (errno from that message), naming the shard."""
+    import errno as errno_
+
+    text = str(e)
+    code = next((c for c in errno_.errorcode if os.strerror(c) in text), errno_.EIO)
+    return OSError(code, os.strerror(code), path)
 
 
 def _write_json(path: str, obj):
