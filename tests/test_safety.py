@@ -373,3 +373,19 @@ def test_bad_settings_fail_in_one_line_before_jax(tmp_path, argv, key):
     assert p.returncode == 2 and lines[-1] == "no jax" and len(lines) == 2, p.stderr
     assert "error:" in lines[0] and key in lines[0], lines[0]
     assert not run.exists()
+
+
+def test_lm_head_adapter_checkpoint_round_trip(tmp_path):
+    """An adapter set whose scale is a scalar (lm_head) is written as a scalar and read back; one written as [1]
+    (by earlier versions: np.ascontiguousarray made it 1-d, and it was then refused) is read too."""
+    from safetensors.numpy import load_file, save_file
+
+    from nemo_jax.lora import LoraConfig, init_adapters, load_adapter_checkpoint, save_adapter_checkpoint
+
+    lc = LoraConfig(("lm_head",), rank=2, alpha=4.0)
+    save_adapter_checkpoint(str(tmp_path / "a"), CFG, lc, init_adapters(CFG, lc))
+    tensors = load_file(str(tmp_path / "a" / "adapters.safetensors"))
+    assert tensors["lm_head/lora_scale"].shape == ()
+    assert load_adapter_checkpoint(str(tmp_path / "a"))[2]["lm_head"]["lora_scale"] == np.float32(2.0)
+    save_file({**tensors, "lm_head/lora_scale": np.array([2.0], np.float32)}, str(tmp_path / "a" / "adapters.safetensors"))
+    assert load_adapter_checkpoint(str(tmp_path / "a"))[2]["lm_head"]["lora_scale"].shape == ()
