@@ -186,7 +186,7 @@ class Recipe:
 
         from nemo_jax.data.chat import ChatTokenizer
         from nemo_jax.generate import generate
-        from nemo_jax.sources import load_adapters, load_any
+        from nemo_jax.sources import load_adapters, load_any, tokenizer_dir
         from nemo_jax.plot import bar_chart
         from nemo_jax.rl.envs import make_env
         from nemo_jax.rl.grpo import evaluate_env
@@ -203,7 +203,7 @@ class Recipe:
                 continue
             cfg, params = load_any(model, dtype=jnp.float32)
             ad = jax.tree.map(jnp.asarray, load_adapters(adapters, cfg)) if adapters else None
-            tok = ChatTokenizer.load(model)
+            tok = ChatTokenizer.load(tokenizer_dir(model))
             sample = lambda p, sp, k, params=params, ad=ad: generate(params, p, cfg, sp, key=k,  # noqa: E731
                                                                      adapters=ad, bucket=32)
             for name, env in envs:
