@@ -77,11 +77,7 @@ def from_dict(cls, data: dict, where: str = ""):
         return cls(**kw)
     except TypeError as e:
         raise ValueError(f"{where or cls.__name__}: {e}") from None
-    except ValueError as e:  # a section's own check (`config.train.SettingError`): name the key in full
-        key = getattr(e, "key", None)
-        if key is None:
-            raise
-        raise type(e)(f"{where}.{key}" if where else key, e.msg) from None
+
 
 
 def _tname(tp) -> str:

@@ -13,30 +13,32 @@ from dataclasses import dataclass, field
 
 
 class SettingError(ValueError):
-    """A setting out of its range: `key` is its dotted name within the section that raised it."""
+    """A setting out of its range, naming its dotted key (e.g. `data.batch_size`)."""
 
-    def __init__(self, key: str, msg: str):
-        self.key, self.msg = key, msg
-        super().__init__(f"{key}: {msg}")
+    def __init__(self, section, name: str, msg: str):
+        where = getattr(section, "SECTION", "")  # each section class names where it sits in a run config
+        self.key, self.msg = f"{where}.{name}" if where else name, msg
+        super().__init__(f"{self.key}: {msg}")
 
 
 def _at_least(section, lo, *names):
     for n in names:
         v = getattr(section, n)
         if v < lo:
-            raise SettingError(n, f"must be >= {lo}, got {v!r}")
+            raise SettingError(section, n, f"must be >= {lo}, got {v!r}")
 
 
 def _within(section, name: str, lo: float, hi: float, *, hi_open: bool = False, lo_open: bool = False):
     v = getattr(section, name)
     if (v <= lo if lo_open else v < lo) or (v >= hi if hi_open else v > hi):
-        raise SettingError(name, f"must be in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}, got {v!r}")
+        raise SettingError(section, name, f"must be in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}, "
+                                          f"got {v!r}")
 
 
 def _one_of(section, name: str, choices: tuple):
     v = getattr(section, name)
     if v not in choices:
-        raise SettingError(name, f"{v!r} is not one of {', '.join(map(str, choices))}")
+        raise SettingError(section, name, f"{v!r} is not one of {', '.join(map(str, choices))}")
 
 
 DTYPES = ("float32", "bfloat16")
@@ -44,6 +46,7 @@ DTYPES = ("float32", "bfloat16")
 
 @dataclass(frozen=True)
 class ModelSection:
+    SECTION = "model"  # where it sits in a run config (named in errors)
     config: str = "tiny"  # name in configs/model, a model config JSON path
     init: str = "random"  # "random" | path to a native model dir | an HF dir | an SFT run dir
     init_sft_config: str | None = None  # when `init` does not exist yet: an SFT config that trains it first
@@ -68,6 +71,7 @@ class ModelSection:
 
 @dataclass(frozen=True)
 class DataSection:
+    SECTION = "data"  # where it sits in a run config (named in errors)
     train: str = "builtin:tiny_chat/train.jsonl"
     # a weighted mixture instead of `train`: [{path: ..., weight: ...}, ...] (weight defaults to 1)
     sources: list[dict] = field(default_factory=list)
@@ -100,6 +104,7 @@ class DataSection:
 
 @dataclass(frozen=True)
 class OptimSection:
+    SECTION = "optim"  # where it sits in a run config (named in errors)
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 20
@@ -129,6 +134,7 @@ class OptimSection:
 
 @dataclass(frozen=True)
 class MeshSection:
+    SECTION = "mesh"  # where it sits in a run config (named in errors)
     data: int = 1
     fsdp: int = -1
     tensor: int = 1
@@ -142,10 +148,10 @@ class MeshSection:
         sizes = self.sizes()
         for k, v in sizes.items():
             if v == 0 or v < -1:
-                raise SettingError(k, f"must be a positive size or -1 (the devices left over), got {v!r}")
+                raise SettingError(self, k, f"must be a positive size or -1 (the devices left over), got {v!r}")
         free = [k for k, v in sizes.items() if v == -1]
         if len(free) > 1:
-            raise SettingError(free[1], f"only one mesh axis may be -1 (also {free[0]})")
+            raise SettingError(self, free[1], f"only one mesh axis may be -1 (also {free[0]})")
         _at_least(self, 0, "devices_per_node")
 
     def sizes(self) -> dict[str, int]:
@@ -157,6 +163,7 @@ class MeshSection:
 @dataclass(frozen=True)
 class LoraSection:
     """LoRA SFT (nemo_jax.lora): off while `targets` is empty. Only the adapters are trained and checkpointed."""
+    SECTION = "lora"  # where it sits in a run config (named in errors)
     targets: list[str] = field(default_factory=list)  # presets (attention, mamba, mlp, experts, lm_head, all) or path regexes
     rank: int = 8
     alpha: float = 16.0
@@ -172,6 +179,7 @@ class LoraSection:
 
 @dataclass(frozen=True)
 class CheckpointSection:
+    SECTION = "checkpoint"  # where it sits in a run config (named in errors)
     every: int = 100  # save every this many steps (0: only at the end)
     keep: int = 3  # newest steps kept
     async_save: bool = True
@@ -188,6 +196,7 @@ class CheckpointSection:
 class DistributedSection:
     """Multi-process start-up (nemo_jax.parallel.distributed). Defaults detect SLURM / Kubernetes / TPU VMs and
     the NEMO_JAX_COORDINATOR env; a single process needs nothing."""
+    SECTION = "distributed"  # where it sits in a run config (named in errors)
     cluster: str = "auto"  # auto | none | explicit | slurm | k8s | tpu
     coordinator: str | None = None  # host:port of process 0 (explicit layout)
     num_processes: int | None = None
@@ -210,6 +219,7 @@ class DistributedSection:
 @dataclass(frozen=True)
 class WandbSection:
     """Weights & Biases run (the `wandb` extra); off while `project` is unset."""
+    SECTION = "logging.wandb"  # where it sits in a run config (named in errors)
     project: str | None = None
     entity: str | None = None
     name: str | None = None  # default: the run name
@@ -255,6 +265,7 @@ REDUCTIONS = ("rollout", "token", "constant")
 @dataclass(frozen=True)
 class PolicyLossConfig:
     """The learner's loss (nemo_jax.rl.loss)."""
+    SECTION = "loss"  # where it sits in a run config (named in errors)
     kind: str = "dppo"  # dppo | importance_sampling | ppo | cross_entropy
     reduction: str = "rollout"  # rollout | token | constant (Dr. GRPO)
     delta_low: float = 0.2  # DPPO: drop a token with A < 0 when p - p_mu < -delta_low (ppo: ratio clip 1 - delta_low)
@@ -275,6 +286,7 @@ class PolicyLossConfig:
 @dataclass(frozen=True)
 class CurriculumSection:
     """Task sampling weight max(var(last `window` rewards), floor); `prior` for tasks never tried."""
+    SECTION = "curriculum"  # where it sits in a run config (named in errors)
     window: int = 16
     floor: float = 0.01
     prior: float = 0.25
@@ -286,6 +298,7 @@ class CurriculumSection:
 
 @dataclass(frozen=True)
 class RolloutSection:
+    SECTION = "rollout"  # where it sits in a run config (named in errors)
     env: str = "arithmetic"  # arithmetic | constraints | jsonl:PATH | package.module:Class
     env_args: dict = field(default_factory=dict)
     group_size: int = 8  # rollouts per task draw (advantages compare them)
@@ -307,7 +320,7 @@ class RolloutSection:
         _at_least(self, 0, "max_off_policy_steps", "sampler_rows", "sampler_positions", "publish_every")
         _one_of(self, "producer", ("thread", "inline", "none"))
         if self.producer == "none" and not self.spool:
-            raise SettingError("producer", "none needs rollout.spool=true (otherwise nothing produces rollouts)")
+            raise SettingError(self, "producer", "none needs rollout.spool=true (otherwise nothing produces rollouts)")
 
 
 @dataclass(frozen=True)
@@ -336,7 +349,7 @@ class GRPOConfig:
         _at_least(self, 1, "steps", "log_every", "eval_attempts")
         _at_least(self, 0, "eval_every")
         if not self.lora.targets:
-            raise SettingError("lora.targets", "grpo trains LoRA adapters: name some (e.g. [all])")
+            raise SettingError(self, "lora.targets", "grpo trains LoRA adapters: name some (e.g. [all])")
 
 
 # ----------------------------------------------------------------------------- loading (no JAX needed)
