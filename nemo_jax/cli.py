@@ -76,9 +76,7 @@ def _share_note() -> str:
 
 
 def cmd_import_hf(a):
-    from nemo_jax.fsutil import check_output
-
-    check_output(a.dst, "native model", a.overwrite)  # before JAX starts
+    fsutil.check_output(a.dst, "native model", a.overwrite)  # before JAX starts
     from nemo_jax.hf.io import import_pretrained
 
     with _converting("import-hf"):
@@ -88,9 +86,7 @@ def cmd_import_hf(a):
 
 
 def cmd_export_hf(a):
-    from nemo_jax.fsutil import check_output
-
-    check_output(a.dst, "HF checkpoint", a.overwrite)  # before JAX starts
+    fsutil.check_output(a.dst, "HF checkpoint", a.overwrite)  # before JAX starts
     with _converting("export-hf"):
         _export_hf(a)
     print(f"exported {a.src} -> {a.dst}{_share_note()}")
@@ -115,11 +111,9 @@ def _export_hf(a):
 def cmd_merge(a):
     from nemo_jax.merge.recipe import load_recipe
 
-    from nemo_jax.fsutil import check_output
-
     flags = [f"{k}=true" for k in ("overwrite", "allow_nonfinite") if getattr(a, k)]
     recipe = load_recipe(a.recipe, list(a.overrides) + flags)
-    check_output(recipe.output, "HF checkpoint", recipe.overwrite)  # both before JAX starts
+    fsutil.check_output(recipe.output, "HF checkpoint", recipe.overwrite)  # both before JAX starts
     from nemo_jax.merge import run_recipe, summary
 
     src = run_recipe(recipe, progress=True)
@@ -133,9 +127,7 @@ def cmd_merge(a):
 
 
 def cmd_lora_export(a):
-    from nemo_jax.fsutil import check_output
-
-    check_output(a.dst, "PEFT adapter dir", a.overwrite)  # before JAX starts
+    fsutil.check_output(a.dst, "PEFT adapter dir", a.overwrite)  # before JAX starts
     from nemo_jax.lora.peft import save_peft
     from nemo_jax.sources import load_adapter_set
 
@@ -146,9 +138,7 @@ def cmd_lora_export(a):
 
 
 def cmd_lora_import(a):
-    from nemo_jax.fsutil import check_output
-
-    check_output(a.dst, "adapter checkpoint", a.overwrite)  # before JAX starts
+    fsutil.check_output(a.dst, "adapter checkpoint", a.overwrite)  # before JAX starts
     from nemo_jax.config.model import NemotronHConfig
     from nemo_jax.lora import save_adapter_checkpoint
     from nemo_jax.lora.peft import ADAPTER_CONFIG, load_peft, lora_config_of, read_peft_config

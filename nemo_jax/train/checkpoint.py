@@ -104,9 +104,9 @@ class RunCheckpointer:
                else f"{type(e).__name__}: {text.splitlines()[0][:300] if text else ''}")
         last = [s for s in self.steps() if s < step]
         resume = f"the run resumes from step {last[-1]}" if last else "no earlier step is saved"
-        return CheckpointWriteError(code, f"checkpoint step {step} could not be written to "
-                                          f"{os.path.join(self.directory, str(step))}: {why}; its temporary files "
-                                          f"were removed ({resume}): fix the cause (e.g. free disk space) and rerun")
+        msg = (f"checkpoint step {step} could not be written to {os.path.join(self.directory, str(step))}: {why}; "
+               f"its temporary files were removed ({resume}): fix the cause (e.g. free disk space) and rerun")
+        return CheckpointWriteError(code, msg) if code else CheckpointWriteError(msg)
 
     # ------------------------------------------------------------------ restoring
     def steps(self) -> list[int]:
