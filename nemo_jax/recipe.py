@@ -62,11 +62,20 @@ class EvalEnv:
 
 @dataclass(frozen=True)
 class EvalSection:
+    SECTION = "eval"  # (named in setting errors)
     envs: list[EvalEnv] = field(default_factory=lambda: [EvalEnv()])
     attempts: int = 2
     max_new_tokens: int = 32
     temperature: float = 1.0
     seed: int = 0
+
+    def __post_init__(self):
+        from nemo_jax.config.train import SettingError
+
+        for key, v, lo in (("attempts", self.attempts, 1), ("max_new_tokens", self.max_new_tokens, 1),
+                           ("temperature", self.temperature, 0)):
+            if v < lo:
+                raise SettingError(self, key, f"must be >= {lo}, got {v!r}")
 
 
 @dataclass(frozen=True)
