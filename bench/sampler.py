@@ -47,7 +47,7 @@ def main():
     import torch
     import transformers
 
-    from nemo_jax.checkpoint import load_any
+    from nemo_jax.sources import load_any
 
     cfg = bench_config()
     d = {k: v for k, v in cfg.to_hf_dict().items() if k not in ("architectures", "model_type")}

@@ -1,5 +1,10 @@
 """`nemo-jax` command line: sft, grpo, eval, recipe, plan, generate, serve, rollout-worker, plot, import-hf,
-export-hf, merge, lora, forward."""
+export-hf, merge, lora, data, forward.
+
+Arguments and configs are checked before JAX is imported (a bad flag or setting fails in a fraction of a second)
+and every bad input is one line `nemo-jax CMD: error: ...` (exit 2). Any path naming a model may be a native
+model dir, an HF dir, a run dir (its latest good checkpoint) or RUN/checkpoints/N (`nemo_jax.sources`).
+"""
 
 from __future__ import annotations
 
@@ -8,8 +13,39 @@ import json
 import os
 import sys
 
+from nemo_jax import fsutil
 from nemo_jax.extras import MissingDependency
 from nemo_jax.hostmem import choose_platforms, keep_freed_memory, tune_xla_cpu, tune_xla_gpu
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with every usage error as one line (`nemo-jax CMD: error: ...`; --help shows the usage)."""
+
+    def error(self, message):
+        sys.stderr.write(f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        raise SystemExit(2)
+
+
+def _number(kind, lo=None, hi=None, lo_open=False, hi_open=False):
+    """An argparse type: an int or float within bounds (a bound None: unbounded)."""
+    def parse(text):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}")
+        if lo is not None and (v <= lo if lo_open else v < lo):
+            raise argparse.ArgumentTypeError(f"must be {'>' if lo_open else '>='} {lo}, got {text}")
+        if hi is not None and (v >= hi if hi_open else v > hi):
+            raise argparse.ArgumentTypeError(f"must be {'<' if hi_open else '<='} {hi}, got {text}")
+        return v
+
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
+
+
+POSITIVE = _number(int, 1)
+NON_NEGATIVE = _number(int, 0)
+TEMPERATURE = _number(float, 0)
 
 
 def _dtype(name: str | None):
@@ -41,38 +77,46 @@ def _share_note() -> str:
 
 
 def cmd_import_hf(a):
+    fsutil.check_output(a.dst, "native model", a.overwrite)  # before JAX starts
     from nemo_jax.hf.io import import_pretrained
 
     with _converting("import-hf"):
-        import_pretrained(a.src, a.dst, dtype=_dtype(a.dtype), ignore_unexpected=a.ignore_unexpected, progress=True)
+        import_pretrained(a.src, a.dst, dtype=_dtype(a.dtype), ignore_unexpected=a.ignore_unexpected, progress=True,
+                          overwrite=a.overwrite, allow_nonfinite=a.allow_nonfinite)
     print(f"imported {a.src} -> {a.dst}{_share_note()}")
 
 
 def cmd_export_hf(a):
+    fsutil.check_output(a.dst, "HF checkpoint", a.overwrite)  # before JAX starts
     with _converting("export-hf"):
         _export_hf(a)
     print(f"exported {a.src} -> {a.dst}{_share_note()}")
 
 
 def _export_hf(a):
-    from nemo_jax.checkpoint import lazy_model
     from nemo_jax.hf.io import read_dtypes, save_pretrained
+    from nemo_jax.sources import open_lazy
 
-    cfg, params = lazy_model(a.src)  # read region by region
+    cfg, params, tok_dir = open_lazy(a.src)  # read region by region (a run dir: its latest good checkpoint)
     if a.adapters:  # merged per HF tensor while streaming (fp32 math, rounded once to each tensor's dtype)
-        from nemo_jax.lora.peft import MergedSource, load_adapters_any, parse_adapter_arg
+        from nemo_jax.lora.peft import MergedSource, parse_adapter_arg
+        from nemo_jax.sources import load_adapters
 
-        sets = [(load_adapters_any(d, cfg), w) for d, w in map(parse_adapter_arg, a.adapters)]
+        sets = [(load_adapters(d, cfg), w) for d, w in map(parse_adapter_arg, a.adapters)]
         params = MergedSource(params, cfg, sets)
     dtypes = read_dtypes(a.like) if a.like else _dtype(a.dtype)
-    save_pretrained(cfg, params, a.dst, max_shard_size=a.max_shard_size, dtypes=dtypes, tokenizer_dir=a.src,
-                    progress=True)
+    save_pretrained(cfg, params, a.dst, max_shard_size=a.max_shard_size, dtypes=dtypes, tokenizer_dir=tok_dir,
+                    progress=True, overwrite=a.overwrite, allow_nonfinite=a.allow_nonfinite)
 
 
 def cmd_merge(a):
-    from nemo_jax.merge import load_recipe, run_recipe, summary
+    from nemo_jax.merge.recipe import load_recipe
 
-    recipe = load_recipe(a.recipe, a.overrides)
+    flags = [f"{k}=true" for k in ("overwrite", "allow_nonfinite") if getattr(a, k)]
+    recipe = load_recipe(a.recipe, list(a.overrides) + flags)
+    fsutil.check_output(recipe.output, "HF checkpoint", recipe.overwrite)  # both before JAX starts
+    from nemo_jax.merge import run_recipe, summary
+
     src = run_recipe(recipe, progress=True)
     print(summary(src.stats))
     if a.report:
@@ -84,28 +128,34 @@ def cmd_merge(a):
 
 
 def cmd_lora_export(a):
-    from nemo_jax.lora import load_adapter_checkpoint
+    fsutil.check_output(a.dst, "PEFT adapter dir", a.overwrite)  # before JAX starts
     from nemo_jax.lora.peft import save_peft
+    from nemo_jax.sources import load_adapter_set
 
-    cfg, lora_cfg, adapters = load_adapter_checkpoint(a.src)
-    save_peft(cfg, adapters, a.dst, format=a.format, base_model_name_or_path=a.base_model, lora_config=lora_cfg)
+    cfg, lora_cfg, adapters = load_adapter_set(a.src)  # a run dir: its latest good checkpoint's adapters
+    save_peft(cfg, adapters, a.dst, format=a.format, base_model_name_or_path=a.base_model, lora_config=lora_cfg,
+              overwrite=a.overwrite)
     print(f"exported {a.src} -> {a.dst} ({a.format} adapter format)")
 
 
 def cmd_lora_import(a):
+    fsutil.check_output(a.dst, "adapter checkpoint", a.overwrite)  # before JAX starts
     from nemo_jax.config.model import NemotronHConfig
     from nemo_jax.lora import save_adapter_checkpoint
     from nemo_jax.lora.peft import ADAPTER_CONFIG, load_peft, lora_config_of, read_peft_config
+    from nemo_jax.sources import model_config_of
 
     model = a.model or read_peft_config(a.src).get("base_model_name_or_path")
-    conf = model if model and model.endswith(".json") else os.path.join(model or "", "config.json")
-    if not model or not os.path.exists(conf):
-        raise FileNotFoundError(f"lora import needs the base model's config: pass --model (a model dir or "
+    if model and model.endswith(".json") and os.path.isfile(model):
+        cfg = NemotronHConfig.from_file(model)
+    elif model and os.path.isdir(model):
+        cfg = model_config_of(model)  # a model dir or a run dir
+    else:
+        raise FileNotFoundError(f"lora import needs the base model's config: pass --model (a model dir, run dir or "
                                 f"config.json); {os.path.join(a.src, ADAPTER_CONFIG)} base_model_name_or_path "
                                 f"{model!r} is not a local model dir")
-    cfg = NemotronHConfig.from_file(conf)
     adapters = load_peft(a.src, cfg)
-    save_adapter_checkpoint(a.dst, cfg, lora_config_of(a.src, adapters), adapters)
+    save_adapter_checkpoint(a.dst, cfg, lora_config_of(a.src, adapters), adapters, overwrite=a.overwrite)
     print(f"imported {a.src} -> {a.dst}")
 
 
@@ -121,7 +171,7 @@ def cmd_forward(a):
         cfg = NemotronHConfig.from_file(a.model)
         params = M.init(cfg, jax.random.key(a.seed))
     else:
-        from nemo_jax.checkpoint import load_any
+        from nemo_jax.sources import load_any
 
         cfg, params = load_any(a.model)
     toks = jax.random.randint(jax.random.key(a.seed + 1), (a.batch, a.seq_len), 0, cfg.vocab_size)
@@ -136,21 +186,27 @@ def _mesh_overrides(mesh: str | None) -> list[str]:
     """--mesh (a preset YAML or inline sizes "fsdp=8,tensor=2") -> mesh.* overrides."""
     if not mesh:
         return []
-    from nemo_jax.parallel.mesh import read_mesh_sizes
+    from nemo_jax.config.train import read_mesh_sizes
 
     return [f"mesh.{k}={v}" for k, v in read_mesh_sizes(mesh).items()]
 
 
 def cmd_sft(a):
+    from nemo_jax.config.train import load_sft_config
+
+    c = load_sft_config(a.config, _mesh_overrides(a.mesh) + list(a.overrides))  # checked before JAX starts
     from nemo_jax.train.sft import main as sft_main
 
-    sft_main(a.config, _mesh_overrides(a.mesh) + list(a.overrides), verbose=a.verbose)
+    sft_main(a.config, config=c, verbose=a.verbose)
 
 
 def cmd_grpo(a):
+    from nemo_jax.config.train import load_grpo_config
+
+    c = load_grpo_config(a.config, _mesh_overrides(a.mesh) + list(a.overrides))  # checked before JAX starts
     from nemo_jax.rl.grpo import main as grpo_main
 
-    grpo_main(a.config, _mesh_overrides(a.mesh) + list(a.overrides))
+    grpo_main(a.config, config=c)
 
 
 def cmd_recipe(a):
@@ -166,8 +222,10 @@ def cmd_eval(a):
 
 
 def cmd_plan(a):
-    from nemo_jax.plan.plan import default_target, native_target
+    from nemo_jax.config.train import load_plan_config
+    from nemo_jax.plan.targets import default_target, native_target
 
+    load_plan_config(a.config, _mesh_overrides(a.mesh) + list(a.overrides))  # checked before JAX starts
     a.target = a.target or default_target(a.device_kind)
     if a.target != "cpu" and native_target(a.device_kind) != a.target:
         raise ValueError(f"--target {a.target} cannot compile for --device-kind {a.device_kind} (its target is "
@@ -220,8 +278,8 @@ def cmd_rollout_worker(a):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="nemo-jax", description=__doc__)
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p = _Parser(prog="nemo-jax", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
 
     s = sub.add_parser("sft", help="supervised fine-tuning from a YAML config")
     s.add_argument("--config", default=None, help="YAML config (default: the embedded tiny CPU config)")
@@ -248,12 +306,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--adapters", default=None, help="PEFT dir, adapter checkpoint, or LoRA / GRPO run dir")
     s.add_argument("--env", required=True, help="arithmetic | constraints | jsonl:PATH | package.module:Class")
     s.add_argument("--env-args", default=None, help="JSON object of the environment's arguments")
-    s.add_argument("--attempts", type=int, default=1)
+    s.add_argument("--attempts", type=POSITIVE, default=1)
     s.add_argument("--split", default="eval", help="task split (default eval)")
-    s.add_argument("--max-new-tokens", type=int, default=32, help="per assistant turn")
-    s.add_argument("--temperature", type=float, default=1.0)
-    s.add_argument("--rows", type=int, default=32, help="decode rows of the sampler (continuous batching)")
-    s.add_argument("--max-len", type=int, default=1024, help="positions per row: a whole conversation")
+    s.add_argument("--max-new-tokens", type=POSITIVE, default=32, help="per assistant turn")
+    s.add_argument("--temperature", type=TEMPERATURE, default=1.0)
+    s.add_argument("--rows", type=POSITIVE, default=32, help="decode rows of the sampler (continuous batching)")
+    s.add_argument("--max-len", type=POSITIVE, default=1024, help="positions per row: a whole conversation")
     s.add_argument("--tokenizer", default=None, help="dir with tokenizer.json/tokenizer_config.json")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--json", default=None, help="also write the figures as JSON to this file")
@@ -263,25 +321,26 @@ def build_parser() -> argparse.ArgumentParser:
                        "simulated devices (ahead-of-time compile on this CPU machine)")
     s.add_argument("--config", default=None, help="SFT or GRPO YAML config (GRPO: its learner step; default: the "
                    "embedded tiny CPU config)")
-    s.add_argument("--devices", type=int, required=True, help="number of devices of the job")
+    s.add_argument("--devices", type=POSITIVE, required=True, help="number of devices of the job")
     s.add_argument("--device-kind", required=True, choices=("h100", "h200", "b200", "tpu-v5p", "tpu-v5e", "tpu-v6e"))
     s.add_argument("--target", choices=("gpu", "tpu", "cpu"), default=None,
                    help="compiler: the device kind's own (gpu: XLA:GPU via jax-cuda12-plugin, tpu: libtpu; "
                         "deviceless) or cpu (simulated CPU devices, an estimate); default: the kind's own when "
                         "nemo_jax[plan-gpu] / [plan-tpu] is installed, else cpu")
-    s.add_argument("--jobs", type=int, default=1, help="--search: compile this many candidates at once")
+    s.add_argument("--jobs", type=POSITIVE, default=1, help="--search: compile this many candidates at once")
     s.add_argument("--mesh", default=None, help="mesh preset YAML or sizes like fsdp=8,expert=8")
     s.add_argument("--json", action="store_true", help="print every figure as JSON (stable keys)")
     s.add_argument("--search", action="store_true", help="try mesh shapes and remat policies, rank those that fit")
-    s.add_argument("--max-candidates", type=int, default=12, help="--search: compile at most this many variants")
-    s.add_argument("--headroom", type=float, default=0.1, help="share of device memory kept free (default 0.1)")
+    s.add_argument("--max-candidates", type=POSITIVE, default=12, help="--search: compile at most this many variants")
+    s.add_argument("--headroom", type=_number(float, 0, 1, hi_open=True), default=0.1,
+                   help="share of device memory kept free (default 0.1)")
     s.add_argument("--sampler", action="store_true", help="also plan the sampler's prefill and decode steps")
-    s.add_argument("--rollout-batch", type=int, default=None,
+    s.add_argument("--rollout-batch", type=POSITIVE, default=None,
                    help="sampler rows (default: data.batch_size; a GRPO config's rollout.sampler_rows or its rollouts)")
-    s.add_argument("--prefill", type=int, default=None,
+    s.add_argument("--prefill", type=POSITIVE, default=None,
                    help="sampler: tokens per row one prefill appends (default: the whole context); a multi-turn "
                         "rollout prefills each turn's new tokens into a state holding the conversation")
-    s.add_argument("--context", type=int, default=None,
+    s.add_argument("--context", type=POSITIVE, default=None,
                    help="sampler context (default: data.seq_len; a GRPO config's rollout.sampler_positions)")
     s.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. data.seq_len=4096")
     s.set_defaults(fn=cmd_plan)
@@ -290,10 +349,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ckpt", required=True, help="native model dir, HF dir, or SFT run dir")
     s.add_argument("--prompt", required=True)
     s.add_argument("--tokenizer", default=None, help="dir with tokenizer.json/tokenizer_config.json")
-    s.add_argument("--max-new-tokens", type=int, default=64)
-    s.add_argument("--temperature", type=float, default=0.7)
-    s.add_argument("--top-k", type=int, default=0)
-    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--max-new-tokens", type=POSITIVE, default=64)
+    s.add_argument("--temperature", type=TEMPERATURE, default=0.7)
+    s.add_argument("--top-k", type=NON_NEGATIVE, default=0)
+    s.add_argument("--top-p", type=_number(float, 0, 1, lo_open=True), default=1.0)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--no-chat-template", action="store_true")
     s.add_argument("--image", action="append", default=[], metavar="FILE",
@@ -363,7 +422,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--keys", action="append", default=None,
                    help="only these metrics (comma-separated, repeatable), e.g. loss,eval_loss")
     s.add_argument("--out", default=None, help="output dir (default: RUN_DIR/plots of the first run)")
-    s.add_argument("--smoothing", type=float, default=0.6, help="EMA weight of the smoothed curves of dense series (sparse series such as eval and schedules such as the learning rate are drawn as logged), in [0, 1)")
+    s.add_argument("--smoothing", type=_number(float, 0, 1, hi_open=True), default=0.6,
+                   help="EMA weight of the smoothed curves of dense series (sparse series such as eval and "
+                        "schedules such as the learning rate are drawn as logged), in [0, 1)")
     s.set_defaults(fn=cmd_plot)
 
     s = sub.add_parser("import-hf", help="HF safetensors checkpoint -> native checkpoint")
@@ -371,10 +432,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("dst")
     s.add_argument("--dtype", default=None, help="cast every tensor (default: keep the checkpoint's dtypes)")
     s.add_argument("--ignore-unexpected", action="store_true", help="skip tensors the config does not describe")
+    s.add_argument("--overwrite", action="store_true", help="replace DST if it is an earlier native model written "
+                   "by nemo-jax (a folder holding anything else is never replaced)")
+    s.add_argument("--allow-nonfinite", action="store_true", help="import NaN / Inf tensors instead of stopping")
     s.set_defaults(fn=cmd_import_hf)
 
-    s = sub.add_parser("export-hf", help="native checkpoint -> HF safetensors checkpoint")
-    s.add_argument("src")
+    s = sub.add_parser("export-hf", help="native model, run dir (its latest good checkpoint) or HF dir -> HF "
+                       "safetensors checkpoint")
+    s.add_argument("src", help="native model dir, run dir, RUN/checkpoints/N or HF dir")
     s.add_argument("dst")
     s.add_argument("--dtype", default=None, help="write every tensor in this dtype (default: as stored)")
     s.add_argument("--like", default=None, help="HF dir whose per-tensor dtypes to reproduce")
@@ -382,12 +447,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--adapters", action="append", default=None, metavar="DIR[:WEIGHT]",
                    help="merge this LoRA adapter set (PEFT dir, adapter checkpoint or LoRA SFT run dir) into the "
                         "written weights, times WEIGHT (default 1); repeatable")
+    s.add_argument("--overwrite", action="store_true", help="replace DST if it is an earlier HF checkpoint written "
+                   "by nemo-jax (a folder holding anything else is never replaced)")
+    s.add_argument("--allow-nonfinite", action="store_true", help="write NaN / Inf tensors instead of stopping")
     s.set_defaults(fn=cmd_export_hf)
 
     s = sub.add_parser("merge", help="merge checkpoints (HF or native) by a YAML recipe of per-tensor rules")
     s.add_argument("recipe", metavar="RECIPE.yaml")
     s.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. output=runs/m rules.1.linear.sft=0.3")
     s.add_argument("--report", default=None, help="also write every tensor's change norm and survival here (TSV)")
+    s.add_argument("--overwrite", action="store_true", help="replace the output if it is an earlier HF checkpoint "
+                   "written by nemo-jax (as `overwrite: true` in the recipe)")
+    s.add_argument("--allow-nonfinite", action="store_true", help="write NaN / Inf tensors instead of stopping (as "
+                   "`allow_nonfinite: true` in the recipe)")
     s.set_defaults(fn=cmd_merge)
 
     s = sub.add_parser("lora", help="LoRA adapters: export to / import from PEFT (vLLM) adapter directories")
@@ -398,12 +470,16 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--format", choices=("peft", "vllm"), default="peft",
                    help="peft: routed experts as peft target_parameters (transformers>=5); vllm: per-expert modules")
     t.add_argument("--base-model", default=None, help="base_model_name_or_path to record in adapter_config.json")
+    t.add_argument("--overwrite", action="store_true", help="replace DST if it is an earlier PEFT dir written by "
+                   "nemo-jax")
     t.set_defaults(fn=cmd_lora_export)
     t = lsub.add_parser("import", help="PEFT adapter dir -> adapter checkpoint")
     t.add_argument("src", metavar="PEFT_DIR")
     t.add_argument("dst")
     t.add_argument("--model", default=None,
-                   help="base model dir or config.json (default: base_model_name_or_path if a local dir)")
+                   help="base model dir, run dir or config.json (default: base_model_name_or_path if a local dir)")
+    t.add_argument("--overwrite", action="store_true", help="replace DST if it is an earlier adapter checkpoint "
+                   "written by nemo-jax")
     t.set_defaults(fn=cmd_lora_import)
 
     s = sub.add_parser("data", help="SFT data: prepare chat JSONL / Parquet into sharded ArrayRecord files")
@@ -412,18 +488,20 @@ def build_parser() -> argparse.ArgumentParser:
                                         "(re-running skips finished shards)")
     t.add_argument("src", nargs="+", metavar="SRC", help="chat JSONL (.jsonl) or Parquet (.parquet) files")
     t.add_argument("--tokenizer", required=True, help="dir with tokenizer.json + tokenizer_config.json (or builtin:NAME)")
-    t.add_argument("--out", required=True, help="output directory")
-    t.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenising processes (default: all cores)")
+    t.add_argument("--out", required=True, help="output directory (new, empty, or an earlier prepared output)")
+    t.add_argument("--workers", type=POSITIVE, default=os.cpu_count() or 1, help="tokenising processes (default: all cores)")
     t.add_argument("--on-error", choices=("raise", "skip"), default="raise",
                    help="malformed lines: stop naming FILE:LINE, or skip and list them in the manifest")
-    t.add_argument("--vocab-size", type=int, default=None, help="token ids must be below this (default: the tokenizer's)")
-    t.add_argument("--shard-mb", type=int, default=64, help="JSONL megabytes per shard")
+    t.add_argument("--vocab-size", type=POSITIVE, default=None, help="token ids must be below this (default: the tokenizer's)")
+    t.add_argument("--shard-mb", type=POSITIVE, default=64, help="JSONL megabytes per shard")
+    t.add_argument("--overwrite", action="store_true", help="clear an earlier prepared output in OUT first (by "
+                   "default its finished shards are reused)")
     t.set_defaults(fn=cmd_data_prepare)
 
     s = sub.add_parser("forward", help="one forward pass (smoke test) on a model or a config JSON")
     s.add_argument("model", nargs="?", default=os.path.join(os.path.dirname(__file__), "assets", "models", "tiny.json"))
-    s.add_argument("--batch", type=int, default=2)
-    s.add_argument("--seq-len", type=int, default=64)
+    s.add_argument("--batch", type=POSITIVE, default=2)
+    s.add_argument("--seq-len", type=POSITIVE, default=64)
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(fn=cmd_forward)
     return p
@@ -433,7 +511,7 @@ def cmd_data_prepare(args):
     from nemo_jax.data.prepared import prepare
 
     m = prepare(args.src, args.tokenizer, args.out, workers=args.workers, vocab_size=args.vocab_size,
-                on_error=args.on_error, chunk_bytes=args.shard_mb << 20, quiet=False)
+                on_error=args.on_error, chunk_bytes=args.shard_mb << 20, quiet=False, overwrite=args.overwrite)
     print(f"{args.out}: {m['documents']:,} documents, {m['tokens']:,} tokens ({m['assistant_tokens']:,} trained), "
           f"{len(m['shards'])} shards, lengths {m['min_length']}..{m['max_length']}, "
           f"{m['rejected_count']} rejected lines")
@@ -445,11 +523,16 @@ def main(argv=None):
     keep_freed_memory()  # CPU-only processes: see nemo_jax.hostmem
     tune_xla_cpu()
     tune_xla_gpu()
+    cmd = fsutil.COMMAND = " ".join(  # e.g. "lora export" (recorded in the output markers)
+        x for x in (args.cmd, getattr(args, "lora_cmd", None), getattr(args, "data_cmd", None)) if x)
     try:
         args.fn(args)
     except (ValueError, FileNotFoundError, MissingDependency) as e:
-        print(f"nemo-jax {args.cmd}: error: {e}", file=sys.stderr)
+        print(f"nemo-jax {cmd}: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    except OSError as e:  # a full disk, a read-only or missing folder: where and why, in one line
+        print(f"nemo-jax {cmd}: error: {e if e.filename is None else fsutil.describe_os_error(e)}", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

@@ -868,57 +868,5 @@ def cli_generate(a):
           f"mean logprob {np.mean(g.logprobs[0]) if g.logprobs[0] else 0.0:.3f}]", file=sys.stderr)
 
 
-def load_for_generation(path: str, mesh=None, rules=None, dtype=None):
-    """A native model dir, an HF dir, or an SFT run dir (its latest checkpoint) -> (cfg, params, tokenizer dir).
-
-    Params only, placed straight into their shardings on `mesh` (one device if None) in `dtype` (None: as
-    stored). From a run dir only the `params` of the train state are read (orbax partial restore): the
-    optimiser state is never read nor materialised. A LoRA run dir (config `lora.targets` non-empty) holds
-    adapters, not the base: the base comes from its `model.init` and the adapters are merged into it.
-    """
-    import json
-    import os
-
-    from nemo_jax.checkpoint import load_any, target_tree
-    from nemo_jax.config.model import NemotronHConfig
-    from nemo_jax.data.chat import resolve
-
-    ck = os.path.join(os.path.abspath(path), "checkpoints")
-    if not os.path.isdir(ck):
-        cfg, params = load_any(path, dtype=dtype, mesh=mesh, rules=rules)
-        return cfg, params, path
-    steps = sorted(int(s) for s in os.listdir(ck) if s.isdigit())
-    if not steps:
-        raise FileNotFoundError(f"{ck}: no checkpoints")
-    with open(os.path.join(ck, str(steps[-1]), "meta", "metadata")) as f:
-        meta = json.load(f)
-    run_cfg = meta["config"]
-    tok_dir = resolve(run_cfg["data"]["tokenizer"])
-    if (run_cfg.get("lora") or {}).get("targets"):
-        from nemo_jax.lora import load_adapter_checkpoint, merge_adapters
-
-        init = (run_cfg.get("model") or {}).get("init")
-        if not init or init == "random" or not os.path.exists(init):
-            raise FileNotFoundError(f"{path}: a LoRA run dir holds adapters only; its base model.init={init!r} "
-                                    "is not a readable model")
-        cfg, base, _ = load_for_generation(init, mesh=mesh, rules=rules, dtype=dtype)
-        _, _, adapters = load_adapter_checkpoint(path)
-        return cfg, merge_adapters(base, adapters), tok_dir
-    cfg = NemotronHConfig.from_hf_dict(meta["model_config"])
-    return cfg, restore_run_params(os.path.join(ck, str(steps[-1]), "state"),
-                                   target_tree(cfg, mesh, rules, dtype)), tok_dir
-
-
-def restore_run_params(state_dir: str, target):
-    """The `params` subtree of a run checkpoint's train state (an orbax PyTree item), restored into `target`
-    (a ShapeDtypeStruct tree with shardings and dtypes) by orbax partial restore: the optimiser state, step and
-    RNG are not read."""
-    import orbax.checkpoint as ocp
-
-    from nemo_jax.checkpoint import _dicts, _lists
-
-    item = {"params": _dicts(target)}
-    ckptr = ocp.PyTreeCheckpointer()
-    out = ckptr.restore(state_dir, args=ocp.args.PyTreeRestore(
-        item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True))
-    return _lists(out["params"])
+# A model from any path (native, HF, run dir, RUN/checkpoints/N): one resolver for every command.
+from nemo_jax.sources import load_for_generation, restore_run_params  # noqa: E402,F401

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 from dataclasses import dataclass, field
 
 from nemo_jax.config.load import load_config
@@ -61,6 +62,7 @@ class EvalEnv:
 
 @dataclass(frozen=True)
 class EvalSection:
+    SECTION = "eval"  # (named in setting errors)
     envs: list[EvalEnv] = field(default_factory=lambda: [EvalEnv()])
     attempts: int = 2  # per held-out task: pass@k and consistency use k = attempts
     max_new_tokens: int = 32  # per assistant turn
@@ -68,6 +70,14 @@ class EvalSection:
     seed: int = 0
     rows: int = 32  # decode rows of the eval sampler
     max_len: int = 1024  # positions per row (a whole conversation)
+
+    def __post_init__(self):
+        from nemo_jax.config.train import SettingError
+
+        for key, v, lo in (("attempts", self.attempts, 1), ("max_new_tokens", self.max_new_tokens, 1),
+                           ("temperature", self.temperature, 0)):
+            if v < lo:
+                raise SettingError(self, key, f"must be >= {lo}, got {v!r}")
 
 
 @dataclass(frozen=True)
@@ -111,15 +121,6 @@ def _rel(path: str, base: str) -> str:
     return path if os.path.exists(path) else os.path.join(os.path.dirname(os.path.abspath(base)), path)
 
 
-def _export_run(run_dir: str, dst: str) -> None:
-    """An SFT run dir's latest params (and its tokenizer) -> a native model dir at dst."""
-    from nemo_jax.checkpoint import save_model
-    from nemo_jax.generate import load_for_generation
-
-    cfg, params, tok_dir = load_for_generation(run_dir)
-    save_model(dst, cfg, params, tokenizer_dir=tok_dir)
-
-
 class Recipe:
     def __init__(self, c: RecipeConfig, path: str):
         self.c, self.path = c, path
@@ -142,7 +143,11 @@ class Recipe:
 
         extra = [f"run_dir={run_dir}"] + ([f"model.init={init}", "model.init_sft_config=null"] if init else [])
         sft_main(_rel(config, self.path), list(overrides) + extra)
-        _export_run(run_dir, dst)
+        from nemo_jax.checkpoint import save_model
+        from nemo_jax.sources import load_for_generation
+
+        cfg, params, tok_dir = load_for_generation(run_dir)  # the run's latest good checkpoint (and tokenizer)
+        save_model(dst, cfg, params, tokenizer_dir=tok_dir)
 
     def _merge(self, stage: MergeStage, sets: list[str]):
         from nemo_jax.merge import load_recipe, run_recipe, summary
@@ -190,9 +195,8 @@ class Recipe:
         import jax
         import jax.numpy as jnp
 
-        from nemo_jax.checkpoint import load_any
         from nemo_jax.data.chat import ChatTokenizer
-        from nemo_jax.lora.peft import load_adapters_any
+        from nemo_jax.sources import load_adapters, load_any, tokenizer_dir
         from nemo_jax.plot import bar_chart
         from nemo_jax.rl.envs import make_env
         from nemo_jax.rl.grpo import eval_engine, evaluate_env
@@ -208,8 +212,8 @@ class Recipe:
             if stage in table and all("consistency" in table[stage].get(name, {}) for name, _ in envs):
                 continue
             cfg, params = load_any(model, dtype=jnp.float32)
-            ad = jax.tree.map(jnp.asarray, load_adapters_any(adapters, cfg)) if adapters else None
-            tok = ChatTokenizer.load(model)
+            ad = jax.tree.map(jnp.asarray, load_adapters(adapters, cfg)) if adapters else None
+            tok = ChatTokenizer.load(tokenizer_dir(model))
             for name, env in envs:
                 engine = eval_engine(params, cfg, ad, rows=ev.rows, max_len=ev.max_len, seed=ev.seed)
                 r = evaluate_env(engine, tok, cfg, env, ev.attempts, ev.max_new_tokens, ev.temperature)
@@ -234,7 +238,7 @@ class Recipe:
             cells = [" / ".join(f"{table[stage][n][m]:.3f}" for m in ("reward_mean", "success_rate", f"pass@{k}",
                                                                        "consistency")) for n in names]
             lines.append(f"| {stage} | " + " | ".join(cells) + " |")
-        with atomic_dir(self.out("report")) as tmp:  # report.md + report.png appear together
+        with atomic_dir(self.out("report"), "recipe report", overwrite=True) as tmp:  # md + png together
             with open(os.path.join(tmp, "report.md"), "w") as f:
                 f.write("\n".join(lines) + "\n")
             bar_chart({s: {n: table[s][n]["reward_mean"] for n in names} for s, _, _ in self.stages()},
@@ -242,7 +246,7 @@ class Recipe:
                       ylabel="mean reward")
         for f in ("report.md", "report.png"):
             os.replace(self.out("report", f), self.out(f))
-        os.rmdir(self.out("report"))
+        shutil.rmtree(self.out("report"))  # made just above (what is left: its output marker)
         print("\n".join(lines), flush=True)
         return table
 

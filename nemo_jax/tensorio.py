@@ -91,13 +91,17 @@ class NativeReader:
     tensorstore: `src[path]` is the leaf's ShapeDtypeStruct, `src.read(path, region)` a numpy array, and
     `src.chunks(path)` its storage chunk shape (read along it to decode each chunk once)."""
 
-    def __init__(self, params_dir: str):
+    def __init__(self, params_dir: str, prefix: str = ""):
+        """`prefix`: only the subtree under this key, its paths relative to it (e.g. "params" of a run
+        checkpoint's train state)."""
         from nemo_jax.model.spec import flatten_with_paths
 
         self.dir = os.path.abspath(params_dir)
         meta = ocp.PyTreeCheckpointer().metadata(self.dir)
         meta = getattr(meta, "item_metadata", meta)
-        self._meta = flatten_with_paths(getattr(meta, "tree", meta))
+        flat = flatten_with_paths(getattr(meta, "tree", meta))
+        head = prefix.rstrip("/") + "/" if prefix else ""
+        self._meta = {k[len(head):]: v for k, v in flat.items() if k.startswith(head)}
         with open(os.path.join(self.dir, "_METADATA")) as f:
             self._ocdbt = bool(json.load(f).get("use_ocdbt", True))
         self._context = ocp.type_handlers.get_ts_context(use_ocdbt=self._ocdbt)

@@ -169,13 +169,34 @@ def test_client_primitives_match_the_fused_learner_step(base, tmp_path):
     ce = client.forward_backward(batch, loss="cross_entropy")
     lp = client.compute_logprobs(batch)
     np.testing.assert_allclose(ce["loss"], -np.sum(lp * batch["loss_weights"]), rtol=1e-5)
+    # the LoRA scale is a constant: after AdamW steps at lr 1e-2 it is alpha / r exactly, the optimiser state has
+    # no leaf for it, and the published adapters say lora_alpha = the configured alpha (no alpha_pattern)
+    from nemo_jax.model.spec import flatten_with_paths
+
+    client.optim_step()
+    scales = {k: np.asarray(v) for k, v in flatten_with_paths(client.adapters).items() if k.endswith("lora_scale")}
+    assert scales and all(np.all(v == np.float32(LCFG.scale)) for v in scales.values())
+    assert not [k for k in flatten_with_paths(client.state.opt_state) if "lora_scale" in k]
+    client.publish(str(tmp_path / "pub"))
+    conf = json.loads((tmp_path / "pub" / "policy" / "2" / "adapter_config.json").read_text())
+    assert conf["lora_alpha"] == LCFG.alpha and not conf["alpha_pattern"]
     # save / load: adapters, optimiser state, version and the caller's state come back
     client.save_state(str(tmp_path / "ck"), 7, {"mine": [1, 2]})
     other = TrainingClient(CFG, base, LCFG, optim=o, seed=99)
     step_no, extra = other.load_state(str(tmp_path / "ck"))
-    assert step_no == 7 and extra == {"mine": [1, 2]} and other.version == 1
+    assert step_no == 7 and extra == {"mine": [1, 2]} and other.version == 2
     for a, b in zip(jax.tree.leaves(other.state), jax.tree.leaves(client.state)):
         np.testing.assert_array_equal(a, b)
+    # a damaged newest checkpoint: the restart falls back to the previous one and saves that step again (it
+    # raised `Checkpoint for step 8 already exists` when the damaged step stayed in place)
+    client.save_state(str(tmp_path / "ck"), 8, {"mine": [3]})
+    with open(tmp_path / "ck" / "8" / "data" / "metadata", "r+b") as f:
+        f.write(b"\x00")
+    again = TrainingClient(CFG, base, LCFG, optim=o, seed=99)
+    assert again.load_state(str(tmp_path / "ck"))[0] == 7 and (tmp_path / "ck" / "8.damaged").is_dir()
+    again.save_state(str(tmp_path / "ck"), 8, {"mine": [3]})
+    assert (tmp_path / "ck" / "8" / "nemo_jax-manifest.json").exists()
+    again.close()
     client.close()
 
 
@@ -239,7 +260,9 @@ def test_grpo_reward_rises_and_a_killed_run_resumes(tmp_path):
     rewards = [last[s]["reward_mean"] for s in range(1, steps + 1)]
     q = steps // 4
     assert np.mean(rewards[-q:]) >= np.mean(rewards[:q]) + 0.1, rewards
-    assert os.path.isdir(run / "adapters") and os.path.isdir(run / "policy" / str(steps))
+    # policies are named by version (optimiser steps): a last step with no signal left (every group solved) takes
+    # no update, so the last version may trail the step count
+    assert os.path.isdir(run / "adapters") and os.path.isdir(run / "policy" / str(last[steps]["policy_version"]))
 
 
 def test_shipped_grpo_configs_load():
@@ -248,7 +271,7 @@ def test_shipped_grpo_configs_load():
     for name in sorted(os.listdir(os.path.join(ROOT, "configs/grpo"))):
         c = load_grpo_config(os.path.join(ROOT, "configs/grpo", name))
         assert c.name and c.lora.targets and c.rollout.group_size >= 2, name
-    with pytest.raises(ValueError, match="rollout.producer=none needs rollout.spool"):
+    with pytest.raises(ValueError, match="rollout.producer: none needs rollout.spool"):
         load_grpo_config(os.path.join(ROOT, "configs/grpo/tiny-cpu.yaml"), ["rollout.producer=none"])
 
 

@@ -52,6 +52,10 @@ def test_only_adapters_train(trained):
     assert float(np.abs(np.asarray(b)).max()) > 0
     ls = losses(d)
     assert len(ls) == 4 and ls[-1] < ls[0]
+    # the scale is a constant: unchanged after training at lr 1e-2, and the optimiser holds nothing for it
+    scales = [np.asarray(x) for k, x in flat.items() if k.endswith("lora_scale")]
+    assert scales and all(np.array_equal(x, np.full(x.shape, tr.lora_cfg.scale, np.float32)) for x in scales)
+    assert not [k for k in flatten_with_paths(tr.state.opt_state) if "lora_scale" in k]
 
 
 def test_checkpoint_holds_adapters_and_resume_is_exact(trained, tmp_path):

@@ -140,8 +140,13 @@ def test_damaged_latest_checkpoint_falls_back(tmp_path):
         for f in files:
             with open(os.path.join(root, f), "wb") as fh:
                 fh.write(b"garbage")
-    b = Trainer(cfg_for(run, "steps=4"), quiet=True, devices=jax.devices()[:1])
+    b = Trainer(cfg_for(run, "steps=4", "checkpoint.every=2"), quiet=True, devices=jax.devices()[:1])
     assert b.maybe_restore() and int(b.state.step) == 2
+    # healed: the damaged step is set aside (not deleted) and written again when training passes it
+    assert sorted(os.listdir(run / "checkpoints")) == ["2", "4.damaged"]
+    b.run()
+    assert sorted(os.listdir(run / "checkpoints")) == ["2", "4", "4.damaged"]
+    assert (run / "checkpoints" / "4" / "nemo_jax-manifest.json").exists()
 
 
 def test_weight_decay_mask():

@@ -31,7 +31,7 @@ def main(argv=None):
     ap.add_argument("--ours", action="store_true", help="run the reference in nemo_jax, not transformers")
     a = ap.parse_args(argv)
 
-    from nemo_jax.checkpoint import load_any
+    from nemo_jax.sources import load_any
     from nemo_jax.model import forward
 
     if a.ids:

@@ -79,6 +79,7 @@ def from_dict(cls, data: dict, where: str = ""):
         raise ValueError(f"{where or cls.__name__}: {e}") from None
 
 
+
 def _tname(tp) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 

@@ -1,14 +1,56 @@
-"""Run configuration for SFT: small dataclasses, one per concern."""
+"""Run configuration for SFT and GRPO: small frozen dataclasses, one per concern.
+
+Every section checks its own values when it is built (`__post_init__`): sizes and counts positive, ranges and
+choices checked, each failure a `SettingError` naming the key (`config.load.from_dict` prefixes the section,
+e.g. `data.batch_size`). Loading a config therefore rejects a bad setting before JAX is imported, before any work
+and before the run dir exists. (Choices that belong to the model, such as model.remat or model.attention, are
+checked by `nemo_jax.model.Options`, also before the run dir is made.)
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 MODEL_KERNELS = ("auto", "reference")  # model.kernels (nemo_jax.kernels)
+PUBLISH_FORMATS = ("peft", "vllm")  # rollout.publish_format (nemo_jax.lora.peft.save_peft formats)
+
+
+class SettingError(ValueError):
+    """A setting out of its range, naming its dotted key (e.g. `data.batch_size`)."""
+
+    def __init__(self, section, name: str, msg: str):
+        where = getattr(section, "SECTION", "")  # each section class names where it sits in a run config
+        self.key, self.msg = f"{where}.{name}" if where else name, msg
+        super().__init__(f"{self.key}: {msg}")
+
+
+def _at_least(section, lo, *names):
+    for n in names:
+        v = getattr(section, n)
+        if v < lo:
+            raise SettingError(section, n, f"must be >= {lo}, got {v!r}")
+
+
+def _within(section, name: str, lo: float, hi: float, *, hi_open: bool = False, lo_open: bool = False):
+    v = getattr(section, name)
+    if (v <= lo if lo_open else v < lo) or (v >= hi if hi_open else v > hi):
+        raise SettingError(section, name, f"must be in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}, "
+                                          f"got {v!r}")
+
+
+def _one_of(section, name: str, choices: tuple):
+    v = getattr(section, name)
+    if v not in choices:
+        raise SettingError(section, name, f"{v!r} is not one of {', '.join(map(str, choices))}")
+
+
+DTYPES = ("float32", "bfloat16")
 
 
 @dataclass(frozen=True)
 class ModelSection:
+    SECTION = "model"  # where it sits in a run config (named in errors)
     config: str = "tiny"  # name in configs/model, a model config JSON path
     init: str = "random"  # "random" | path to a native model dir | an HF dir | an SFT run dir
     init_sft_config: str | None = None  # when `init` does not exist yet: an SFT config that trains it first
@@ -33,14 +75,15 @@ class ModelSection:
     seed: int = 0
 
     def __post_init__(self):
-        if self.moe_chunk_tokens < 0:
-            raise ValueError(f"model.moe_chunk_tokens must be >= 0 (0: no chunks), got {self.moe_chunk_tokens}")
-        if self.kernels not in MODEL_KERNELS:
-            raise ValueError(f"model.kernels: {self.kernels!r} (expected one of {', '.join(MODEL_KERNELS)})")
+        _one_of(self, "dtype", DTYPES)
+        _within(self, "capacity_factor", 0, float("inf"), lo_open=True)
+        _at_least(self, 0, "ep_capacity", "moe_chunk_tokens")
+        _one_of(self, "kernels", MODEL_KERNELS)
 
 
 @dataclass(frozen=True)
 class DataSection:
+    SECTION = "data"  # where it sits in a run config (named in errors)
     train: str = "builtin:tiny_chat/train.jsonl"
     # a weighted mixture instead of `train`: [{path: ..., weight: ...}, ...] (weight defaults to 1)
     sources: list[dict] = field(default_factory=list)
@@ -63,9 +106,17 @@ class DataSection:
     prefetch: int = 2  # batches each loader worker keeps ready
     prepare_workers: int = 1  # processes tokenising JSONL given directly (prepared into RUN_DIR/data)
 
+    def __post_init__(self):
+        _at_least(self, 1, "seq_len", "batch_size", "max_eval_batches", "pack_window", "prepare_workers")
+        _at_least(self, 0, "max_image_patches", "max_images", "shards", "workers", "prefetch")
+        _one_of(self, "on_error", ("raise", "skip"))
+        _one_of(self, "packing", ("ffd", "greedy"))
+        _one_of(self, "long_documents", ("split", "drop"))
+
 
 @dataclass(frozen=True)
 class OptimSection:
+    SECTION = "optim"  # where it sits in a run config (named in errors)
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 20
@@ -82,9 +133,22 @@ class OptimSection:
     mtp_loss_coef: float = 0.0
     max_nonfinite_in_a_row: int = 5
 
+    def __post_init__(self):
+        _within(self, "lr", 0, float("inf"))
+        _within(self, "min_lr_ratio", 0, 1)
+        _one_of(self, "decay", ("cosine", "linear", "constant"))
+        _within(self, "b1", 0, 1, hi_open=True)
+        _within(self, "b2", 0, 1, hi_open=True)
+        _within(self, "eps", 0, float("inf"), lo_open=True)
+        _at_least(self, 0, "warmup_steps", "weight_decay", "clip_norm", "aux_loss_coef", "bias_update_rate",
+                  "mtp_loss_coef")
+        _at_least(self, 1, "grad_accum", "max_nonfinite_in_a_row")
+        _one_of(self, "mu_dtype", ("float32", "bfloat16"))
+
 
 @dataclass(frozen=True)
 class MeshSection:
+    SECTION = "mesh"  # where it sits in a run config (named in errors)
     data: int = 1
     fsdp: int = -1
     tensor: int = 1
@@ -93,6 +157,16 @@ class MeshSection:
     # devices per node (tensor and expert are kept inside one, data/fsdp span nodes: parallel.mesh.make_mesh);
     # 0 = one node per process (one process per host, as launch/ starts them) or per TPU slice
     devices_per_node: int = 0
+
+    def __post_init__(self):
+        sizes = self.sizes()
+        for k, v in sizes.items():
+            if v == 0 or v < -1:
+                raise SettingError(self, k, f"must be a positive size or -1 (the devices left over), got {v!r}")
+        free = [k for k, v in sizes.items() if v == -1]
+        if len(free) > 1:
+            raise SettingError(self, free[1], f"only one mesh axis may be -1 (also {free[0]})")
+        _at_least(self, 0, "devices_per_node")
 
     def sizes(self) -> dict[str, int]:
         """Axis sizes for `parallel.mesh.make_mesh` (-1 = the devices left over)."""
@@ -103,6 +177,7 @@ class MeshSection:
 @dataclass(frozen=True)
 class LoraSection:
     """LoRA SFT (nemo_jax.lora): off while `targets` is empty. Only the adapters are trained and checkpointed."""
+    SECTION = "lora"  # where it sits in a run config (named in errors)
     targets: list[str] = field(default_factory=list)  # presets (attention, mamba, mlp, experts, lm_head, all) or path regexes
     rank: int = 8
     alpha: float = 16.0
@@ -110,18 +185,32 @@ class LoraSection:
     init_seed: int = 0
     base_dtype: str = "float32"  # dtype the frozen base is held in: float32 | bfloat16
 
+    def __post_init__(self):
+        _at_least(self, 1, "rank")
+        _within(self, "alpha", 0, float("inf"), lo_open=True)
+        _one_of(self, "base_dtype", DTYPES)
+
 
 @dataclass(frozen=True)
 class CheckpointSection:
-    every: int = 100
-    keep: int = 3
+    SECTION = "checkpoint"  # where it sits in a run config (named in errors)
+    every: int = 100  # save every this many steps (0: only at the end)
+    keep: int = 3  # newest steps kept
     async_save: bool = True
+    # restore checks every file of a step against the manifest written when it was saved (every byte read; a
+    # damaged step is moved aside to N.damaged and the previous one used): false trusts the files
+    verify: bool = True
+
+    def __post_init__(self):
+        _at_least(self, 0, "every")
+        _at_least(self, 1, "keep")
 
 
 @dataclass(frozen=True)
 class DistributedSection:
     """Multi-process start-up (nemo_jax.parallel.distributed). Defaults detect SLURM / Kubernetes / TPU VMs and
     the NEMO_JAX_COORDINATOR env; a single process needs nothing."""
+    SECTION = "distributed"  # where it sits in a run config (named in errors)
     cluster: str = "auto"  # auto | none | explicit | slurm | k8s | tpu
     coordinator: str | None = None  # host:port of process 0 (explicit layout)
     num_processes: int | None = None
@@ -131,14 +220,27 @@ class DistributedSection:
     initialization_timeout: int = 300  # seconds for every peer to join
     heartbeat_timeout: int = 30  # seconds without a heartbeat before a peer counts as lost
 
+    def __post_init__(self):
+        _one_of(self, "cluster", ("auto", "none", "explicit", "slurm", "k8s", "tpu"))
+        if self.num_processes is not None:
+            _at_least(self, 1, "num_processes")
+        if self.process_id is not None:
+            _at_least(self, 0, "process_id")
+        _within(self, "port", 0, 65535)
+        _at_least(self, 1, "initialization_timeout", "heartbeat_timeout")
+
 
 @dataclass(frozen=True)
 class WandbSection:
     """Weights & Biases run (the `wandb` extra); off while `project` is unset."""
+    SECTION = "logging.wandb"  # where it sits in a run config (named in errors)
     project: str | None = None
     entity: str | None = None
     name: str | None = None  # default: the run name
     mode: str = "online"  # online | offline (no network; `wandb sync` later) | disabled
+
+    def __post_init__(self):
+        _one_of(self, "mode", ("online", "offline", "disabled"))
 
 
 @dataclass(frozen=True)
@@ -164,6 +266,10 @@ class SFTConfig:
     logging: LoggingSection = field(default_factory=LoggingSection)
     distributed: DistributedSection = field(default_factory=DistributedSection)
 
+    def __post_init__(self):
+        _at_least(self, 1, "steps", "log_every")
+        _at_least(self, 0, "eval_every")
+
 
 # ----------------------------------------------------------------------------- GRPO (nemo_jax.rl)
 POLICY_LOSS_KINDS = ("dppo", "importance_sampling", "ppo", "cross_entropy")
@@ -173,6 +279,7 @@ REDUCTIONS = ("rollout", "token", "constant")
 @dataclass(frozen=True)
 class PolicyLossConfig:
     """The learner's loss (nemo_jax.rl.loss)."""
+    SECTION = "loss"  # where it sits in a run config (named in errors)
     kind: str = "dppo"  # dppo | importance_sampling | ppo | cross_entropy
     reduction: str = "rollout"  # rollout | token | constant (Dr. GRPO)
     delta_low: float = 0.2  # DPPO: drop a token with A < 0 when p - p_mu < -delta_low (ppo: ratio clip 1 - delta_low)
@@ -183,26 +290,29 @@ class PolicyLossConfig:
     advantage_scale: str = "none"  # none (Dr. GRPO: r - mean) | std (divide by the group's std)
 
     def __post_init__(self):
-        if self.kind not in POLICY_LOSS_KINDS:
-            raise ValueError(f"loss.kind: {self.kind!r} (expected one of {', '.join(POLICY_LOSS_KINDS)})")
-        if self.reduction not in REDUCTIONS:
-            raise ValueError(f"loss.reduction: {self.reduction!r} (expected one of {', '.join(REDUCTIONS)})")
-        if self.temperature <= 0:
-            raise ValueError(f"loss.temperature must be > 0 (got {self.temperature})")
-        if self.advantage_scale not in ("none", "std"):
-            raise ValueError(f"loss.advantage_scale: {self.advantage_scale!r} (expected none or std)")
+        _one_of(self, "kind", POLICY_LOSS_KINDS)
+        _one_of(self, "reduction", REDUCTIONS)
+        _within(self, "temperature", 0, float("inf"), lo_open=True)
+        _one_of(self, "advantage_scale", ("none", "std"))
+        _at_least(self, 0, "delta_low", "delta_high", "kl_coef", "ref_kl_coef")
 
 
 @dataclass(frozen=True)
 class CurriculumSection:
     """Task sampling weight max(var(last `window` rewards), floor); `prior` for tasks never tried."""
+    SECTION = "curriculum"  # where it sits in a run config (named in errors)
     window: int = 16
     floor: float = 0.01
     prior: float = 0.25
 
+    def __post_init__(self):
+        _at_least(self, 1, "window")
+        _at_least(self, 0, "floor", "prior")
+
 
 @dataclass(frozen=True)
 class RolloutSection:
+    SECTION = "rollout"  # where it sits in a run config (named in errors)
     env: str = "arithmetic"  # arithmetic | constraints | jsonl:PATH | package.module:Class
     env_args: dict = field(default_factory=dict)
     group_size: int = 8  # rollouts per task draw (advantages compare them)
@@ -239,6 +349,29 @@ class RolloutSection:
     reward_range: list[float] | None = None  # [lo, hi]: spool rollouts with rewards outside are rejected
     min_logprob: float = -1.0e4  # spool rollouts whose sampled tokens have lower behaviour logprobs are rejected
 
+    def __post_init__(self):
+        _at_least(self, 2, "group_size")
+        _at_least(self, 1, "groups_per_step", "in_flight_groups", "max_new_tokens", "seq_len")
+        _at_least(self, 0, "max_off_policy_steps", "sampler_rows", "sampler_positions", "publish_every")
+        _one_of(self, "producer", ("thread", "inline", "none"))
+        if self.producer == "none" and not self.spool:
+            raise SettingError(self, "producer", "none needs rollout.spool=true (otherwise nothing produces rollouts)")
+        # publishing, requests, leases and the spool
+        _one_of(self, "publish_format", PUBLISH_FORMATS)
+        _one_of(self, "publish_dtype", ("train", "bf16"))
+        _at_least(self, 0, "publish_keep", "publish_keep_every", "top_k", "max_failed_episodes")
+        _within(self, "top_p", 0, 1, lo_open=True)
+        _within(self, "lease_s", 0, float("inf"), lo_open=True)
+        _within(self, "spool_max_file_mb", 0, float("inf"), lo_open=True)
+        if self.stop and self.producer != "none":
+            raise SettingError(self, "stop", "stop strings need rollout.producer=none: the in-process sampler stops "
+                                             "at end-of-turn tokens only")
+        rr = self.reward_range
+        if rr is not None and not (len(rr) == 2 and all(map(math.isfinite, rr)) and rr[0] <= rr[1]):
+            raise SettingError(self, "reward_range", f"must be [lo, hi] with finite lo <= hi, got {rr}")
+        if not (math.isfinite(self.min_logprob) and self.min_logprob < 0):
+            raise SettingError(self, "min_logprob", f"must be < 0, got {self.min_logprob}")
+
 
 @dataclass(frozen=True)
 class GRPOConfig:
@@ -263,3 +396,89 @@ class GRPOConfig:
     mesh: MeshSection = field(default_factory=MeshSection)
     checkpoint: CheckpointSection = field(default_factory=lambda: CheckpointSection(every=10, keep=2))
     logging: LoggingSection = field(default_factory=LoggingSection)
+
+    def __post_init__(self):
+        _at_least(self, 1, "steps", "log_every", "eval_attempts")
+        _at_least(self, 0, "eval_every")
+        if not self.lora.targets:
+            raise SettingError(self, "lora.targets", "grpo trains LoRA adapters: name some (e.g. [all])")
+
+
+# ----------------------------------------------------------------------------- loading (no JAX needed)
+def load_sft_config(path: str | None, overrides=()) -> SFTConfig:
+    """YAML (None: the embedded tiny CPU defaults) + dotted overrides -> a validated SFTConfig; the run is named
+    after the file unless `name` is set."""
+    import dataclasses
+    import os
+
+    from nemo_jax.config.load import load_config
+
+    c = load_config(SFTConfig, path, list(overrides))
+    if path and c.name == "sft":
+        c = dataclasses.replace(c, name=os.path.splitext(os.path.basename(path))[0])
+    return c
+
+
+def load_grpo_config(path: str | None, overrides=()) -> GRPOConfig:
+    """YAML + dotted overrides -> a validated GRPOConfig, named after the file unless `name` is set."""
+    import dataclasses
+    import os
+
+    from nemo_jax.config.load import load_config
+
+    c = load_config(GRPOConfig, path, list(overrides))
+    if path and c.name == "grpo":  # runs/<config name> by default
+        c = dataclasses.replace(c, name=os.path.splitext(os.path.basename(path))[0])
+    return c
+
+
+def load_plan_config(path: str | None, overrides=()):
+    """The step a plan compiles, from an SFT config or a GRPO config -> (SFTConfig, sampler defaults). A GRPO
+    config's learner step is a LoRA step over its rollout batch (groups_per_step x group_size rows of
+    rollout.seq_len tokens, in optim.grad_accum micro-batches; the policy loss costs what the token loss costs),
+    and its sampler serves rollout.sampler_rows rows of rollout.sampler_positions (defaults as the run's)."""
+    import yaml
+
+    raw = {}
+    if path:
+        try:
+            with open(path) as f:
+                raw = yaml.safe_load(f) or {}
+        except (OSError, yaml.YAMLError):
+            raw = {}  # load_sft_config names the file and what is wrong with it
+    if not (isinstance(raw, dict) and "rollout" in raw):
+        c = load_sft_config(path, overrides)
+        return c, {"rows": c.data.batch_size, "context": c.data.seq_len, "program": None, "prefill": None}
+    g = load_grpo_config(path, overrides)
+    r = g.rollout
+    rows = r.groups_per_step * r.group_size
+    c = SFTConfig(name=g.name, model=g.model, lora=g.lora, optim=g.optim, mesh=g.mesh,
+                  data=DataSection(seq_len=r.seq_len, batch_size=rows, tokenizer=g.tokenizer, eval=None))
+    return c, {"rows": r.sampler_rows or rows, "context": r.sampler_positions or 2 * (r.seq_len + r.max_new_tokens),
+               "program": "grpo_learner_step", "prefill": None}
+
+
+def read_mesh_sizes(spec: str) -> dict:
+    """A `--mesh` argument: a preset YAML (configs/mesh/*.yaml) or inline sizes "fsdp=8,tensor=2" -> {axis: size}."""
+    import os
+
+    axes = tuple(MeshSection().sizes())
+    if os.path.isfile(spec):
+        import yaml
+
+        with open(spec) as f:
+            sizes = yaml.safe_load(f) or {}
+        if not isinstance(sizes, dict):
+            raise ValueError(f"{spec}: a mesh preset must be a mapping of axis: size")
+    elif "=" in spec:
+        sizes = {k.strip(): v for k, v in (kv.split("=", 1) for kv in spec.split(",") if kv)}
+    else:
+        raise FileNotFoundError(f"--mesh {spec!r}: neither a preset file nor sizes like fsdp=8,tensor=2")
+    for k, v in sizes.items():
+        if k not in axes + ("devices_per_node",):
+            raise ValueError(f"--mesh {spec}: unknown axis {k!r} (axes: {', '.join(axes)}; or devices_per_node)")
+        try:
+            sizes[k] = int(v)
+        except (TypeError, ValueError):
+            raise ValueError(f"--mesh {spec}: size of {k!r} must be an integer, got {v!r}") from None
+    return sizes

@@ -14,10 +14,12 @@ start-up reads no token data, and each process reads only the records of its own
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import multiprocessing
 import os
+import shutil
 import struct
 from dataclasses import dataclass
 
@@ -152,7 +154,10 @@ class ShardWriter:
 
     def add(self, doc: Document):
         meta = {"images": doc.images, **({"image_hw": doc.image_hw} if doc.image_hw else {})} if doc.images else None
-        self.w.write(encode_record(doc.ids, doc.mask, meta))
+        try:
+            self.w.write(encode_record(doc.ids, doc.mask, meta))
+        except RuntimeError as e:
+            raise _os_error(e, self.base + ".array_record") from None
         st, n = self.stats, len(doc.ids)
         st["documents"] += 1
         st["tokens"] += n
@@ -169,8 +174,11 @@ class ShardWriter:
 
     def close(self):
         if self.w is not None:
-            self.w.close()
-            self.w = None
+            w, self.w = self.w, None
+            try:
+                w.close()
+            except RuntimeError as e:
+                raise _os_error(e, self.base + ".array_record") from None
 
     def finish(self) -> dict:
         self.close()
@@ -198,9 +206,23 @@ def _shard_job(args) -> dict:
                 w.reject(where, str(e))
                 continue
             w.add(doc)
+        return w.finish()
     finally:
-        w.close()
-    return w.finish()
+        if w.w is not None or not os.path.exists(w.base + ".array_record"):  # stopped: no temporary left behind
+            with contextlib.suppress(OSError):
+                w.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(w.base + ".array_record.tmp")
+
+
+def _os_error(e: RuntimeError, path: str) -> OSError:
+    """array_record reports a failed write (e.g. a full disk) as a RuntimeError with the C library's message ->
+    the OSError it stands for (errno from that message), naming the shard."""
+    import errno as errno_
+
+    text = str(e)
+    code = next((c for c in errno_.errorcode if os.strerror(c) in text), errno_.EIO)
+    return OSError(code, os.strerror(code), path)
 
 
 def _write_json(path: str, obj):
@@ -232,21 +254,28 @@ def _line_of(path: str, start: int, local: int) -> int:
 
 
 def prepare(sources: list[str], tokenizer: str, out: str, *, workers: int = 1, vocab_size: int | None = None,
-            on_error: str = "raise", chunk_bytes: int = CHUNK_BYTES, quiet: bool = True) -> dict:
+            on_error: str = "raise", chunk_bytes: int = CHUNK_BYTES, quiet: bool = True,
+            overwrite: bool = False) -> dict:
     """Prepare chat JSONL / Parquet files into DIR `out` (see the module docstring) -> the manifest.
 
     `vocab_size`: token ids must be below it (default: the tokenizer's vocabulary). Finished shards of a
-    previous run on the same inputs are kept; the manifest is written last and atomically."""
+    previous run on the same inputs are kept (`overwrite`: an earlier prepared output in `out` is cleared
+    first); the manifest is written last and atomically. `out` must be new, empty, or a prepared-data folder
+    (`claim_output`): a folder holding anything else is refused before any work."""
     from nemo_jax.data.chat import ChatTokenizer
 
     if on_error not in ("raise", "skip"):
         raise ValueError(f"data.on_error: {on_error!r} (expected raise or skip)")
     if not sources:
         raise ValueError("data prepare: no input files")
+    claim_output(out, overwrite)
     tok = ChatTokenizer.load(tokenizer)  # fails early on a bad tokenizer directory
     vocab = vocab_size or tok.tokenizer.get_vocab_size()
     chunks = plan_chunks(list(sources), chunk_bytes)
     os.makedirs(os.path.join(out, "shards"), exist_ok=True)
+    for name in os.listdir(os.path.join(out, "shards")):  # temporaries of a killed earlier run
+        if name.endswith(".tmp"):
+            os.remove(os.path.join(out, "shards", name))
     jobs, done, digest = [], {}, _tokenizer_digest(tokenizer)
     for c in chunks:
         fp = _fingerprint(c, digest)
@@ -269,6 +298,41 @@ def prepare(sources: list[str], tokenizer: str, out: str, *, workers: int = 1, v
     if not sum(s["documents"] for s in shards):
         raise DataError(f"{', '.join(map(str, sources))}: no usable conversations")
     return write_manifest(out, shards, tokenizer, vocab)
+
+
+OWN_ENTRIES = (MANIFEST, "shards")  # what a prepared-data folder holds (besides its output marker)
+
+
+def claim_output(out: str, overwrite: bool = False):
+    """Make `out` a prepared-data folder: new or empty (marked now, so a killed run is recognised), or one
+    already (kept, to reuse its finished shards; with `overwrite` cleared). A folder holding anything else is
+    an OutputExistsError naming the entry: nothing in it is touched."""
+    from nemo_jax.fsutil import OUTPUT_MARKER, OutputExistsError, read_marker, write_marker
+
+    out = os.path.abspath(out)
+    if os.path.lexists(out) and (os.path.islink(out) or not os.path.isdir(out)):
+        raise OutputExistsError(f"{out} exists and is not a folder: not touched (choose another --out)")
+    entries = sorted(os.listdir(out)) if os.path.isdir(out) else []
+    marker = read_marker(out) if entries else None
+    if marker is not None and marker.get("kind") != "prepared data":
+        raise OutputExistsError(f"{out}: not touched: it holds a {marker.get('kind')} (written by "
+                                f"{marker.get('command')}), not prepared data")
+    foreign = [e for e in entries if e not in OWN_ENTRIES + (OUTPUT_MARKER, MANIFEST + ".tmp")]
+    if foreign:
+        more = f" (and {len(foreign) - 1} more)" if len(foreign) > 1 else ""
+        raise OutputExistsError(f"{out}: not touched: {foreign[0]!r}{more} in it is not part of a prepared-data "
+                                "folder (choose an empty or new --out)")
+    os.makedirs(out, exist_ok=True)
+    if overwrite:
+        for e in OWN_ENTRIES + (MANIFEST + ".tmp",):
+            p = os.path.join(out, e)
+            if os.path.isdir(p):
+                shutil.rmtree(p)
+            elif os.path.exists(p):
+                os.remove(p)
+    os.makedirs(os.path.join(out, "shards"), exist_ok=True)
+    if marker is None:
+        write_marker(out, "prepared data")
 
 
 def _run_jobs(jobs, workers: int) -> list[dict]:

@@ -42,6 +42,24 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be read or does not match its config."""
 
 
+def check_finite(x: np.ndarray, name: str, what: str):
+    """Raise CheckpointError naming tensor `name` when the (floating) block `x` holds a NaN or an infinity;
+    the commands that write weights (import-hf, export-hf, merge) check each block as it passes
+    (`--allow-nonfinite` skips it)."""
+    if x.dtype.kind not in "fc" and x.dtype != ml_dtypes.bfloat16:
+        return
+    if x.dtype.itemsize == 2:  # bf16 / fp16: no exponent bits all ones (integer ops: 3x ml_dtypes' isfinite)
+        top = 0x7F80 if x.dtype == ml_dtypes.bfloat16 else 0x7C00
+        if x.size == 0 or int(np.bitwise_and(x.view(np.uint16), 0x7FFF).max()) < top:
+            return
+    ok = np.isfinite(x)
+    if not ok.all():
+        bad = x.reshape(-1)[np.argmin(ok.reshape(-1))]
+        raise CheckpointError(f"{what}: tensor {name!r} holds non-finite values ({int(ok.size - ok.sum())} of "
+                              f"{ok.size} in this block, e.g. {float(bad)}); pass --allow-nonfinite to write it "
+                              "anyway")
+
+
 # --------------------------------------------------------------------------- reading
 class HFReader:
     """Index over an HF checkpoint directory: which file holds which tensor, with shapes and dtypes."""
@@ -58,6 +76,13 @@ class HFReader:
                     weight_map = json.load(f)["weight_map"]
             except (json.JSONDecodeError, KeyError) as e:
                 raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index}: weight_map is not a mapping")
+            for name, s in weight_map.items():  # shards live in the checkpoint folder, nowhere else
+                if (not isinstance(s, str) or not s or os.path.isabs(s)
+                        or os.path.normpath(s).split(os.sep)[0] == os.pardir):
+                    raise CheckpointError(f"{index}: weight_map entry {name!r} points at {s!r}, outside the "
+                                          "checkpoint folder")
             shards = sorted(set(weight_map.values()))
             for s in shards:
                 if not os.path.exists(os.path.join(self.path, s)):
@@ -181,6 +206,48 @@ def _open_checked(path: str, ignore_unexpected: bool, config_overrides: dict | N
     return cfg, reader, by_leaf
 
 
+class HFSource:
+    """An HF checkpoint as a region source over our leaves (the interface `save_pretrained` and the merge engine
+    read: `paths`, `src[path]` shape and dtype, `chunks`, `read(path, region)`), plus its HF-layout rows as
+    they are stored (`read_hf`, `prefetch_hf`). Nothing is read until asked for."""
+
+    def __init__(self, reader: HFReader, cfg: NemotronHConfig):
+        self.hf, self.cfg = reader, cfg
+        self.specs = leaf_specs(cfg)
+        self._by_index = {(e.path, e.index): e for e in build_table(cfg)}
+        self._lead = {e.path: len(e.index) for e in self._by_index.values()}
+        self._entries: dict[str, list[Entry]] = defaultdict(list)
+        for e in self._by_index.values():
+            self._entries[e.path].append(e)
+
+    @classmethod
+    def open(cls, path: str, ignore_unexpected: bool = False) -> "HFSource":
+        cfg, reader, _ = _open_checked(path, ignore_unexpected, None)
+        return cls(reader, cfg)
+
+    def paths(self):
+        return self.specs.keys()
+
+    def __getitem__(self, path):
+        return jax.ShapeDtypeStruct(tuple(self.specs[path].shape), _leaf_dtype(self.hf, self._entries[path], None))
+
+    def chunks(self, path) -> tuple:
+        return tuple(self.specs[path].shape)
+
+    def read(self, path, region=()) -> np.ndarray:
+        shape = tuple(self.specs[path].shape)
+        region = tuple(region) + (slice(None),) * (len(shape) - len(tuple(region)))
+        lead = self._lead[path]
+        e = self._by_index[(path, tuple(int(i) for i in region[:lead]))]
+        return ours_from_hf(e, lambda sl: self.hf.read(e.hf_name, sl), shape[lead:], region[lead:])
+
+    def read_hf(self, e: Entry, block: tuple) -> np.ndarray:
+        return self.hf.read(e.hf_name, tuple(block))
+
+    def prefetch_hf(self, e: Entry, block: tuple):
+        self.hf.prefetch(e.hf_name, tuple(block))
+
+
 def _leaf_dtype(reader: HFReader, entries: list[Entry], dtype) -> np.dtype:
     """`dtype` if given, else the promoted type of the leaf's source tensors."""
     if dtype is not None:
@@ -219,12 +286,15 @@ def load_pretrained(path: str, dtype=None, mesh=None, rules=None, *, ignore_unex
 
 
 def import_pretrained(path: str, dst: str, dtype=None, *, ignore_unexpected: bool = False,
-                      config_overrides: dict | None = None, progress: bool = False) -> NemotronHConfig:
+                      config_overrides: dict | None = None, progress: bool = False, overwrite: bool = False,
+                      allow_nonfinite: bool = False) -> NemotronHConfig:
     """HF checkpoint directory -> native model directory (`nemo_jax.checkpoint` layout), streaming.
 
     Each storage chunk of a leaf is built from the HF rows it holds (one contiguous byte range per tensor,
     or per piece of a grouped leaf), turned into our layout and written whole, so memory holds a few chunks
-    (`CHUNK_BYTES` each), never a tensor or a stacked leaf. The output appears at `dst` only when complete.
+    (`CHUNK_BYTES` each), never a tensor or a stacked leaf. The output appears at `dst` only when complete;
+    an existing `dst` is replaced only with `overwrite` and only when it is an earlier native model written here
+    (`nemo_jax.fsutil.check_output`). Every tensor is checked to be finite as it passes (`allow_nonfinite`: not).
     """
     from nemo_jax import tensorio
 
@@ -234,7 +304,8 @@ def import_pretrained(path: str, dst: str, dtype=None, *, ignore_unexpected: boo
                 for leaf, es in by_leaf.items()}
     # several processes: each converts and writes its share of the leaves (every tensor read and written once)
     mine = {list(specs)[i] for i in distributed.share([hf_bytes[leaf] for leaf in specs])}
-    with distributed.shared_atomic_dir(dst, "import-hf") as (tmp, leader):
+    with distributed.shared_atomic_dir(dst, "import-hf", "native model", overwrite=overwrite,
+                                       manifest=True) as (tmp, leader):
         writer = tensorio.NativeWriter(os.path.join(tmp, "params"))
         bar = _bar(progress and leader, sum(hf_bytes[leaf] for leaf in mine), "B", "import", unit_scale=True)
         jobs = []  # (target array, region, entry, HF row block, dtype) in file-friendly order
@@ -257,6 +328,8 @@ def import_pretrained(path: str, dst: str, dtype=None, *, ignore_unexpected: boo
         def convert(job):  # one storage chunk of ours from the HF rows it holds (a few pieces for a grouped leaf)
             arr, e, inner, block, dt = job
             y = ours_from_hf(e, lambda sl: reader.read(e.hf_name, sl), inner, block)
+            if not allow_nonfinite:
+                check_finite(y, e.hf_name, path)
             return arr, e.index + block, y.astype(dt, copy=False), y.nbytes
 
         for arr, region, y, nbytes in _pipelined(convert, jobs):
@@ -373,18 +446,31 @@ def _sharding_fn(mesh, rules) -> Callable:
 
 # --------------------------------------------------------------------------- writing
 def _parse_size(s) -> int:
-    if isinstance(s, int):
-        return s
-    s = str(s).strip().upper()
-    for unit, mult in (("GIB", 2**30), ("MIB", 2**20), ("KIB", 2**10), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3), ("B", 1)):
-        if s.endswith(unit):
-            return int(float(s[: -len(unit)]) * mult)
-    return int(s)
+    """'5GB', '500MiB', 1000000 -> a positive number of bytes (else a ValueError naming it)."""
+    text = str(s).strip().upper()
+    try:
+        if isinstance(s, int):
+            n = s
+        else:
+            unit, mult = next(((u, m) for u, m in (("GIB", 2**30), ("MIB", 2**20), ("KIB", 2**10), ("GB", 10**9),
+                                                     ("MB", 10**6), ("KB", 10**3), ("B", 1)) if text.endswith(u)),
+                              ("", 1))
+            n = int(float(text[: len(text) - len(unit)]) * mult)
+    except ValueError:
+        n = 0
+    if n <= 0:
+        raise ValueError(f"max_shard_size: {s!r} is not a positive size (e.g. 5GB, 500MiB)")
+    return n
 
 
 def save_pretrained(cfg: NemotronHConfig, params: dict, path: str, max_shard_size="5GB", *, dtypes=None,
-                    tokenizer_dir: str | None = None, progress: bool = False):
+                    tokenizer_dir: str | None = None, progress: bool = False, overwrite: bool = False,
+                    allow_nonfinite: bool = False):
     """Write an HF checkpoint directory (sharded safetensors + index, config.json, generation_config.json).
+
+    Written whole or not at all; an existing `path` is replaced only with `overwrite` and only when it is an
+    earlier HF checkpoint written here (`nemo_jax.fsutil.check_output`). Every tensor block is checked to be
+    finite as it is written (an error naming the tensor; `allow_nonfinite`: not checked).
 
     dtypes: None keeps each leaf's dtype; a dtype applies to all; a dict {hf_name: dtype name} (e.g. from
     `read_dtypes` of the original checkpoint) restores each tensor's original dtype.
@@ -431,10 +517,11 @@ def save_pretrained(cfg: NemotronHConfig, params: dict, path: str, max_shard_siz
     names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     nbytes = [sum(int(np.prod(e.hf_shape)) * dt.itemsize for e, dt in shard) for shard in shards]
     mine = distributed.share(nbytes)  # several processes: each writes its share of the files, every tensor once
-    with distributed.shared_atomic_dir(path, "export-hf") as (tmp, leader):
+    with distributed.shared_atomic_dir(path, "export-hf", "HF checkpoint", overwrite=overwrite) as (tmp, leader):
         bar = _bar(progress and leader, sum(nbytes[i] for i in mine), "B", "export", unit_scale=True)
         for i in mine:
-            _write_shard(os.path.join(tmp, names[i]), shards[i], flat, bar)
+            _write_shard(os.path.join(tmp, names[i]), shards[i], flat, bar,
+                         where=None if allow_nonfinite else os.path.abspath(path))
         bar.close()
         _say_share("export", [names[i] for i in mine], len(names), "files")
         if not leader:
@@ -513,9 +600,10 @@ class ArraySource:
 WRITE_PIECE = 1 << 20  # bytes per write(): the kernel copies a large block into the page cache 1.5-2x slower
 
 
-def _write_shard(fp: str, shard, src, bar):
+def _write_shard(fp: str, shard, src, bar, where: str | None = None):
     """Write one safetensors shard. `src` is a region source over our leaves; one that also has
-    `read_hf(entry, hf_row_slices)` (e.g. the merge engine) hands over HF-layout rows directly."""
+    `read_hf(entry, hf_row_slices)` (e.g. the merge engine) hands over HF-layout rows directly. With `where`,
+    every block is checked to be finite (`check_finite`, naming the tensor and `where`)."""
     from nemo_jax.tensorio import CHUNK_BYTES
 
     header, off = {"__metadata__": {"format": "pt"}}, 0
@@ -541,7 +629,10 @@ def _write_shard(fp: str, shard, src, bar):
     def hf_rows(job):
         e, dt, block, region = job
         x = read_hf(e, block) if read_hf else to_hf_layout(src.read(e.path, region), e.transform)
-        return np.ascontiguousarray(x.astype(dt, copy=False))
+        x = np.ascontiguousarray(x.astype(dt, copy=False))
+        if where is not None:  # the output's path, named in the error
+            check_finite(x, e.hf_name, where)
+        return x
 
     with open(fp, "wb") as f:
         f.write(struct.pack("<Q", len(hb)))

@@ -12,6 +12,11 @@ An adapter tree mirrors the parameter tree down to the adapted tensors:
 `x W + scale * (x A) B` unmerged; `merge_adapters` folds `W + weight * scale * A @ B` into the weights
 (fp32 math). The scale is alpha / r (rsLoRA: alpha / sqrt(r)); A is drawn uniformly in +-1/sqrt(in) (as
 peft's default Kaiming init), B is zero, so a fresh adapter leaves the model unchanged.
+
+The scale is a constant, not a parameter: it rides in the tree (per layer, so imported PEFT adapters with an
+`alpha_pattern` keep their scales) but `attach` stops its gradient and trainers give the leaves matching
+`CONSTANT_LEAVES` no update and no optimiser state (`nemo_jax.train.optimizer.make_optimizer(frozen=...)`), so
+training moves A and B only and an export's lora_alpha stays the configured one.
 """
 
 from __future__ import annotations
@@ -36,6 +41,9 @@ PRESETS = {
     "lm_head": r"^lm_head/kernel$",
 }
 PRESETS["all"] = "|".join(f"({v})" for k, v in PRESETS.items() if k != "lm_head")
+
+# Adapter leaves that are constants: never differentiated, never updated, no optimiser state (a regex over paths).
+CONSTANT_LEAVES = r"(^|/)lora_scale$"
 
 # Tensors that can carry an adapter: every dense kernel except the depthwise conv and the router, plus the
 # stacked routed experts.
@@ -208,14 +216,19 @@ def _union(p, a, where):
         if k.startswith("lora_"):
             if "kernel" not in p:
                 raise ValueError(f"adapter {where}/{k}: no kernel to adapt at {where}")
-            out[k] = v
+            out[k] = _constant(k, v)
         elif k.endswith("_lora") and k[: -len("_lora")] in p and not isinstance(p[k[: -len("_lora")]], dict):
-            out[k] = v  # routed experts: the adapter dict sits beside the stacked expert tensor
+            out[k] = {n: _constant(n, x) for n, x in v.items()}  # routed experts: beside the stacked expert tensor
         elif k not in p:
             raise ValueError(f"adapter path {where}/{k} does not exist in the params")
         elif v:
             out[k] = _union(p[k], v, f"{where}/{k}")
     return out
+
+
+def _constant(name: str, x):
+    """The scale enters the model as a constant (no gradient flows to it); A and B as they are."""
+    return jax.lax.stop_gradient(x) if name == "lora_scale" else x
 
 
 def delta(lora: dict) -> jax.Array:

@@ -34,15 +34,18 @@ def _host_numpy(x) -> np.ndarray:
     return np.asarray(x)
 
 
-def save_adapter_checkpoint(path: str, cfg: NemotronHConfig, lora_cfg: LoraConfig, adapters) -> None:
-    """Write the adapter set (every process must call this with sharded arrays; process 0 writes)."""
+def save_adapter_checkpoint(path: str, cfg: NemotronHConfig, lora_cfg: LoraConfig, adapters, *,
+                            overwrite: bool = False) -> None:
+    """Write the adapter set (every process must call this with sharded arrays; process 0 writes). An existing
+    `path` is replaced only with `overwrite` and only when it is an earlier adapter checkpoint (a trainer's
+    RUN/adapters is: it passes overwrite=True)."""
     from safetensors.numpy import save_file
 
     flat = {path_str(p): _host_numpy(x) for p, x in jax.tree_util.tree_flatten_with_path(adapters)[0]}
     if jax.process_index() != 0:
         return
-    with atomic_dir(path) as tmp:
-        save_file({k: np.ascontiguousarray(v) for k, v in flat.items()}, os.path.join(tmp, TENSORS),
+    with atomic_dir(path, "adapter checkpoint", overwrite=overwrite, own_files=(META, TENSORS)) as tmp:
+        save_file({k: np.asarray(v, order="C") for k, v in flat.items()}, os.path.join(tmp, TENSORS),  # 0-d kept
                   metadata={"format": "nemo_jax-lora"})
         with open(os.path.join(tmp, META), "w") as f:
             json.dump({"model_config": cfg.to_hf_dict(), "lora": dataclasses.asdict(lora_cfg),
@@ -83,6 +86,8 @@ def load_adapter_checkpoint(path: str):
     for k, s in want.items():
         if k not in tensors:
             raise ValueError(f"{src}/{TENSORS}: missing tensor {k!r}")
+        if s.shape == () and tensors[k].shape == (1,):  # a scalar scale written as [1] (np.ascontiguousarray)
+            tensors[k] = tensors[k].reshape(())
         if tuple(tensors[k].shape) != tuple(s.shape):
             raise ValueError(f"{src}/{TENSORS}: tensor {k!r} has shape {tuple(tensors[k].shape)}, expected {s.shape}")
         leaves.append(tensors[k])

@@ -53,7 +53,7 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PREFIX = "base_model.model."
 EXPERT_PARAMS = ("up_proj", "down_proj")  # registration order in transformers' NemotronHExperts
-FORMATS = ("peft", "vllm")
+from nemo_jax.config.train import PUBLISH_FORMATS as FORMATS  # noqa: E402  ("peft", "vllm")
 
 
 class PeftFormatError(ValueError):
@@ -231,8 +231,9 @@ def check_servable(cfg, lora_config, format: str, what: str = "rollout.publish_f
 
 # --------------------------------------------------------------------------- export
 def save_peft(cfg, adapters, path, *, format: str = "peft", base_model_name_or_path: str | None = None,
-              lora_config=None) -> str:
-    """Write `adapters` (our tree) as a PEFT adapter directory at `path` (atomically: temp dir + rename).
+              lora_config=None, overwrite: bool = False) -> str:
+    """Write `adapters` (our tree) as a PEFT adapter directory at `path` (atomically: temp dir + rename; an
+    existing `path` is replaced only with `overwrite` and only when it is an earlier PEFT dir written here).
 
     format "peft": routed experts in peft's `target_parameters` form (transformers >= 5); "vllm": per-expert
     modules, MTP left out. `lora_config` (optional, with `.alpha` and `.rslora`) picks the alpha / rsLoRA
@@ -336,7 +337,7 @@ def save_peft(cfg, adapters, path, *, format: str = "peft", base_model_name_or_p
         "target_parameters": [f"mixer.experts.{p}" for p in targeted] if format == "peft" and targeted else None,
         "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern,
     }
-    with atomic_dir(path) as tmp:
+    with atomic_dir(path, "PEFT adapter dir", overwrite=overwrite, own_files=(ADAPTER_WEIGHTS, ADAPTER_CONFIG)) as tmp:
         save_file(tensors, os.path.join(tmp, ADAPTER_WEIGHTS), metadata={"format": "pt"})
         with open(os.path.join(tmp, ADAPTER_CONFIG), "w") as f:
             json.dump(config, f, indent=2)
@@ -584,15 +585,20 @@ def load_adapters_any(src, cfg) -> dict:
         return load_peft(src, cfg)
     from nemo_jax.lora import load_adapter_checkpoint
 
+    acfg, _, adapters = load_adapter_checkpoint(src)
+    check_adapters_fit(acfg, cfg, src)
+    return adapters
+
+
+def check_adapters_fit(acfg, cfg, where: str):
+    """Adapters made for a model of config `acfg` fit one of config `cfg` (same leaves, same shapes)."""
     from nemo_jax.hf.mapping import leaf_specs
 
-    acfg, _, adapters = load_adapter_checkpoint(src)
     mine, theirs = leaf_specs(cfg), leaf_specs(acfg)
     diff = sorted(k for k in set(mine) | set(theirs) if k not in mine or k not in theirs or mine[k].shape != theirs[k].shape)
     if diff:
-        raise PeftFormatError(f"{src}: adapters belong to a model of another shape (differs at {diff[0]!r} and "
+        raise PeftFormatError(f"{where}: adapters belong to a model of another shape (differs at {diff[0]!r} and "
                               f"{len(diff) - 1} more parameters)")
-    return adapters
 
 
 def parse_adapter_arg(arg: str) -> tuple[str, float]:

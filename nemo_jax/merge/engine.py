@@ -17,12 +17,14 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
-from nemo_jax.checkpoint import is_native, lazy_model
+from nemo_jax.checkpoint import is_native
 from nemo_jax.config.model import NemotronHConfig
-from nemo_jax.hf.io import ST_DTYPES, ArraySource, CheckpointError, HFReader, check_against_config, save_pretrained
+from nemo_jax.hf.io import (ST_DTYPES, ArraySource, CheckpointError, HFReader, HFSource, check_against_config,
+                             save_pretrained)
 from nemo_jax.hf.mapping import Entry, build_table, hf_rows_from_ours, leaf_specs, ours_from_hf
 from nemo_jax.merge import ops
 from nemo_jax.merge.recipe import WHOLE_TENSOR, Recipe, RecipeError, Rule
+from nemo_jax.sources import open_lazy, resolve, tokenizer_dir
 
 ELEMENTWISE = ("take", "linear", "task_arithmetic", "dare")
 SLICE = 1 << 18  # elements per cache-sized slice of an elementwise rule
@@ -40,8 +42,7 @@ class Model:
     def __init__(self, name: str, cfg: NemotronHConfig, *, hf: HFReader | None = None, leaves=None, where: str = ""):
         self.name, self.cfg, self.hf, self.leaves, self.where = name, cfg, hf, leaves, where
         self.specs = leaf_specs(cfg)
-        self._by_index = {(e.path, e.index): e for e in build_table(cfg)}
-        self._lead = {e.path: len(e.index) for e in self._by_index.values()}
+        self._hf_leaves = HFSource(hf, cfg) if hf is not None else None
 
     def dtype(self, e: Entry) -> np.dtype:
         if self.hf is not None:
@@ -71,24 +72,21 @@ class Model:
         return tuple(self.specs[path].shape)
 
     def read(self, path, region=()) -> np.ndarray:
-        if self.leaves is not None:
-            return self.leaves.read(path, region)
-        ndim = len(self.specs[path].shape)
-        region = _full_inner(region, ndim)
-        lead = self._lead[path]
-        e = self._by_index[(path, tuple(int(i) for i in region[:lead]))]
-        return ours_from_hf(e, lambda sl: self.hf.read(e.hf_name, sl), tuple(self.specs[path].shape)[lead:],
-                            region[lead:])
+        return (self.leaves if self.leaves is not None else self._hf_leaves).read(path, region)
 
 
 def open_model(name: str, path: str, cfg: NemotronHConfig | None = None) -> Model:
-    """An HF safetensors directory or a native checkpoint, checked against `cfg` (its own config if None):
-    every HF name present with its shape."""
+    """An HF safetensors directory, a native checkpoint or a run dir (anything `nemo_jax.sources` reads), checked
+    against `cfg` (its own config if None): every tensor present with its shape."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise RecipeError(f"model {name!r}: {path} does not exist (or is not a directory)")
-    if is_native(path):
-        own, leaves = lazy_model(path)
+    try:
+        src = resolve(path)
+    except FileNotFoundError as e:
+        raise RecipeError(f"model {name!r}: {e}") from None
+    if not isinstance(src, str) or is_native(src):  # a native model or a run: read region by region
+        own, leaves, _ = open_lazy(path)
         cfg = cfg or own
         specs = leaf_specs(cfg)
         extra = sorted(set(leaves.paths()) - set(specs))
@@ -318,7 +316,7 @@ def merge_params(cfg, params: dict, rules, base: str = "base", adapters: dict | 
 
 def open_recipe(recipe: Recipe) -> tuple[NemotronHConfig, MergeSource]:
     """Open and check every input of a recipe (nothing is written)."""
-    from nemo_jax.lora.peft import load_adapters_any
+    from nemo_jax.sources import load_adapters
 
     base = open_model(recipe.base, recipe.models[recipe.base])
     models = {recipe.base: base}
@@ -330,17 +328,24 @@ def open_recipe(recipe: Recipe) -> tuple[NemotronHConfig, MergeSource]:
         if not os.path.isdir(path):
             raise RecipeError(f"adapter {name!r}: {path} does not exist (or is not a directory)")
         if any(name in r.weights for r in recipe.rules if r.kind == "add_adapters"):
-            adapters[name] = load_adapters_any(path, base.cfg)
+            adapters[name] = load_adapters(path, base.cfg)
     return base.cfg, build_source(base.cfg, models, recipe.rules, recipe.base, adapters)
 
 
 def run_recipe(recipe: Recipe, progress: bool = False) -> MergeSource:
-    """Stream the merge into `recipe.output` (written whole or not at all) -> the source, with its stats."""
-    cfg, src = open_recipe(recipe)
-    if os.path.abspath(recipe.output) in {os.path.abspath(p) for p in recipe.models.values()}:
+    """Stream the merge into `recipe.output` (written whole or not at all; an existing output is replaced only
+    with `recipe.overwrite` and only when it is an earlier HF checkpoint written here; every tensor checked to be
+    finite unless `recipe.allow_nonfinite`) -> the source, with its stats."""
+    from nemo_jax.fsutil import check_output
+
+    out = os.path.abspath(recipe.output)
+    if out in {os.path.abspath(p) for p in list(recipe.models.values()) + list(recipe.adapters.values())}:
         raise RecipeError(f"output {recipe.output} is one of the inputs")
+    check_output(out, "HF checkpoint", recipe.overwrite)  # refused before any input is opened
+    cfg, src = open_recipe(recipe)
     save_pretrained(cfg, src, recipe.output, max_shard_size=recipe.max_shard_size, dtypes=src.out_dtypes(),
-                    tokenizer_dir=recipe.models[recipe.base], progress=progress)
+                    tokenizer_dir=tokenizer_dir(recipe.models[recipe.base]), progress=progress,
+                    overwrite=recipe.overwrite, allow_nonfinite=recipe.allow_nonfinite)
     return src
 
 

@@ -12,7 +12,7 @@ from nemo_jax.config.load import parse_override
 
 KINDS = ("take", "linear", "task_arithmetic", "add_adapters", "ties", "dare", "slerp")
 WHOLE_TENSOR = ("ties", "slerp")  # need a whole tensor at once (a global threshold / norm); others go by rows
-TOP_KEYS = ("output", "models", "adapters", "base", "seed", "max_shard_size", "rules")
+TOP_KEYS = ("output", "models", "adapters", "base", "seed", "max_shard_size", "rules", "overwrite", "allow_nonfinite")
 
 
 class RecipeError(ValueError):
@@ -58,6 +58,8 @@ class Recipe:
     base: str = ""
     seed: int = 0
     max_shard_size: str = "5GB"
+    overwrite: bool = False  # replace an existing `output` (only an earlier HF checkpoint written by nemo-jax)
+    allow_nonfinite: bool = False  # write NaN / Inf tensors instead of stopping at the first one
 
 
 def _weights(v, where: str, names: dict, what: str) -> dict[str, float]:
@@ -163,8 +165,13 @@ def parse_recipe(d: dict, where: str = "recipe") -> Recipe:
         parsed = tuple(parse_rule(i, r, models, adapters, seed) for i, r in enumerate(rules))
     except RecipeError as e:
         raise RecipeError(f"{where}: {e}") from None
+    flags = {}
+    for k in ("overwrite", "allow_nonfinite"):
+        flags[k] = d.get(k, False)
+        if not isinstance(flags[k], bool):
+            raise RecipeError(f"{where}: {k} must be true or false, got {flags[k]!r}")
     return Recipe(output=d["output"], models=models, rules=parsed, adapters=adapters, base=base, seed=seed,
-                  max_shard_size=str(d.get("max_shard_size", "5GB")))
+                  max_shard_size=str(d.get("max_shard_size", "5GB")), **flags)
 
 
 def _set(node, keys: list[str], value, o: str):

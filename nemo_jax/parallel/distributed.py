@@ -360,26 +360,31 @@ def share(sizes: list[int]) -> list[int]:
 
 
 @contextlib.contextmanager
-def shared_atomic_dir(path: str, tag: str, timeout_s: float = 3600.0):
+def shared_atomic_dir(path: str, tag: str, kind: str, *, overwrite: bool = False, manifest: bool = False,
+                      timeout_s: float = 3600.0):
     """`fsutil.atomic_dir` for an output that every process writes part of (on a filesystem they all see):
     yields (temporary directory, whether this is process 0, which writes the shared files: index, config).
-    Process 0 creates it; every process writes and syncs its files; after a barrier process 0 renames it
-    into place, and a last barrier returns on every process only once the output is published. In a single
-    process: the plain `atomic_dir`."""
+    Every process checks the destination first (`fsutil.check_output`: all refuse it alike, before any barrier).
+    Process 0 creates the temporary `path.tmp-TAG` (a rerun after a kill reuses the name and starts it afresh);
+    every process writes and syncs its files; after a barrier process 0 seals it (`fsutil.seal`: content manifest
+    if `manifest`, output marker) and renames it into place, and
+    a last barrier returns on every process only once the output is published. In a single process: the plain
+    `atomic_dir`."""
     import shutil
 
-    from nemo_jax.fsutil import atomic_dir, fsync_tree, publish
+    from nemo_jax.fsutil import atomic_dir, check_output, fsync_tree, publish, recover, seal
 
     if not _multi():
-        with atomic_dir(path) as tmp:
+        with atomic_dir(path, kind, overwrite=overwrite, manifest=manifest) as tmp:
             yield tmp, True
         return
     me, _ = process()
-    path = os.path.abspath(os.fspath(path))
+    path = check_output(path, kind, overwrite)
     tmp = f"{path}.tmp-{tag}"
     _STATE["outputs"] = _STATE.get("outputs", 0) + 1  # every process writes its outputs in the same order:
     tag = f"{tag} #{_STATE['outputs']}"  # a fresh set of barrier names per output
     if me == 0:
+        recover(path)
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     barrier(f"{tag}:created", timeout_s)
@@ -392,6 +397,7 @@ def shared_atomic_dir(path: str, tag: str, timeout_s: float = 3600.0):
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     if me == 0:
+        seal(tmp, kind, manifest)
         publish(tmp, path)
     barrier(f"{tag}:published", timeout_s)
 

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from nemo_jax.config.train import read_mesh_sizes  # noqa: F401 (parsed on the config side)
 from nemo_jax.parallel.rules import MESH_AXES
 
 BATCH_AXES = ("data", "fsdp", "expert")
@@ -34,29 +35,6 @@ def resolve_sizes(sizes: dict, n_devices: int) -> dict:
         sizes[free[0]] = n_devices // fixed
     if math.prod(sizes.values()) != n_devices:
         raise ValueError(f"mesh: sizes {sizes} use {math.prod(sizes.values())} devices, {n_devices} available")
-    return sizes
-
-
-def read_mesh_sizes(spec: str) -> dict:
-    """A `--mesh` argument: a preset YAML (configs/mesh/*.yaml) or inline sizes "fsdp=8,tensor=2" -> {axis: size}."""
-    if os.path.isfile(spec):
-        import yaml
-
-        with open(spec) as f:
-            sizes = yaml.safe_load(f) or {}
-        if not isinstance(sizes, dict):
-            raise ValueError(f"{spec}: a mesh preset must be a mapping of axis: size")
-    elif "=" in spec:
-        sizes = {k.strip(): v for k, v in (kv.split("=", 1) for kv in spec.split(",") if kv)}
-    else:
-        raise FileNotFoundError(f"--mesh {spec!r}: neither a preset file nor sizes like fsdp=8,tensor=2")
-    for k, v in sizes.items():
-        if k not in MESH_AXES + ("devices_per_node",):
-            raise ValueError(f"--mesh {spec}: unknown axis {k!r} (axes: {', '.join(MESH_AXES)}; or devices_per_node)")
-        try:
-            sizes[k] = int(v)
-        except (TypeError, ValueError):
-            raise ValueError(f"--mesh {spec}: size of {k!r} must be an integer, got {v!r}") from None
     return sizes
 
 

@@ -22,7 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from nemo_jax.config.train import load_plan_config  # noqa: F401  (a plan's config: SFT or GRPO)
 from nemo_jax.plan.hlo import analyse
+from nemo_jax.plan.targets import default_target, native_target  # noqa: F401
 
 GiB = 1024 ** 3
 
@@ -52,16 +54,6 @@ DEVICE_KINDS = {
 TARGETS = ("gpu", "tpu", "cpu")
 
 
-def native_target(device_kind: str) -> str:
-    return "tpu" if device_kind.startswith("tpu") else "gpu"
-
-
-def default_target(device_kind: str) -> str:
-    """The device kind's real backend when its compile-only plugin is installed, else "cpu"."""
-    from nemo_jax.plan.targets import plugin_installed
-
-    t = native_target(device_kind)
-    return t if plugin_installed(t) else "cpu"
 # ring algorithms: bytes each device sends per byte of the collective's buffer, for a group of n
 _TRAFFIC = {"all-reduce": lambda n: 2 * (n - 1) / n, "all-gather": lambda n: (n - 1) / n,
             "reduce-scatter": lambda n: (n - 1) / n, "all-to-all": lambda n: (n - 1) / n,
@@ -139,36 +131,6 @@ def analyse_compiled(compiled, n_devices: int, kind: DeviceKind, inputs: dict, m
         "mfu": {k: (model_flops / (t[k] * peak_all) if t[k] else None) for k in ("with_overlap", "without_overlap")},
         "unknown_loop_trip_counts": hlo.unknown_trip_counts,
     }
-
-
-def load_plan_config(path: str | None, overrides=()):
-    """The step a plan compiles, from an SFT config or a GRPO config -> (SFTConfig, sampler defaults). A GRPO
-    config's learner step is a LoRA step over its rollout batch (groups_per_step x group_size rows of
-    rollout.seq_len tokens, in optim.grad_accum micro-batches; the policy loss costs what the token loss costs),
-    and its sampler serves rollout.sampler_rows rows of rollout.sampler_positions (defaults as the run's)."""
-    import yaml
-
-    from nemo_jax.config.load import load_config
-    from nemo_jax.config.train import DataSection, GRPOConfig, SFTConfig
-    from nemo_jax.train.sft import load_sft_config
-
-    raw = {}
-    if path:
-        try:
-            with open(path) as f:
-                raw = yaml.safe_load(f) or {}
-        except FileNotFoundError:
-            raise FileNotFoundError(f"{path}: no such config file") from None
-    if not (isinstance(raw, dict) and "rollout" in raw):
-        c = load_sft_config(path, overrides)
-        return c, {"rows": c.data.batch_size, "context": c.data.seq_len, "program": None, "prefill": None}
-    g = load_config(GRPOConfig, path, list(overrides))
-    r = g.rollout
-    rows = r.groups_per_step * r.group_size
-    c = SFTConfig(name=g.name, model=g.model, lora=g.lora, optim=g.optim, mesh=g.mesh,
-                  data=DataSection(seq_len=r.seq_len, batch_size=rows, tokenizer=g.tokenizer, eval=None))
-    return c, {"rows": r.sampler_rows or rows, "context": r.sampler_positions or 2 * (r.seq_len + r.max_new_tokens),
-               "program": "grpo_learner_step", "prefill": None}
 
 
 def model_config(c):

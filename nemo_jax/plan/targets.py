@@ -131,3 +131,13 @@ def target_mesh(target: str, device_kind: str, sizes: dict, devices_per_node: in
     sizes = dict(sizes)
     n = sizes.pop("devices", None) or math.prod(s for s in sizes.values() if s > 0)
     return make_mesh(sizes, get_topology(target, device_kind, n), devices_per_node)
+
+
+def native_target(device_kind: str) -> str:
+    return "tpu" if device_kind.startswith("tpu") else "gpu"
+
+
+def default_target(device_kind: str) -> str:
+    """The device kind's real backend when its compile-only plugin is installed, else "cpu"."""
+    t = native_target(device_kind)
+    return t if plugin_installed(t) else "cpu"

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nemo_jax.config.train import OptimSection, PolicyLossConfig
-from nemo_jax.lora import LoraConfig, adapter_shardings, attach, init_adapters
+from nemo_jax.lora import CONSTANT_LEAVES, LoraConfig, adapter_shardings, attach, init_adapters
 from nemo_jax.model.model import Options
 from nemo_jax.parallel.mesh import batch_sharding
 from nemo_jax.rl.learner import make_learner_grads, token_logprobs
@@ -43,7 +43,7 @@ class TrainingClient:
         self.opts = opts or Options(mesh=mesh if multi else None)
         ad_sh = adapter_shardings(cfg, lora_cfg, mesh, rules) if multi else None
         adapters = init_adapters(cfg, lora_cfg, jax.random.key(seed), shardings=ad_sh)
-        self.tx, self.sched = make_optimizer(optim, adapters, total_steps)
+        self.tx, self.sched = make_optimizer(optim, adapters, total_steps, frozen=CONSTANT_LEAVES)  # scale: constant
         z = lambda: jnp.zeros((), jnp.int32)  # noqa: E731
         rng = jax.random.key_data(jax.random.key(seed + 1))
         sh = None
@@ -179,22 +179,26 @@ class TrainingClient:
             self._publisher, self._publisher_key = None, None
 
     # ------------------------------------------------------------------ state
-    def save_state(self, path: str, step: int, extra: dict | None = None, force: bool = True):
-        """Checkpoint adapters, optimiser state, counters and RNG (orbax, under `path`, as step `step`) with the
-        policy version and `extra` (the caller's JSON state: pool, curriculum, ...)."""
+    def save_state(self, path: str, step: int, extra: dict | None = None, force: bool = True, *,
+                   meta: dict | None = None, verify: bool = True):
+        """Checkpoint adapters, optimiser state, counters and RNG (orbax, under `path`, as step `step`, sealed with
+        a content manifest) with the policy version and `extra` (the caller's JSON state: pool, curriculum, ...);
+        `meta`: more JSON recorded with it (e.g. the run's config, which `nemo_jax.sources` reads)."""
         from nemo_jax.train.checkpoint import RunCheckpointer
 
         if not hasattr(self, "_ckpt") or self._ckpt.directory != os.path.abspath(path):
-            self._ckpt = RunCheckpointer(path, keep=2, async_save=False)
+            self._ckpt = RunCheckpointer(path, keep=2, async_save=False, verify=verify)
         self._ckpt.save(step, self.state, {"version": self.version, "extra": extra or {}},
-                        {"lora": dataclasses.asdict(self.lora_cfg)}, force=force)
+                        {**(meta or {}), "lora": dataclasses.asdict(self.lora_cfg),
+                         "model_config": self.cfg.to_hf_dict()}, force=force)
         self._ckpt.wait()
 
-    def load_state(self, path: str):
-        """Restore the newest checkpoint under `path` -> (step, extra) or None when there is none."""
+    def load_state(self, path: str, *, verify: bool = True):
+        """Restore the newest good checkpoint under `path` (a damaged one is moved aside, see
+        `nemo_jax.train.checkpoint`) -> (step, extra) or None when there is none."""
         from nemo_jax.train.checkpoint import RunCheckpointer, abstract_like
 
-        ck = RunCheckpointer(path, keep=2, async_save=False)
+        ck = RunCheckpointer(path, keep=2, async_save=False, verify=verify)
         target = abstract_like(self.state, jax.tree.map(lambda x: x.sharding, self.state))
         out = ck.restore_latest(target)
         ck.close()

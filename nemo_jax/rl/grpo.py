@@ -33,8 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nemo_jax.config.load import dump_yaml, load_config
-from nemo_jax.config.train import GRPOConfig
+from nemo_jax.config.load import dump_yaml
+from nemo_jax.config.train import GRPOConfig, load_grpo_config  # noqa: F401 (load_grpo_config: re-exported)
 from nemo_jax.data.chat import ChatTokenizer
 from nemo_jax.lora import LoraConfig, save_adapter_checkpoint
 from nemo_jax.lora.peft import check_servable
@@ -55,51 +55,6 @@ MAX_DRAWS = 4  # groups drawn per step, at most, as a multiple of groups_per_ste
 PUBLISH_DTYPES = {"train": None, "bf16": jnp.bfloat16}
 
 
-def load_grpo_config(path: str | None, overrides=()) -> GRPOConfig:
-    c = load_config(GRPOConfig, path, list(overrides))
-    if path and c.name == "grpo":  # runs/<config name> by default
-        c = dataclasses.replace(c, name=os.path.splitext(os.path.basename(path))[0])
-    r = c.rollout
-    if r.group_size < 2 or r.groups_per_step < 1:
-        raise ValueError(f"rollout.group_size >= 2 and rollout.groups_per_step >= 1 (got {r.group_size}, "
-                         f"{r.groups_per_step})")
-    if r.producer not in ("thread", "inline", "none"):
-        raise ValueError(f"rollout.producer: {r.producer!r} (expected thread, inline or none)")
-    if r.producer == "none" and not r.spool:
-        raise ValueError("rollout.producer=none needs rollout.spool=true (otherwise nothing produces rollouts)")
-    if not c.lora.targets:
-        raise ValueError("grpo trains LoRA adapters: set lora.targets (e.g. [all])")
-    _check_transport(r)
-    return c
-
-
-def _check_transport(r) -> None:
-    """The publishing, request, lease and spool settings (rollout.*)."""
-    from nemo_jax.lora.peft import FORMATS
-
-    checks = [
-        (r.publish_format in FORMATS,
-         f"rollout.publish_format: {r.publish_format!r} (expected {' or '.join(FORMATS)})"),
-        (r.publish_dtype in PUBLISH_DTYPES, f"rollout.publish_dtype: {r.publish_dtype!r} (expected train or bf16)"),
-        (r.publish_every >= 0 and r.publish_keep >= 0 and r.publish_keep_every >= 0,
-         "rollout.publish_every, publish_keep and publish_keep_every must be >= 0"),
-        (0.0 < r.top_p <= 1.0, f"rollout.top_p must be in (0, 1], got {r.top_p}"),
-        (r.top_k >= 0, f"rollout.top_k must be >= 0 (0: off), got {r.top_k}"),
-        (not r.stop or r.producer == "none", "rollout.stop (stop strings) needs rollout.producer=none: the "
-         "in-process sampler stops at end-of-turn tokens only"),
-        (r.lease_s > 0, f"rollout.lease_s must be > 0, got {r.lease_s}"),
-        (r.max_failed_episodes >= 0, f"rollout.max_failed_episodes must be >= 0, got {r.max_failed_episodes}"),
-        (r.spool_max_file_mb > 0, f"rollout.spool_max_file_mb must be > 0, got {r.spool_max_file_mb}"),
-        (r.reward_range is None or (len(r.reward_range) == 2 and all(map(math.isfinite, r.reward_range))
-                                    and r.reward_range[0] <= r.reward_range[1]),
-         f"rollout.reward_range must be [lo, hi] with finite lo <= hi, got {r.reward_range}"),
-        (math.isfinite(r.min_logprob) and r.min_logprob < 0, f"rollout.min_logprob must be < 0, got {r.min_logprob}"),
-    ]
-    for ok, msg in checks:
-        if not ok:
-            raise ValueError(msg)
-
-
 class GRPORunner:
     def __init__(self, c: GRPOConfig, *, quiet: bool = False, devices=None):
         check_logging(c.logging)
@@ -107,8 +62,6 @@ class GRPORunner:
         self.run_dir = os.path.abspath(c.run_dir or os.path.join("runs", c.name))
         self.mesh = make_mesh(c.mesh.sizes(), devices, c.mesh.devices_per_node)
         cfg, params = initial_params(c, self.mesh, Rules())
-        if c.lora.base_dtype not in DTYPES:
-            raise ValueError(f"lora.base_dtype: {c.lora.base_dtype!r} (expected one of {sorted(DTYPES)})")
         dt = DTYPES[c.lora.base_dtype]
         base = jax.tree.map(lambda x: x.astype(dt), params)
         self.cfg = cfg
@@ -167,11 +120,12 @@ class GRPORunner:
 
     def save(self, producer):
         if self.step != self.saved_step:  # (the last periodic checkpoint may already be this step's)
-            self.client.save_state(os.path.join(self.run_dir, "checkpoints"), self.step, self._extra(producer))
+            self.client.save_state(os.path.join(self.run_dir, "checkpoints"), self.step, self._extra(producer),
+                                   meta={"config": dataclasses.asdict(self.c)}, verify=self.c.checkpoint.verify)
             self.saved_step = self.step
 
     def restore(self, producer) -> bool:
-        out = self.client.load_state(os.path.join(self.run_dir, "checkpoints"))
+        out = self.client.load_state(os.path.join(self.run_dir, "checkpoints"), verify=self.c.checkpoint.verify)
         if out is None:
             return False
         self.step, extra = out
@@ -341,7 +295,7 @@ class GRPORunner:
         self.save(producer)
         self.client.close()
         save_adapter_checkpoint(os.path.join(self.run_dir, "adapters"), self.cfg, self.client.lora_cfg,
-                                self.client.adapters)
+                                self.client.adapters, overwrite=True)
         last["step"] = self.step
         last["stopped_early"] = self.stop_requested
         if not self.quiet:
@@ -462,14 +416,14 @@ def eval_engine(params, cfg, adapters=None, *, rows: int = 32, max_len: int = 10
 def cli_eval(a) -> dict:
     import json
 
-    from nemo_jax.generate import load_for_generation
+    from nemo_jax.sources import load_for_generation
 
     cfg, params, tok_dir = load_for_generation(a.ckpt, dtype=jnp.float32)
     adapters = None
     if a.adapters:
-        from nemo_jax.lora.peft import load_adapters_any
+        from nemo_jax.sources import load_adapters
 
-        adapters = jax.tree.map(jnp.asarray, load_adapters_any(a.adapters, cfg))
+        adapters = jax.tree.map(jnp.asarray, load_adapters(a.adapters, cfg))
     tok = ChatTokenizer.load(a.tokenizer or tok_dir)
     env = make_env(a.env, **(json.loads(a.env_args) if a.env_args else {}))
     engine = eval_engine(params, cfg, adapters, rows=a.rows, max_len=a.max_len, seed=a.seed)
@@ -484,13 +438,20 @@ def cli_eval(a) -> dict:
     return out
 
 
-def main(path: str | None, overrides=()) -> dict:
-    c = load_grpo_config(path, overrides)
-    text = dump_yaml(c)
+def main(path: str | None = None, overrides=(), *, config: GRPOConfig | None = None) -> dict:
+    """`nemo-jax grpo`: the config (`config`, or loaded from `path` + `overrides`) is validated before any work;
+    the resolved config is written to RUN/config.yaml (what rollout workers read)."""
+    c = config or load_grpo_config(path, overrides)
     run_dir = os.path.abspath(c.run_dir or os.path.join("runs", c.name))
+    new_dir = not os.path.exists(run_dir)
+    try:
+        runner = GRPORunner(c)
+    except Exception:  # a run dir this call made holds nothing of value yet
+        if new_dir and jax.process_index() == 0 and os.path.isdir(run_dir):
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
     if jax.process_index() == 0:
-        os.makedirs(run_dir, exist_ok=True)
-        with open(os.path.join(run_dir, "config.yaml.tmp"), "w") as f:
-            f.write(text)
-        os.replace(os.path.join(run_dir, "config.yaml.tmp"), os.path.join(run_dir, "config.yaml"))
-    return GRPORunner(c).run()
+        from nemo_jax.fsutil import atomic_write_text
+
+        atomic_write_text(os.path.join(run_dir, "config.yaml"), dump_yaml(c))
+    return runner.run()

@@ -85,7 +85,7 @@ def publish_policy(run_dir: str, version: int, cfg, adapters, *, format: str = "
     from nemo_jax.lora.peft import save_peft
 
     path = os.path.join(run_dir, "policy", str(version))
-    save_peft(cfg, adapters, path, format=format, **peft_kw)
+    save_peft(cfg, adapters, path, format=format, overwrite=True, **peft_kw)  # a resumed run publishes its version again
     _atomic_write(os.path.join(run_dir, "policy", "LATEST"), f"{version}\n")
     if keep:
         prune_policies(run_dir, keep, keep_every)

@@ -58,8 +58,6 @@ def make_optimizer(o, params, total_steps: int, frozen: str | None = None):
     """AdamW (+ clipping) over `params`; leaves whose path matches the regex `frozen` get no update and hold no
     optimiser state. `o.mu_dtype` (bfloat16) keeps Adam's first moment in bf16 (the second stays fp32)."""
     sched = schedule(o, total_steps)
-    if o.mu_dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"optim.mu_dtype: {o.mu_dtype!r} (expected float32 or bfloat16)")
     mu_dtype = jnp.bfloat16 if o.mu_dtype == "bfloat16" else None
     tx = optax.chain(
         clip_by_global_norm(o.clip_norm) if o.clip_norm > 0 else optax.identity(),

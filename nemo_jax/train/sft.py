@@ -13,10 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nemo_jax.checkpoint import load_any
-from nemo_jax.config.load import dump_yaml, load_config
+from nemo_jax.config.load import dump_yaml
 from nemo_jax.config.model import NemotronHConfig
-from nemo_jax.config.train import SFTConfig
+from nemo_jax.config.train import SFTConfig, load_sft_config  # noqa: F401 (load_sft_config: re-exported)
 from nemo_jax.data.chat import ASSETS, ChatTokenizer, read_chat_jsonl
 from nemo_jax.data.loader import PackedIterator, ShardedBatches
 from nemo_jax.data.prepared import open_sources
@@ -28,7 +27,8 @@ from nemo_jax.parallel.mesh import batch_shards, batch_sharding, make_mesh
 from nemo_jax.parallel.rules import Rules, param_shardings
 from nemo_jax.train.checkpoint import RunCheckpointer, abstract_like
 from nemo_jax.train.metrics import MetricsLogger, check_logging, device_peak_flops, model_flops_per_token
-from nemo_jax.lora import LoraConfig, adapter_shardings, attach, init_adapters, save_adapter_checkpoint, summary_table
+from nemo_jax.lora import (CONSTANT_LEAVES, LoraConfig, adapter_shardings, attach, init_adapters,
+                           save_adapter_checkpoint, summary_table)
 from nemo_jax.train.optimizer import make_optimizer
 from nemo_jax.train.step import TrainState, all_finite, make_eval_step, make_train_step, train_state_shardings
 
@@ -36,7 +36,7 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 def model_config_path(name: str) -> str:
-    if os.path.exists(name):
+    if os.path.isfile(name):
         return name
     p = os.path.join(ASSETS, "models", f"{name}.json")
     if os.path.exists(p):
@@ -46,10 +46,9 @@ def model_config_path(name: str) -> str:
 
 
 def options_from(section, mesh=None) -> M.Options:
-    """Model options of a config's `model` section on `mesh`; `model.kernels: auto` is resolved here, from the
-    mesh's devices (a single device's mesh is dropped from the options, but its platform still decides)."""
-    if section.dtype not in DTYPES:
-        raise ValueError(f"model.dtype: {section.dtype!r} (expected one of {sorted(DTYPES)})")
+    """Model options of a config's `model` section (its dtype checked by the config) on `mesh`: forward Options
+    (which check the model's choices); `model.kernels: auto` is resolved here, from the mesh's devices (a single
+    device's mesh is dropped from the options, but its platform still decides)."""
     return M.Options(dtype=DTYPES[section.dtype], remat=section.remat, moe_dispatch=section.moe_dispatch,
                      capacity_factor=section.capacity_factor, ep_capacity=section.ep_capacity,
                      moe_chunk_tokens=section.moe_chunk_tokens,
@@ -58,19 +57,16 @@ def options_from(section, mesh=None) -> M.Options:
 
 
 def initial_params(c: SFTConfig, mesh, rules):
-    """-> (model cfg, params placed in their shardings). `model.init` may be a native model dir, an HF dir or
-    an SFT run dir (its latest checkpoint's params); with `model.init_sft_config`, a missing init run is
-    trained first."""
+    """-> (model cfg, params placed in their shardings). `model.init` is anything `nemo_jax.sources` reads: a
+    native model dir, an HF dir, a run dir (its latest good checkpoint; a LoRA run's adapters merged into its
+    base) or RUN/checkpoints/N; with `model.init_sft_config`, a missing init run is trained first."""
     init = c.model.init
     if init != "random":
         if not os.path.exists(init) and c.model.init_sft_config:
             print(f"model.init {init} does not exist yet: training it with {c.model.init_sft_config}")
             main(c.model.init_sft_config, [f"run_dir={init}"])
-        if os.path.isdir(os.path.join(init, "checkpoints")):
-            from nemo_jax.generate import load_for_generation
+        from nemo_jax.sources import load_any
 
-            cfg, params, _ = load_for_generation(init, mesh=mesh, rules=rules, dtype=jnp.float32)  # params only
-            return cfg, params
         return load_any(init, dtype=jnp.float32, mesh=mesh, rules=rules)
     cfg = NemotronHConfig.from_file(model_config_path(c.model.config))
     shardings = param_shardings(param_specs(cfg), mesh, rules)
@@ -153,8 +149,6 @@ def step_program(c: SFTConfig, cfg, mesh, rules) -> StepProgram:
     model_sh = param_shardings(param_specs(cfg), mesh, rules)
     lora_cfg, base_dtype, combine, trainable_sh = None, None, None, model_sh
     if c.lora.targets:
-        if c.lora.base_dtype not in DTYPES:
-            raise ValueError(f"lora.base_dtype: {c.lora.base_dtype!r} (expected one of {sorted(DTYPES)})")
         lora_cfg = LoraConfig(tuple(c.lora.targets), c.lora.rank, c.lora.alpha, c.lora.rslora, c.lora.init_seed)
         base_dtype = DTYPES[c.lora.base_dtype]
         trainable_sh = adapter_shardings(cfg, lora_cfg, mesh, rules)
@@ -166,7 +160,7 @@ def step_program(c: SFTConfig, cfg, mesh, rules) -> StepProgram:
                          f"micro-batches whose rows divide over {shards} batch shards (data*fsdp*expert)")
     trainable = (abstract_params(cfg) if lora_cfg is None
                  else jax.eval_shape(lambda: init_adapters(cfg, lora_cfg)))
-    frozen = None
+    frozen = None if lora_cfg is None else CONSTANT_LEAVES  # the LoRA scale is a constant, never trained
     if c.model.freeze_vision and lora_cfg is None:
         if cfg.vision is None:
             raise ValueError("model.freeze_vision: the model has no vision tower")
@@ -209,6 +203,9 @@ class Trainer:
         self.batch_sharding = prog.batch_sharding
         self.step_fn, self.eval_fn = prog.step, prog.eval_step
         self.tok = ChatTokenizer.load(c.data.tokenizer)
+        self.eval_docs = None
+        if c.data.eval:  # read (and checked) before any data is prepared into the run dir
+            self.eval_docs, _ = read_chat_jsonl(c.data.eval, self.tok, self.cfg.vocab_size, c.data.on_error)
         cache = os.path.join(self.run_dir, "data" if jax.process_count() == 1 else f"data/process-{jax.process_index()}")
         docs, weights, self.source_names, self.rejected_lines = open_sources(c.data, self.cfg.vocab_size, cache,
                                                                               quiet=quiet)
@@ -228,11 +225,8 @@ class Trainer:
         self._counted_rows = np.asarray([min(p for p, (a, b) in spans.items() if a <= r < b) == jax.process_index()
                                          for r in range(lo, hi)])  # rows whose tokens this process reports
         self.trace_dir = os.environ.get("NEMO_JAX_TRACE_BATCHES")  # debugging: per-process row digests
-        self.eval_docs = None
-        if c.data.eval:
-            self.eval_docs, _ = read_chat_jsonl(c.data.eval, self.tok, self.cfg.vocab_size, c.data.on_error)
         self.ckpt = RunCheckpointer(os.path.join(self.run_dir, "checkpoints"), c.checkpoint.keep,
-                                    c.checkpoint.async_save)
+                                    c.checkpoint.async_save, verify=c.checkpoint.verify)
         self.saved_steps = set(self.ckpt.steps())
         self.flops_per_token = model_flops_per_token(self.cfg, c.data.seq_len)
         self.peak = device_peak_flops()
@@ -292,7 +286,8 @@ class Trainer:
                 "model_config": self.cfg.to_hf_dict(), "process_count": jax.process_count()}
         self.ckpt.save(int(self.state.step), self.state, self._data_states(), meta, force=force)
         if self.lora_cfg is not None:  # the latest adapters, readable without the optimiser (lora export, eval)
-            save_adapter_checkpoint(os.path.join(self.run_dir, "adapters"), self.cfg, self.lora_cfg, self.state.params)
+            save_adapter_checkpoint(os.path.join(self.run_dir, "adapters"), self.cfg, self.lora_cfg, self.state.params,
+                                    overwrite=True)
 
     def _over_processes(self, *counts: int) -> tuple[int, ...]:
         """Counts of this process -> summed over all processes (every process must call it)."""
@@ -323,6 +318,9 @@ class Trainer:
             return False
         step, state, data_state, _ = got
         self.state = state
+        # the steps left after a damaged one was moved aside (the same listing on every process, after the
+        # restore's barrier): a step no longer on disk is saved again when training passes it
+        self.saved_steps = set(self.ckpt.steps())
         shards = data_state.get("shards")
         if shards is None or len(shards) != self.data_shards:
             raise ValueError(f"{self.ckpt.directory}: the checkpoint's data positions are for "
@@ -381,6 +379,7 @@ class Trainer:
             rows_since += np_batch["segment_ids"][self._counted_rows].size
             self.state, m = self.step_fn(self.state, self._global_batch(np_batch), self.frozen)
             step += 1
+            self.ckpt.check()  # a background save that failed (e.g. a full disk) stops the run here
             if int(m["skipped_updates"]) and int(self.state.nonfinite_run) >= c.optim.max_nonfinite_in_a_row:
                 logger.close()
                 raise RuntimeError(f"{int(self.state.nonfinite_run)} non-finite updates in a row at step {step}; "
@@ -459,19 +458,15 @@ def _asdict(c):
     return dataclasses.asdict(c)
 
 
-def load_sft_config(path: str | None, overrides=()) -> SFTConfig:
-    c = load_config(SFTConfig, path, list(overrides))
-    if path and c.name == "sft":
-        import dataclasses
-
-        c = dataclasses.replace(c, name=os.path.splitext(os.path.basename(path))[0])
-    return c
-
-
-def main(path: str | None, overrides=(), verbose: bool = False):
-    c = load_sft_config(path, overrides)
+def main(path: str | None = None, overrides=(), *, config: SFTConfig | None = None, verbose: bool = False):
+    """`nemo-jax sft`: the config (`config`, or loaded from `path` + `overrides`) is validated before anything
+    is written; the run dir gets its config.yaml once the trainer is built (model, data and mesh checked), and a
+    run dir this call created is removed again when building the trainer fails. The resolved config is printed
+    in full with `verbose` only (it is always in RUN/config.yaml)."""
+    c = config or load_sft_config(path, overrides)
     distributed.initialize(c.distributed)  # before any device use
     run_dir = os.path.abspath(c.run_dir or os.path.join("runs", c.name))
+    options_from(c.model)  # the model's own choices (remat, attention, ...) before anything is written
     text = dump_yaml(c)
     if jax.process_index() == 0:
         if verbose:
@@ -479,11 +474,20 @@ def main(path: str | None, overrides=(), verbose: bool = False):
         print(f"sft {c.name}: {path or 'the embedded tiny CPU config'}, {c.steps} steps of {c.data.batch_size} x "
               f"{c.data.seq_len} tokens; resolved config in {os.path.join(run_dir, 'config.yaml')}"
               + ("" if verbose else " (--verbose prints it)"), flush=True)
-        os.makedirs(run_dir, exist_ok=True)
-        with open(os.path.join(run_dir, "config.yaml"), "w") as f:
-            f.write(text)
+    new_dir = not os.path.exists(run_dir)
     with distributed.failure_guard("sft"):  # a lost peer: name it, exit non-zero at once
-        tr = Trainer(c)
+        try:
+            tr = Trainer(c)
+        except Exception:  # (an interrupt keeps what was prepared, for the rerun)
+            if new_dir and jax.process_index() == 0 and os.path.isdir(run_dir):
+                import shutil
+
+                shutil.rmtree(run_dir, ignore_errors=True)  # made by this call, holding nothing of value
+            raise
+        if jax.process_index() == 0:
+            os.makedirs(run_dir, exist_ok=True)
+            with open(os.path.join(run_dir, "config.yaml"), "w") as f:
+                f.write(text)
         print(f"model: {count_params(tr.cfg):,} parameters, pattern {tr.cfg.pattern}; mesh {dict(tr.mesh.shape)}; "
               f"run dir {run_dir}")
         out = tr.run()
