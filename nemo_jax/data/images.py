@@ -73,7 +73,8 @@ def load_image(src: str, base_dir: str | None = None):
     except ImageError:
         raise
     except (OSError, UnidentifiedImageError, ValueError) as e:  # missing, unreadable or corrupt
-        raise ImageError(f"{src[:80]}: cannot read image ({e})") from None
+        name = src.partition(",")[0] if src.startswith("data:") else src  # a path whole, a data URL by its head
+        raise ImageError(f"{name}: cannot read image ({e})") from None
     return img.convert("RGB")
 
 
