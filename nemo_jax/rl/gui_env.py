@@ -97,8 +97,8 @@ class GUIEpisode:
 
     def start(self, task: Task, rollout_id: str) -> Observation:
         self.task, self.screen, self.turns = task, Screen(task.data, self.env.size), 0
-        return Observation([{"role": "user", "content": [{"type": "image", "image": self.screen.render()},
-                                                         {"type": "text", "text": task.data["instruction"]}]}])
+        return Observation([{"role": "user", "content": [{"type": "text", "text": task.data["instruction"] + "\n"},
+                                                         {"type": "image", "image": self.screen.render()}]}])
 
     def _score(self) -> tuple[float, bool]:
         d, sc = self.task.data, self.screen
