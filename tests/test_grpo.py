@@ -468,3 +468,49 @@ def test_mcp_episode_round_trip_with_the_shipped_server(tok, base):
     text = tok.tokenizer.decode(rs[0].tokens[:rs[0].loss_mask.index(1)])
     assert "lookup(item): The price of one item" in text and "How much do" in text
     assert all(0.0 <= r.reward <= 1.0 for r in rs)
+
+
+def test_gui_env_actions_screens_and_partial_credit():
+    """The GUI environment: actions parsed, the expert succeeds, a near miss earns partial credit, a non-action
+    ends the episode, each form action is answered by a new screenshot, and the demonstrations are SFT records
+    the chat data parser reads (pictures as data URLs)."""
+    from nemo_jax.data.chat import ChatTokenizer, parse_record
+    from nemo_jax.rl.gui_env import GUIEnv, parse_action
+
+    assert parse_action("click 12, 40") == ("click", (12, 40)) and parse_action("key Enter") == ("key", "Enter")
+    assert parse_action("I will do it.\ntype hello world") == ("type", "hello world") and parse_action("ok") is None
+    env = make_env("gui", n_train=12, n_eval=6, seed=3)
+    assert isinstance(env, GUIEnv) and {t.family for t in env.tasks("train")} == {"click", "form"}
+    assert all(a.data != b.data for a in env.tasks("train") for b in env.tasks("eval"))  # other screens
+    for task in env.tasks("train"):
+        ep = env.episode()
+        obs = ep.start(task, task.id)
+        img = [p for p in obs.messages[0]["content"] if p["type"] == "image"][0]["image"]
+        assert img.size == (64, 64)
+        for action in GUIEnv.expert(task):
+            assert not obs.done
+            obs = ep.step({"role": "assistant", "content": action})
+            if not obs.done:  # the next screenshot, as a tool message
+                assert obs.messages[0]["role"] == "tool" and obs.messages[0]["content"][0]["type"] == "image"
+        assert obs.done and obs.success and obs.reward == 1.0, task.id
+        ep.close()
+        d = task.data
+        ep = env.episode()
+        ep.start(task, task.id)
+        if task.family == "click":
+            x0, y0, x1, y1 = d["buttons"][d["target"]]
+            near = ep.step({"role": "assistant", "content": f"click {x1 + 4},{(y0 + y1) // 2}"})
+            assert 0 < near.reward < 0.5 and near.done and not near.success
+        else:
+            first = GUIEnv.expert(task)[0]
+            ep.step({"role": "assistant", "content": first})
+            ep.step({"role": "assistant", "content": "type " + d["word"][:-1] + "x"})
+            o = ep.step({"role": "assistant", "content": "key Enter"})
+            assert 1 / 3 < o.reward < 1 and not o.success
+            o = ep.step({"role": "assistant", "content": "that is all"})  # not an action: the episode ends
+            assert o.done and not o.success
+    tok = ChatTokenizer.load("builtin:tiny_vl")
+    for rec in env.demonstrations("eval", 3):
+        doc = parse_record(rec, tok, 512)
+        assert len(doc.images) == sum(m["role"] != "assistant" for m in rec["messages"])
+        assert all(x.startswith("data:image/png;base64,") for x in doc.images) and doc.mask.any()

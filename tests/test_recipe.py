@@ -60,3 +60,12 @@ def test_recipe_runs_every_stage_and_a_rerun_skips_them(tmp_path):
     done = [line for line in again.stdout.splitlines() if line.startswith("[recipe]")]
     assert len(done) == 6 and all(": done (" in line for line in done), done
     assert "eval" not in again.stdout.split("[recipe] final")[1].split("#")[0]  # scores were kept, not recomputed
+
+
+def test_shipped_recipes_load():
+    from nemo_jax.recipe import load_recipe_config
+
+    for name in sorted(os.listdir(os.path.join(ROOT, "configs/recipes"))):
+        c = load_recipe_config(os.path.join(ROOT, "configs/recipes", name))
+        assert c.experts and all(os.path.exists(os.path.join(ROOT, e.config)) for e in c.experts), name
+        assert all(e.env for e in c.eval.envs)

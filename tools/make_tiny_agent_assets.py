@@ -2,7 +2,8 @@
 demonstrations on the two tiny agent environments:
 
   gui  screenshots of generated windows -> `click X,Y` / `type TEXT` / `key NAME` actions, each answered by the
-       next screenshot (nemo_jax.rl.gui_env; other screens than the RL tasks: seed 100)
+       next screenshot (nemo_jax.rl.gui_env; other screens than the RL tasks: seed 100; pictures as PNG data URLs
+       inside the JSONL)
   mcp  "How much do N ITEMs cost?" with the tiny MCP shop's tools (their definitions listed from the running
        server, as the `mcp` environment lists them): lookup, multiply, then the answer (the RL train split's tasks
        only: the held-out tasks stay unseen)
@@ -50,10 +51,11 @@ def mcp_demo(task, tools) -> dict:
 def main():
     os.makedirs(OUT, exist_ok=True)
     tools = asyncio.run(listed_tools())
-    gui = GUIEnv(n_train=384, n_eval=32, seed=100)
+    gui = GUIEnv(n_train=1536, n_eval=32, seed=100)
     for split in ("train", "eval"):
-        recs = gui.demonstrations(split, OUT)
-        recs += [mcp_demo(t, tools) for t in tasks("train")][:(len(recs) // 4 if split == "train" else 8)]
+        recs = gui.demonstrations(split)
+        shop = [mcp_demo(t, tools) for t in tasks("train")]
+        recs += shop * 2 if split == "train" else shop[:8]
         with open(os.path.join(OUT, f"{split}.jsonl"), "w") as f:
             for r in recs:
                 f.write(json.dumps(r) + "\n")

@@ -97,8 +97,8 @@ class GUIEpisode:
 
     def start(self, task: Task, rollout_id: str) -> Observation:
         self.task, self.screen, self.turns = task, Screen(task.data, self.env.size), 0
-        return Observation([{"role": "user", "content": [{"type": "image", "image": self.screen.render()},
-                                                         {"type": "text", "text": task.data["instruction"]}]}])
+        return Observation([{"role": "user", "content": [{"type": "text", "text": task.data["instruction"] + "\n"},
+                                                         {"type": "image", "image": self.screen.render()}]}])
 
     def _score(self) -> tuple[float, bool]:
         d, sc = self.task.data, self.screen
@@ -186,29 +186,26 @@ class GUIEnv(HistoryEnv):
         x0, y0, x1, y1 = d["box"]
         return [f"click {(x0 + x1) // 2},{(y0 + y1) // 2}", f"type {d['word']}", "key Enter"]
 
-    def demonstrations(self, split: str, out_dir: str, n: int | None = None) -> list[dict]:
-        """The expert's conversations on the first `n` tasks of `split`, screenshots saved under out_dir/images ->
-        SFT records {"messages": [...]} (image parts with paths relative to out_dir)."""
-        import os
+    def demonstrations(self, split: str, n: int | None = None) -> list[dict]:
+        """The expert's conversations on the first `n` tasks of `split` -> SFT records {"messages": [...]}, each
+        screenshot an image part holding a PNG data URL (the records stand alone)."""
+        import base64
+        import io
 
-        os.makedirs(os.path.join(out_dir, "images"), exist_ok=True)
+        def url(img) -> str:
+            buf = io.BytesIO()
+            img.save(buf, format="PNG")
+            return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
         recs = []
         for task in self.tasks(split)[:n]:
             ep = self.episode()
             obs = ep.start(task, task.id)
-            msgs, k = [], 0
+            msgs = []
             for action in self.expert(task):
-                for m in obs.messages:
-                    parts = []
-                    for p in m["content"]:
-                        if p["type"] == "image":
-                            rel = os.path.join("images", f"{task.id}-{k}.png")
-                            p["image"].save(os.path.join(out_dir, rel))
-                            parts.append({"type": "image", "path": rel})
-                            k += 1
-                        else:
-                            parts.append(p)
-                    msgs.append({"role": m["role"], "content": parts})
+                msgs += [{"role": m["role"], "content": [{"type": "image_url", "image_url": {"url": url(p["image"])}}
+                                                         if p["type"] == "image" else p for p in m["content"]]}
+                         for m in obs.messages]
                 msgs.append({"role": "assistant", "content": action})
                 obs = ep.step(msgs[-1])
             if not (obs.done and obs.success):
@@ -222,16 +219,17 @@ def main():
     import json
     import os
 
-    ap = argparse.ArgumentParser(description="write the gui expert's demonstrations as SFT chat data")
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--n-train", type=int, default=256)
+    ap = argparse.ArgumentParser(description="write the gui expert's demonstrations as SFT chat data (JSONL)")
+    ap.add_argument("--out", required=True, help="a directory: train.jsonl and eval.jsonl go there")
+    ap.add_argument("--n-train", type=int, default=1024)
     ap.add_argument("--n-eval", type=int, default=32)
     ap.add_argument("--seed", type=int, default=100)  # not the RL tasks' seed: other screens
     a = ap.parse_args()
     env = GUIEnv(n_train=a.n_train, n_eval=a.n_eval, seed=a.seed)
+    os.makedirs(a.out, exist_ok=True)
     for split in ("train", "eval"):
         with open(os.path.join(a.out, f"{split}.jsonl"), "w") as f:
-            for r in env.demonstrations(split, a.out):
+            for r in env.demonstrations(split):
                 f.write(json.dumps(r) + "\n")
 
 
