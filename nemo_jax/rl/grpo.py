@@ -249,7 +249,8 @@ class GRPORunner:
             from nemo_jax.config.model import write_config
             from nemo_jax.fsutil import atomic_dir
 
-            with atomic_dir(os.path.join(self.run_dir, "model")) as tmp:
+            with atomic_dir(os.path.join(self.run_dir, "model"), "model config", overwrite=True,
+                            own_files=("config.json", "preprocessor_config.json")) as tmp:
                 write_config(self.cfg, tmp)
         producer = None
         if r.producer != "none":
