@@ -184,12 +184,23 @@ def quoted_commands(path):
     return out
 
 
+def strict_parser():
+    """The CLI's parser, with abbreviated flags refused: the docs spell every flag out (`--dtyp` would parse)."""
+    parser, todo = build_parser(), []
+    todo.append(parser)
+    while todo:
+        p = todo.pop()
+        p.allow_abbrev = False
+        todo += list(subparsers(p).values())
+    return parser
+
+
 def parse_error(argv):
     """None when `nemo-jax ARGV` parses (or is a --help), else argparse's message."""
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            build_parser().parse_args(argv)
+            strict_parser().parse_args(argv)
     except SystemExit as e:
         return None if e.code in (0, None) else (err.getvalue().strip() or f"exit {e.code}")
     return None
@@ -271,6 +282,7 @@ def test_the_checks_catch_a_broken_link_and_a_bad_flag(tmp_path):
     assert cmds[3][1] == ["sft", "steps=6"]
     assert [parse_error(argv) is None for _, argv in cmds] == [True, True, True, True, False]
     assert "--no-such-flag" in parse_error(cmds[4][1])
+    assert parse_error(["export-hf", "a", "b", "--dtyp", "bf16"])  # an abbreviation argparse would take
 
 
 # ---- installs ----------------------------------------------------------------------------------------------
