@@ -18,7 +18,7 @@ tmp=$(mktemp -d)
 "$PYTHON" -m venv "$tmp/venv"
 py="$tmp/venv/bin/python"
 "$py" -m pip install -q --upgrade pip
-PIP_CONSTRAINT= "$py" -m pip install ".[$EXTRAS]"
+"$py" -m pip install ".[$EXTRAS]"   # no -c: the newest releases pyproject.toml allows
 "$py" -m pytest -q   # the README's test command, in the new environment
 {
   sed -n '/^#/!q;p' constraints.txt   # the comment block at the top of the current file
