@@ -1,6 +1,6 @@
 """The manual holds: README.md and docs/*.md link only to files and headings that exist, every `nemo-jax ...`
 command they quote parses with the CLI's own parser, the README's test command is what CI runs, and the
-constraints file pins what pyproject.toml asks for. Pure text and argparse: no JAX, a second or two.
+constraints file pins what pyproject.toml asks for. Pure text and argparse (nothing compiles): a second or two.
 
 A command line in a fenced block that must not be parsed (deliberately wrong, say) carries the comment
 `# docs-test: skip`.
@@ -17,7 +17,6 @@ import shlex
 import tomllib
 import urllib.parse
 
-import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
