@@ -118,7 +118,7 @@ class NemotronHConfig:
     pad_token_id: int | None = 0
     bos_token_id: int | None = 1
     eos_token_id: int | list[int] | None = 2
-    # ours (not in HF): transformers clamps dt at time_step_min in its full forward (DESIGN 3.4)
+    # ours (not in HF): transformers clamps dt at time_step_min in its full forward (docs/design.md: the model, item 4)
     clamp_dt: bool = False
     # the vision tower of a `nemotron_h_omni` checkpoint (None: a text-only `nemotron_h` model)
     vision: VisionConfig | None = None

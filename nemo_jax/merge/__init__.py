@@ -1,4 +1,4 @@
-"""Checkpoint merging (DESIGN section 6): tensor operations (`ops`), YAML recipes (`recipe`) and the
+"""Checkpoint merging (docs/merging.md): tensor operations (`ops`), YAML recipes (`recipe`) and the
 rule-driven engine streaming over checkpoint directories or working on in-memory params (`engine`).
 
 The recipe layer loads without JAX (`nemo-jax merge` checks a recipe before JAX starts); the engine and the

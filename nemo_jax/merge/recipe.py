@@ -1,5 +1,5 @@
-"""Merge recipes: YAML -> `Recipe` (validated; unknown keys are errors naming the key). Schema in README
-"Merging"."""
+"""Merge recipes: YAML -> `Recipe` (validated; unknown keys are errors naming the key). Schema in
+docs/merging.md."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The GRPO-family policy loss (DESIGN section 5), advantages and reduction weights.
+"""The GRPO-family policy loss (docs/grpo.md, docs/design.md: RL), advantages and reduction weights.
 
 Per token t of rollout i, with learner logprob `lp`, behaviour (rollout-policy) logprob `mu` and the rollout's
 advantage `A_i`:
