@@ -177,7 +177,7 @@ def test_client_primitives_match_the_fused_learner_step(base, tmp_path):
     scales = {k: np.asarray(v) for k, v in flatten_with_paths(client.adapters).items() if k.endswith("lora_scale")}
     assert scales and all(np.all(v == np.float32(LCFG.scale)) for v in scales.values())
     assert not [k for k in flatten_with_paths(client.state.opt_state) if "lora_scale" in k]
-    client.publish(str(tmp_path / "pub"))
+    client.publish(str(tmp_path / "pub"), wait=True)  # (written by a background thread: wait for it)
     conf = json.loads((tmp_path / "pub" / "policy" / "2" / "adapter_config.json").read_text())
     assert conf["lora_alpha"] == LCFG.alpha and not conf["alpha_pattern"]
     # save / load: adapters, optimiser state, version and the caller's state come back
