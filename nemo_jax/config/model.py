@@ -117,7 +117,7 @@ class NemotronHConfig:
     mamba_proj_bias: bool = False
     pad_token_id: int | None = 0
     bos_token_id: int | None = 1
-    eos_token_id: int | list[int] | None = 2
+    eos_token_id: int | tuple[int, ...] | None = 2  # (a list in a config.json: held as a tuple, so hashable)
     # ours (not in HF): transformers clamps dt at time_step_min in its full forward (docs/design.md: the model, item 4)
     clamp_dt: bool = False
     # the vision tower of a `nemotron_h_omni` checkpoint (None: a text-only `nemotron_h` model)
@@ -128,7 +128,15 @@ class NemotronHConfig:
         object.__setattr__(self, "layer_kinds", tuple(self.layer_kinds))
         object.__setattr__(self, "mtp_layer_kinds", tuple(self.mtp_layer_kinds))
         object.__setattr__(self, "time_step_limit", tuple(float(x) for x in self.time_step_limit))
+        if isinstance(self.eos_token_id, list):  # the config is a jit static argument: every field hashable
+            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
         self.validate()
+
+    @property
+    def eos_ids(self) -> list[int]:
+        """The end-of-sequence token ids (config.json's `eos_token_id`: one id or a list)."""
+        e = self.eos_token_id
+        return [] if e is None else list(e) if isinstance(e, tuple) else [e]
 
     # ----------------------------------------------------------------- validation
     def validate(self) -> None:

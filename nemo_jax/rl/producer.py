@@ -39,7 +39,7 @@ from nemo_jax.rl.rollout import ImageStore, Rollout
 
 
 def stop_ids(cfg, tok) -> tuple[int, ...]:
-    eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id]
+    eos = cfg.eos_ids
     return tuple(sorted({*(x for x in eos if x is not None), *tok.eos_ids()}))
 
 

@@ -41,7 +41,7 @@ class ServerState:
         self.requests = Counter()  # (endpoint, status) -> requests
         self.tokens = Counter()  # prompt / generation
         self.latency = Counter()  # (endpoint) -> seconds, summed
-        eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id]
+        eos = cfg.eos_ids
         self.stop_ids = tuple(sorted({*(x for x in eos if x is not None), *tok.eos_ids()}))
         self.started = time.time()
 
