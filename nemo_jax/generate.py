@@ -844,8 +844,7 @@ def cli_generate(a):
         text = a.prompt if a.no_chat_template else tok.render([{"role": "user", "content": a.prompt}],
                                                               add_generation_prompt=True)
         ids = tok.tokenizer.encode(text, add_special_tokens=False).ids
-    eos = cfg.eos_ids
-    stop = tuple(sorted({*(x for x in eos if x is not None), *tok.eos_ids()}))
+    stop = tuple(sorted({*cfg.eos_ids, *tok.eos_ids()}))
     sp = SamplingParams(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
                         stop_token_ids=stop)
     printed: list[int] = []

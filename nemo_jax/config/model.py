@@ -136,7 +136,7 @@ class NemotronHConfig:
     def eos_ids(self) -> list[int]:
         """The end-of-sequence token ids (config.json's `eos_token_id`: one id or a list)."""
         e = self.eos_token_id
-        return [] if e is None else list(e) if isinstance(e, tuple) else [e]
+        return [x for x in (e if isinstance(e, tuple) else (e,)) if x is not None]
 
     # ----------------------------------------------------------------- validation
     def validate(self) -> None:

@@ -60,8 +60,8 @@ _TRAFFIC = {"all-reduce": lambda n: 2 * (n - 1) / n, "all-gather": lambda n: (n 
             "collective-permute": lambda n: 1.0}
 ESTIMATES = ("gradients and activations split the compiled temporaries by estimate (gradients = one fp32 copy of "
              "the trainable shards); on the cpu target the compiler schedules and fuses differently from GPU / TPU "
-             "ones (and keeps collectives in fp32), so its temporaries are an estimate; step times are rooflines (dense bf16 peak, ring collectives at the "
-             "kind's link bandwidth), not measurements")
+             "ones (and keeps collectives in fp32), so its temporaries are an estimate; step times are rooflines "
+             "(dense bf16 peak, ring collectives at the kind's link bandwidth), not measurements")
 
 
 def _shard_bytes(tree) -> int:

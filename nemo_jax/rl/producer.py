@@ -39,8 +39,7 @@ from nemo_jax.rl.rollout import ImageStore, Rollout
 
 
 def stop_ids(cfg, tok) -> tuple[int, ...]:
-    eos = cfg.eos_ids
-    return tuple(sorted({*(x for x in eos if x is not None), *tok.eos_ids()}))
+    return tuple(sorted({*cfg.eos_ids, *tok.eos_ids()}))
 
 
 def _encode(tok, text: str) -> list[int]:

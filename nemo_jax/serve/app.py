@@ -41,8 +41,7 @@ class ServerState:
         self.requests = Counter()  # (endpoint, status) -> requests
         self.tokens = Counter()  # prompt / generation
         self.latency = Counter()  # (endpoint) -> seconds, summed
-        eos = cfg.eos_ids
-        self.stop_ids = tuple(sorted({*(x for x in eos if x is not None), *tok.eos_ids()}))
+        self.stop_ids = tuple(sorted({*cfg.eos_ids, *tok.eos_ids()}))
         self.started = time.time()
 
     # ------------------------------------------------------------------ adapters
