@@ -35,31 +35,15 @@ import os
 import re
 import shutil
 import stat
-import tempfile
 import threading
 import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass
 
+from nemo_jax.fsutil import atomic_write_text as _atomic_write  # complete or not at all
 from nemo_jax.rl.pool import RolloutPool
 from nemo_jax.rl.rollout import MIN_LOGPROB, Rollout, validate
-
-
-def _atomic_write(path: str, text: str) -> None:
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".tmp-", dir=d)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def write_rollouts(spool_dir: str, rollouts: list[Rollout], name: str) -> str:
