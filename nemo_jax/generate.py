@@ -39,13 +39,47 @@ class SamplingParams:
     top_p: float = 1.0  # 1 = off
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None  # the Engine: a sequence's draws depend only on it (and the tokens), not on its batch
+    # the Engine only (`generate` refuses them), as vLLM applies them, in this order: logit_bias and min_tokens,
+    # then the penalties, then temperature / top-k / top-p (`process_logits`)
+    presence_penalty: float = 0.0  # minus this on every token the turn has sampled
+    frequency_penalty: float = 0.0  # minus this times the times the turn has sampled the token
+    repetition_penalty: float = 1.0  # tokens of the prompt or the turn: logits > 0 divided by it, < 0 multiplied
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit) pairs
+    min_tokens: int = 0  # stop ids (and stop strings) are held off until the turn has this many tokens
+    stop: tuple[str, ...] = ()  # stop strings: the turn ends at the token completing one (the Engine's token_bytes)
+    top_logprobs: int = 0  # the Engine returns this many most likely tokens at each step (TurnEnd.top)
 
     def __post_init__(self):
-        if self.max_new_tokens < 1:
+        if not 1 <= self.max_new_tokens < _I32:
             raise ValueError(f"max_new_tokens must be >= 1 (got {self.max_new_tokens})")
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
-            raise ValueError(f"sampling: temperature >= 0, 0 < top_p <= 1, top_k >= 0 (got {self.temperature}, "
+        if not (0 <= self.temperature < float("inf") and 0 < self.top_p <= 1 and 0 <= self.top_k < _I32):
+            raise ValueError(f"sampling: temperature >= 0, 0 < top_p <= 1, 0 <= top_k < 2^31 (got {self.temperature}, "
                              f"{self.top_p}, {self.top_k})")
+        bad = [t for t in self.stop_token_ids if not 0 <= t < _I32]
+        if bad:
+            raise ValueError(f"sampling: stop token id {bad[0]} is not in [0, 2^31)")
+        pen = (self.presence_penalty, self.frequency_penalty, self.repetition_penalty)
+        if not all(abs(x) < float("inf") for x in pen) or not self.repetition_penalty > 0:
+            raise ValueError(f"sampling: finite presence / frequency penalties and a repetition penalty > 0 (got {pen})")
+        if any(not 0 <= t < _I32 or not abs(b) < float("inf") for t, b in self.logit_bias):
+            raise ValueError("sampling: logit_bias takes token ids in [0, 2^31) and finite biases")
+        if not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise ValueError(f"sampling: 0 <= min_tokens <= max_new_tokens (got {self.min_tokens}, "
+                             f"{self.max_new_tokens})")
+        if not 0 <= self.top_logprobs <= 1024:
+            raise ValueError(f"sampling: 0 <= top_logprobs <= 1024 (got {self.top_logprobs})")
+        if any(not isinstance(x, str) or not 0 < len(x.encode()) <= MAX_STOP_BYTES for x in self.stop):
+            raise ValueError(f"sampling: stop strings of 1 to {MAX_STOP_BYTES} UTF-8 bytes (got {self.stop!r:.200})")
+
+    @property
+    def processed(self) -> bool:
+        """Does it ask for more than temperature / top-k / top-p (what only the Engine samples)?"""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens or self.stop or self.top_logprobs)
+
+
+_I32 = 2 ** 31
+MAX_STOP_BYTES = 256  # the longest stop string the Engine matches in its decode step
 
 
 @dataclass
@@ -132,6 +166,112 @@ def sample_rows(logits: jax.Array, u: jax.Array, temperature, top_k, top_p, *, k
     lp = row_sampling_logprobs(logits, temperature, top_k, top_p, k_max=k_max, nucleus=nucleus)
     tok = jnp.where(temperature > 0, _draw(u[:, None], lp), jnp.argmax(logits, axis=-1).astype(jnp.int32))
     return tok, jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0]
+
+
+# --------------------------------------------------------------------------- the Engine's sampling in the loop
+@dataclass(frozen=True)
+class RowSampling:
+    """What the rows sampling now ask for: the static shape of the Engine's decode step (each combination compiles
+    once; rows asking for none of the extras sample exactly as `sample_rows`)."""
+    k_max: int = 0  # >= every row's top_k (0: no row truncates to its top k)
+    nucleus: bool = False  # some row has top_p < 1
+    penalties: bool = False  # some row has a presence / frequency / repetition penalty
+    bias: bool = False  # some row has a logit_bias
+    min_tokens: bool = False  # some row has min_tokens
+    top_n: int = 0  # alternatives returned per row and step (>= every row's top_logprobs)
+    stop_strings: bool = False  # some row has stop strings
+
+
+def process_logits(logits: jax.Array, rows: dict, how: RowSampling) -> jax.Array:
+    """logits [b, V] -> the logits each row samples from before temperature, top-k and top-p, built as vLLM's
+    sampler builds them: `bias` [b, B] added at `bias_ids` [b, B] (ids >= V pad); the row's stop ids `stops` [b, S]
+    (-1 pads) at -inf while its turn has fewer than `min_tokens` [b] tokens (`count` - `turn0`); then the
+    repetition penalty on tokens of the prompt (`seen` [b, V]) or of the turn (`counts` [b, V] > 0): logits > 0
+    divided by it, the others multiplied; then minus `frequency` x counts and `presence` x (counts > 0).
+    Without any of them (`how`) the logits come back untouched."""
+    if not (how.penalties or how.bias or how.min_tokens):
+        return logits
+    x = logits.astype(jnp.float32)
+    b, V = x.shape
+    r = jnp.arange(b)[:, None]
+    if how.bias:
+        x = x.at[r, rows["bias_ids"]].add(rows["bias"], mode="drop")
+    if how.min_tokens:
+        held = (rows["count"] - rows["turn0"] < rows["min_tokens"])[:, None] & (rows["stops"] >= 0)
+        x = x.at[r, jnp.where(held, rows["stops"], V)].set(-jnp.inf, mode="drop")
+    if how.penalties:
+        counts = rows["counts"]
+        out = counts > 0
+        rep = jnp.where(rows["seen"] | out, rows["repetition"][:, None], 1.0)
+        x = jnp.where(x > 0, x / rep, x * rep)
+        x = x - rows["frequency"][:, None] * counts - rows["presence"][:, None] * out
+    return x
+
+
+def stop_string_hits(tail: jax.Array, new: jax.Array, n: jax.Array, stop_bytes: jax.Array, stop_lens: jax.Array):
+    """Stop strings matched on the bytes of each row's turn text, across token boundaries.
+
+    tail [b, T]: the last T bytes of the text so far (-1 where there is none); new [b, L]: the sampled token's
+    bytes, the first n [b] of them valid; stop_bytes [b, S, W] (W <= T): each stop string's UTF-8 bytes
+    right-aligned, stop_lens [b, S] their lengths (0: no string). -> (hit [b]: a stop string ends inside the new
+    bytes, the new tail [b, T]). Stop strings that ended earlier were seen then: only matches ending in the new
+    bytes count."""
+    b, T = tail.shape
+    L, W = new.shape[1], stop_bytes.shape[-1]
+    at = jnp.arange(L)
+    new = jnp.where(at[None] < n[:, None], new.astype(jnp.int32), -1)
+    cat = jnp.concatenate([tail, new], axis=1)  # [b, T + L]: the tail, the n new bytes, padding
+    src = jnp.arange(T + L)[None] - (L - n)[:, None]  # right-aligned: the last new byte at T + L - 1
+    out = jnp.where(src >= 0, jnp.take_along_axis(cat, jnp.maximum(src, 0), axis=1), -1)
+    ends = T + L - at  # [L] the match ending after the k-th last byte (valid for k < n)
+    win = out[:, ends[:, None] - W + jnp.arange(W)[None, :]]  # [b, L, W]
+    mine = jnp.arange(W)[None, None] >= W - stop_lens[..., None]  # [b, S, W] the string's own bytes
+    eq = (win[:, None] == stop_bytes[:, :, None, :]) | ~mine[:, :, None, :]  # [b, S, L, W]
+    ok = jnp.all(eq, axis=-1) & (stop_lens[..., None] > 0) & (at[None, None] < n[:, None, None])
+    return jnp.any(ok, axis=(1, 2)), out[:, L:]
+
+
+def token_table(token_bytes, vocab_size: int, width: int = 128) -> tuple[np.ndarray, np.ndarray]:
+    """Each token's text as bytes (ids beyond the list: none) -> (bytes [V, L] uint8, lengths [V] int32), L the
+    longest token's length rounded up to a power of 2 (at most `width`: a longer token keeps its last L bytes)."""
+    longest = max((len(x) for x in token_bytes), default=1)
+    L = min(_pow2(max(longest, 1)), width)
+    tb, tl = np.zeros((vocab_size, L), np.uint8), np.zeros(vocab_size, np.int32)
+    for i, x in enumerate(token_bytes[:vocab_size]):
+        x = x[-L:]
+        tb[i, :len(x)] = np.frombuffer(x, np.uint8)
+        tl[i] = len(x)
+    return tb, tl
+
+
+def sample_step(logits: jax.Array, u: jax.Array, rows: dict, hist: dict, tables: dict, active: jax.Array,
+                how: RowSampling):
+    """The Engine's sampling of one decode step: `process_logits`, then one token per row from its
+    temperature / top-k / top-p distribution (`sample_rows`; greedy rows: the argmax of the processed logits).
+    `hist`: the rows' running arrays (`counts` [b, V] of the turn's tokens and `seen` [b, V] prompt tokens for the
+    penalties, `tail` [b, T] for stop strings); `tables`: the token byte table (`token_table`) for stop strings.
+    -> (token [b], its logprob [b], stop-string hit [b], updated hist, top (ids, logprobs) [b, top_n] or None)."""
+    b = logits.shape[0]
+    rows = {**rows, **hist}
+    x = process_logits(logits, rows, how)
+    lp = row_sampling_logprobs(x, rows["temperature"], rows["top_k"], rows["top_p"], k_max=how.k_max,
+                               nucleus=how.nucleus)
+    tok = jnp.where(rows["temperature"] > 0, _draw(u[:, None], lp), jnp.argmax(x, axis=-1).astype(jnp.int32))
+    hist = dict(hist)
+    if how.penalties:
+        hist["counts"] = hist["counts"].at[jnp.arange(b), tok].add(active.astype(jnp.int32))
+    hit = jnp.zeros((b,), bool)
+    if how.stop_strings:
+        new, n = tables["bytes"][tok], tables["lens"][tok]
+        hit, tail = stop_string_hits(hist["tail"], new, n, rows["stop_bytes"], rows["stop_lens"])
+        if how.min_tokens:  # (vLLM: stop strings count once the turn has more than min_tokens tokens)
+            hit = hit & (rows["count"] - rows["turn0"] + 1 > rows["min_tokens"])
+        hist["tail"] = jnp.where(active[:, None], tail, hist["tail"])
+    top = None
+    if how.top_n:
+        vals, ids = jax.lax.top_k(lp, how.top_n)
+        top = (ids, vals)
+    return tok, jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0], hit & active, hist, top
 
 
 # --------------------------------------------------------------------------- prefill / decode
@@ -298,6 +438,9 @@ def generate(params, prompts: list[list[int]], cfg, sp: SamplingParams = Samplin
     on_token(step, tokens [b], done [b]) is called as tokens come (for streaming). `images`: the prompts'
     pictures (see `prefill`).
     """
+    if sp.processed:
+        raise ValueError("generate: penalties, logit_bias, min_tokens, stop strings and top_logprobs are sampled by "
+                         "the Engine (continuous_generate, nemo-jax serve)")
     key = jax.random.key(0) if key is None else key
     p = attach(params, adapters)
     mesh = _mesh_of(p)
@@ -347,10 +490,12 @@ class TurnEnd:
     seq_id: int
     tokens: list[int]
     logprobs: list[float]  # of each token under the distribution it was drawn from
-    finish_reason: str  # "stop" (a stop token, the last of `tokens`) | "length" (max_new_tokens reached)
+    finish_reason: str  # "stop" (a stop token, the last of `tokens`, or a stop string) | "length" (max_new_tokens)
     version: int  # the adapter version that sampled it (the oldest, when `set_adapters` came mid-turn)
     tag: object = None  # what `submit` was given
     versions: tuple[int, ...] = ()  # every adapter version that sampled a token of the turn
+    top: list | None = None  # sp.top_logprobs > 0: per token [(id, logprob), ...], the most likely first
+    stop: str | None = None  # the stop string that ended the turn (finish_reason "stop"), if one did
 
 
 @dataclass
@@ -368,6 +513,8 @@ class _Seq:
     turn_t: list[int] = field(default_factory=list)
     turn_l: list[float] = field(default_factory=list)
     turn_v: set = field(default_factory=set)
+    turn_top: list = field(default_factory=list)
+    turn_stop: bool = False  # the turn ended at a stop token or stop string
 
 
 def _pow2(n: int) -> int:
@@ -388,23 +535,39 @@ def chunk_images(v, rows_pics: list[list]) -> dict | None:
     return {k: np.stack([x[k] for x in rows]) for k in rows[0]}
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "opts", "k_max", "nucleus", "mesh"), donate_argnames=("state",))
-def _decode_rows(params, logits, state, done, budget, rows, cfg, opts, k_max, nucleus, mesh=None):
+@functools.partial(jax.jit, static_argnames=("cfg", "opts", "how", "mesh"), donate_argnames=("state", "hist"))
+def _decode_rows(params, logits, state, done, budget, rows, hist, tables, cfg, opts, how, mesh=None):
     """One step over every row with per-row sampling parameters `rows` (temperature, top_k, top_p [b], stops [b, S]
-    (-1 pads), key [b, 2] key data, count [b] tokens the row's sequence has drawn): sample, append for the rows
-    still going; a row is done after a stop token or when its budget of new tokens is spent.
-    -> (token, logprob, active [b], logits, state, done, budget, count)."""
+    (-1 pads), key [b, 2] key data, count [b] tokens the row's sequence has drawn, and what `how` asks for: see
+    `sample_step`): sample, append for the rows still going; a row is done after a stop token or stop string, or
+    when its budget of new tokens is spent.
+    -> (token, logprob, active, stopped [b], logits, state, done, budget, count, hist, top or None)."""
     active = ~done
     u = jax.vmap(lambda k, n: jax.random.uniform(jax.random.fold_in(jax.random.wrap_key_data(k), n), (),
                                                  jnp.float32))(rows["key"], rows["count"])
-    tok, lp = sample_rows(logits, u, rows["temperature"], rows["top_k"], rows["top_p"], k_max=k_max, nucleus=nucleus)
-    stop = jnp.any(tok[:, None] == rows["stops"], axis=1)
+    tok, lp, hit, hist, top = sample_step(logits, u, rows, hist, tables, active, how)
+    stop = jnp.any(tok[:, None] == rows["stops"], axis=1) | hit
     new_logits, state = M.forward_cached(params, tok[:, None], active[:, None], state, cfg, opts=opts,
                                          positions="last")
     budget = budget - active.astype(budget.dtype)
     count = rows["count"] + active.astype(jnp.int32)
-    return (tok, lp, active, new_logits[:, 0], _keep_sharded(state, cfg, mesh), done | stop | (budget <= 0), budget,
-            count)
+    return (tok, lp, active, stop & active, new_logits[:, 0], _keep_sharded(state, cfg, mesh), done | stop | (budget <= 0),
+            budget, count, hist, top)
+
+
+@functools.partial(jax.jit, donate_argnames=("hist",))
+def _reset_hist(hist, reset, prompt):
+    """Rows `reset` [b] start a turn: no tokens sampled (`counts`), their prompt `prompt` [b, P] (ids >= V pad) is
+    `seen`, no text (`tail`)."""
+    out = dict(hist)
+    if "counts" in hist:
+        b, V = hist["counts"].shape
+        out["counts"] = jnp.where(reset[:, None], 0, hist["counts"])
+        seen = hist["seen"] & ~reset[:, None]
+        out["seen"] = seen.at[jnp.arange(b)[:, None], jnp.where(reset[:, None], prompt, V)].set(True, mode="drop")
+    if "tail" in hist:
+        out["tail"] = jnp.where(reset[:, None], -1, hist["tail"])
+    return out
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "mesh"), donate_argnames=("state",))
@@ -470,10 +633,16 @@ class Engine:
     Pictures: `images` (PIL images, paths or data URLs, in the order of their placeholders) go with the tokens
     that hold their widened image tokens (`widen_images`); the prefill runs the vision tower. `submit`, `feed`
     and `release` may be called from other threads than the one calling `step`.
+
+    In the decode step itself, per row (`sample_step`; rows asking for none sample as before, in the same compiled
+    step): presence / frequency / repetition penalties, `logit_bias`, `min_tokens`, the `top_logprobs` most likely
+    tokens of every step, and stop strings matched on the text's bytes across token boundaries (the turn ends at
+    the token completing one; `token_bytes`: each token id's text as bytes, needed for stop strings). The penalties'
+    prompt is what the row held before the turn, their output the turn's tokens.
     """
 
     def __init__(self, params, cfg, *, batch: int, max_len: int, opts: M.Options = M.Options(), adapters=None,
-                 bucket: int = 32, check_every: int = 4, key=None):
+                 bucket: int = 32, check_every: int = 4, key=None, token_bytes=None):
         import threading
         from collections import deque
 
@@ -502,7 +671,11 @@ class Engine:
         self._done = _rows_on(jnp.ones((batch,), bool), self.mesh)
         self._budget = _rows_on(jnp.zeros((batch,), jnp.int32), self.mesh)
         self._rowp = None  # per-row sampling arrays on device (rebuilt when rows change)
-        self._static = (0, False)
+        self._static = RowSampling()
+        self._hist: dict = {}  # running per-row arrays (penalties, stop strings), made when a row first needs them
+        self._token_bytes = None if token_bytes is None else [bytes(x) for x in token_bytes]
+        self._tables: dict = {}  # the token byte table on the device (stop strings)
+        self.progress: list[int] = []  # sequences that sampled tokens in the last `step` (see `turn_so_far`)
 
     # ------------------------------------------------------------------ counts
     @property
@@ -535,6 +708,7 @@ class Engine:
         bad = [t for t in tokens if not 0 <= t < self.cfg.vocab_size]
         if bad:
             raise ValueError(f"prompt: token id {bad[0]} outside the vocabulary ({self.cfg.vocab_size})")
+        self._check_sampling(sp)
         pics = self._pictures(tokens, images, "prompt")
         with self._lock:
             sid = self._next_id
@@ -544,6 +718,25 @@ class Engine:
             self._seqs[sid] = _Seq(sid, sp, tag, key, new=tokens, new_pics=pics)
             self._queue.append(sid)
         return sid
+
+    def _check_sampling(self, sp: SamplingParams) -> None:
+        V = self.cfg.vocab_size
+        bad = [t for t in (*sp.stop_token_ids, *(t for t, _ in sp.logit_bias)) if t >= V]
+        if bad:
+            raise ValueError(f"sampling: token id {bad[0]} (a stop token id or logit_bias key) outside the vocabulary "
+                             f"({V})")
+        if sp.stop and self._token_bytes is None:
+            raise ValueError("sampling: stop strings need the Engine's token_bytes (each token's text)")
+        if sp.top_logprobs > V:
+            raise ValueError(f"sampling: top_logprobs={sp.top_logprobs} is more than the vocabulary ({V})")
+
+    def turn_so_far(self, seq_id: int) -> tuple[list[int], list[float], list | None]:
+        """The tokens, logprobs (and top alternatives) a sequence has sampled of its current turn (streaming:
+        `progress` names the sequences that sampled more in the last `step`). The lists grow in place."""
+        s = self._seqs.get(seq_id)
+        if s is None:
+            return [], [], None
+        return s.turn_t, s.turn_l, s.turn_top if s.sp.top_logprobs else None
 
     def feed(self, seq_id: int, tokens: list[int], *, images=None) -> None:
         """Continue a parked sequence with more tokens (and their pictures): it samples another turn. A
@@ -683,7 +876,7 @@ class Engine:
             for r, s in chunk.items():
                 s.held, s.pics = s.held + s.new, s.pics + s.new_pics
                 s.new, s.new_pics = None, []
-                s.turn_t, s.turn_l, s.turn_v = [], [], set()
+                s.turn_t, s.turn_l, s.turn_v, s.turn_top, s.turn_stop = [], [], set(), [], False
                 self._pos[r] += width
                 self._decoding.add(r)
         max_new = np.zeros(b, np.int32)
@@ -692,49 +885,116 @@ class Engine:
         self._logits, self._done, self._budget = _merge_fed(onb(chunk), new_logits, self._logits, self._done,
                                                             self._budget, _rows_on(jnp.asarray(max_new), mesh),
                                                             onb(stopped))
-        self._upload_rows()
+        self._upload_rows(set(chunk))
 
     def _seqs_row(self, r: int) -> _Seq:
         return self._seqs[self.rows[r]]
 
-    def _upload_rows(self) -> None:
-        """The per-row sampling arrays of the rows now sampling (the others' entries are unused)."""
-        b = self.batch
-        live = [self._seqs_row(r) for r in sorted(self._decoding)]
-        S = _pow2(max([len(s.sp.stop_token_ids) for s in live] + [1]))
+    def _upload_rows(self, started: set[int]) -> None:
+        """The per-row sampling arrays of the rows now sampling (the others' entries are unused); rows `started`
+        (a turn begins) get fresh running arrays (`sample_step`'s hist)."""
+        b, V = self.batch, self.cfg.vocab_size
+        live = {r: self._seqs_row(r) for r in sorted(self._decoding)}
+        sps = [s.sp for s in live.values()]
+        S = _pow2(max([len(sp.stop_token_ids) for sp in sps] + [1]))
         temp, top_k, top_p = np.zeros(b, np.float32), np.zeros(b, np.int32), np.ones(b, np.float32)
         stops, count = np.full((b, S), -1, np.int32), np.zeros(b, np.int32)
-        key = np.zeros((b,) + live[0].key.shape if live else (b, 2), np.uint32)
-        for r in sorted(self._decoding):
-            s = self._seqs_row(r)
+        key = np.zeros((b,) + next(iter(live.values())).key.shape if live else (b, 2), np.uint32)
+        for r, s in live.items():
             sp = s.sp
             if sp.temperature > 0:  # greedy rows keep the untruncated distribution (their logprobs)
                 temp[r], top_k[r], top_p[r] = sp.temperature, sp.top_k, sp.top_p
             stops[r, :len(sp.stop_token_ids)] = sp.stop_token_ids
             key[r], count[r] = s.key, s.sampled
         k = int(top_k.max()) if b else 0
-        self._static = (min(_pow2(k), self.cfg.vocab_size) if k else 0, bool((top_p < 1).any()))
-        self._rowp = {n: _rows_on(jnp.asarray(x), self.mesh) for n, x in
-                      dict(temperature=temp, top_k=top_k, top_p=top_p, stops=stops, key=key, count=count).items()}
+        how = RowSampling(
+            k_max=min(_pow2(k), V) if k else 0, nucleus=bool((top_p < 1).any()),
+            penalties=any(sp.presence_penalty or sp.frequency_penalty or sp.repetition_penalty != 1.0 for sp in sps),
+            bias=any(sp.logit_bias for sp in sps), min_tokens=any(sp.min_tokens for sp in sps),
+            top_n=min(_pow2(max(sp.top_logprobs for sp in sps)), V) if any(sp.top_logprobs for sp in sps) else 0,
+            stop_strings=any(sp.stop for sp in sps))
+        rows = dict(temperature=temp, top_k=top_k, top_p=top_p, stops=stops, key=key, count=count)
+        if how.bias:
+            B = _pow2(max(len(sp.logit_bias) for sp in sps))
+            ids, bias = np.full((b, B), V, np.int32), np.zeros((b, B), np.float32)
+            for r, s in live.items():
+                for j, (t, x) in enumerate(s.sp.logit_bias):
+                    ids[r, j], bias[r, j] = t, x
+            rows.update(bias_ids=ids, bias=bias)
+        if how.min_tokens:
+            rows["min_tokens"] = np.asarray([live[r].sp.min_tokens if r in live else 0 for r in range(b)], np.int32)
+            rows["turn0"] = np.asarray([live[r].sampled - len(live[r].turn_t) if r in live else 0 for r in range(b)],
+                                       np.int32)
+        if how.penalties:
+            for name in ("presence", "frequency", "repetition"):
+                rows[name] = np.asarray([getattr(live[r].sp, f"{name}_penalty") if r in live else float(name ==
+                                         "repetition") for r in range(b)], np.float32)
+        if how.stop_strings:
+            enc = {r: [x.encode() for x in s.sp.stop] for r, s in live.items()}
+            n, W = _pow2(max(len(x) for x in enc.values())), _pow2(max(len(y) for x in enc.values() for y in x))
+            sb, sl = np.full((b, n, W), -1, np.int32), np.zeros((b, n), np.int32)
+            for r, xs in enc.items():
+                for j, x in enumerate(xs):
+                    sb[r, j, W - len(x):] = np.frombuffer(x, np.uint8)
+                    sl[r, j] = len(x)
+            rows.update(stop_bytes=sb, stop_lens=sl)
+            if not self._tables:
+                tb, tl = token_table(self._token_bytes, V)
+                self._tables = {"bytes": jnp.asarray(tb), "lens": jnp.asarray(tl)}
+        self._static = how
+        self._rowp = {n: _rows_on(jnp.asarray(x), self.mesh) for n, x in rows.items()}
+        # running arrays: made the first time a row needs them, reset for the rows whose turn starts now
+        if how.penalties and "counts" not in self._hist:
+            self._hist.update(counts=_rows_on(jnp.zeros((b, V), jnp.int32), self.mesh),
+                              seen=_rows_on(jnp.zeros((b, V), bool), self.mesh))
+        if how.stop_strings and "tail" not in self._hist:
+            self._hist["tail"] = _rows_on(jnp.full((b, MAX_STOP_BYTES), -1, jnp.int32), self.mesh)
+        started = [r for r in started if r in live]
+        if self._hist and started:
+            pen = [r for r in started if live[r].sp.presence_penalty or live[r].sp.frequency_penalty
+                   or live[r].sp.repetition_penalty != 1.0]
+            P = _pow2(max([len(live[r].held) for r in pen] + [1]))
+            prompt = np.full((b, P), V, np.int32)
+            for r in pen:
+                prompt[r, :len(live[r].held)] = live[r].held
+            reset = np.isin(np.arange(b), started)
+            self._hist = _reset_hist(self._hist, _rows_on(jnp.asarray(reset), self.mesh),
+                                     _rows_on(jnp.asarray(prompt), self.mesh))
+
+    def _stop_string(self, s: _Seq) -> str | None:
+        """The stop string a turn that ended on a stop-string hit ends with (the one completed earliest)."""
+        text = b"".join(self._token_bytes[t] if t < len(self._token_bytes) else b"" for t in s.turn_t)
+        last = len(self._token_bytes[s.turn_t[-1]]) if s.turn_t and s.turn_t[-1] < len(self._token_bytes) else 0
+        ends = []
+        for x in s.sp.stop:
+            e = x.encode()
+            at = text.find(e, max(0, len(text) - last - len(e) + 1))
+            if at >= 0:
+                ends.append((at + len(e), x))
+        return min(ends)[1] if ends else None
 
     def step(self) -> list[TurnEnd]:
         """Admit queued sequences and fed continuations, decode up to `check_every` steps over the rows with a
         turn to sample -> the turns that ended (their sequences parked)."""
+        self.progress = []
         self._admit()
         if not self._decoding:
             return []
         with self._lock:
             p, version = self._p, self.version
-        steps = []
-        k_max, nucleus = self._static
+        steps, tops = [], []
+        how = self._static
         for _ in range(self.check_every):
-            tok, lp, act, self._logits, self.state, self._done, self._budget, count = _decode_rows(
-                p, self._logits, self.state, self._done, self._budget, self._rowp, self.cfg, self.opts, k_max,
-                nucleus, self.mesh)
+            tok, lp, act, hit, self._logits, self.state, self._done, self._budget, count, self._hist, top = \
+                _decode_rows(p, self._logits, self.state, self._done, self._budget, self._rowp, self._hist,
+                             self._tables, self.cfg, self.opts, how, self.mesh)
             self._rowp = dict(self._rowp, count=count)
-            steps.append((tok, lp, act))
+            steps.append((tok, lp, act, hit))
+            tops.append(top)
             self.decode_steps += 1
-        T, L, A = (np.asarray(jnp.stack(x, 0)) for x in zip(*steps))
+        T, L, A, H = (np.asarray(jnp.stack(x, 0)) for x in zip(*steps))
+        if how.top_n:
+            TI, TV = (np.asarray(jnp.stack(x, 0)) for x in zip(*tops))
         D = np.asarray(self._done)
         self._pos += A.sum(0)
         out = []
@@ -744,17 +1004,26 @@ class Engine:
                 got = A[:, r]
                 s.turn_t += T[got, r].tolist()
                 s.turn_l += L[got, r].tolist()
+                if s.sp.top_logprobs:
+                    k = s.sp.top_logprobs
+                    s.turn_top += [list(zip(TI[i, r, :k].tolist(), TV[i, r, :k].tolist())) for i in np.flatnonzero(got)]
+                s.turn_stop |= bool(H[:, r].any())
                 s.sampled += int(got.sum())
                 if got.any():
                     s.turn_v.add(version)
+                    self.progress.append(s.id)
                 if not D[r]:
                     continue
                 self._decoding.discard(r)
                 toks = s.turn_t
-                why = "stop" if toks and toks[-1] in s.sp.stop_token_ids else "length"
+                stop = None
+                if s.turn_stop and s.sp.stop and not (toks and toks[-1] in s.sp.stop_token_ids):
+                    stop = self._stop_string(s)
                 s.held = s.held + toks
                 vs = tuple(sorted(s.turn_v))
-                out.append(TurnEnd(s.id, toks, s.turn_l, why, vs[0] if vs else version, s.tag, vs))
+                out.append(TurnEnd(s.id, toks, s.turn_l, "stop" if s.turn_stop else "length",
+                                   vs[0] if vs else version, s.tag, vs, s.turn_top if s.sp.top_logprobs else None,
+                                   stop))
         return out
 
 

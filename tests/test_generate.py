@@ -353,3 +353,206 @@ def test_engine_parks_finished_turns_and_swaps_adapters(setup):
     assert got[short_id] == generate(params, [[6, 6]], cfg, greedy(20), adapters=ad).tokens[0]
     with pytest.raises(ValueError, match="no vision tower"):
         eng.submit([1, 2], greedy(2), images=[np.zeros((8, 8, 3), np.uint8)])
+
+
+# --------------------------------------------------------------------------- sampling inside the decode step
+def _np_processed(logits, sp, prompt, turn):
+    """vLLM's order on one row's fixed logits, in numpy: logit_bias, min_tokens (stop ids at -inf), repetition
+    (prompt or turn tokens), frequency and presence penalties."""
+    x = np.array(logits, np.float64)
+    for t, b in sp.logit_bias:
+        x[t] += b
+    if len(turn) < sp.min_tokens:
+        x[list(sp.stop_token_ids)] = -np.inf
+    counts = np.bincount(np.asarray(turn, np.int64), minlength=len(x))
+    rep = np.where(np.isin(np.arange(len(x)), prompt) | (counts > 0), sp.repetition_penalty, 1.0)
+    x = np.where(x > 0, x / rep, x * rep)
+    return x - sp.frequency_penalty * counts - sp.presence_penalty * (counts > 0)
+
+
+def _np_logprobs(x, sp):
+    """log softmax(x / T) over the top-k / top-p set (greedy: untempered, untruncated), numpy."""
+    x = np.array(x, np.float64)
+    if sp.temperature > 0:
+        x = x / sp.temperature
+        if sp.top_k:
+            x[x < np.sort(x)[-sp.top_k]] = -np.inf
+        if sp.top_p < 1:
+            order = np.argsort(-x, kind="stable")
+            p = np.exp(x[order] - x[order].max())
+            p /= p.sum()
+            drop = order[(np.cumsum(p) - p) >= sp.top_p]
+            x[drop] = -np.inf
+    m = x[np.isfinite(x)].max()
+    return x - (m + np.log(np.exp(x[np.isfinite(x)] - m).sum()))
+
+
+def _rows_for(sps, prompts, turns, V):
+    """`Engine._upload_rows`'s per-row arrays and running arrays for rows with these parameters, in numpy."""
+    from nemo_jax.generate import RowSampling
+
+    b = len(sps)
+    S = max(1, max(len(sp.stop_token_ids) for sp in sps))
+    B = max(1, max(len(sp.logit_bias) for sp in sps))
+    rows = dict(temperature=np.asarray([sp.temperature for sp in sps], np.float32),
+                top_k=np.asarray([sp.top_k if sp.temperature > 0 else 0 for sp in sps], np.int32),
+                top_p=np.asarray([sp.top_p if sp.temperature > 0 else 1.0 for sp in sps], np.float32),
+                stops=np.full((b, S), -1, np.int32), count=np.asarray([10 + len(t) for t in turns], np.int32),
+                turn0=np.full(b, 10, np.int32), min_tokens=np.asarray([sp.min_tokens for sp in sps], np.int32),
+                bias_ids=np.full((b, B), V, np.int32), bias=np.zeros((b, B), np.float32),
+                presence=np.asarray([sp.presence_penalty for sp in sps], np.float32),
+                frequency=np.asarray([sp.frequency_penalty for sp in sps], np.float32),
+                repetition=np.asarray([sp.repetition_penalty for sp in sps], np.float32))
+    counts, seen = np.zeros((b, V), np.int32), np.zeros((b, V), bool)
+    for i, sp in enumerate(sps):
+        rows["stops"][i, :len(sp.stop_token_ids)] = sp.stop_token_ids
+        for j, (t, x) in enumerate(sp.logit_bias):
+            rows["bias_ids"][i, j], rows["bias"][i, j] = t, x
+        np.add.at(counts[i], turns[i], 1)
+        seen[i, prompts[i]] = True
+    k = max(int(rows["top_k"].max()), 0)
+    how = RowSampling(k_max=k, nucleus=bool((rows["top_p"] < 1).any()), penalties=True, bias=True, min_tokens=True,
+                      top_n=8)
+    return {n: jnp.asarray(x) for n, x in rows.items()}, {"counts": jnp.asarray(counts), "seen": jnp.asarray(seen)}, how
+
+
+def test_penalties_bias_min_tokens_and_top_logprobs_equal_numpy_on_fixed_logits():
+    """`sample_step` on fixed logits: the processed logits (logit_bias, min_tokens, repetition / frequency /
+    presence penalties, in vLLM's order), the drawn token's logprob and the top alternatives equal a numpy
+    reference row by row; greedy rows take the processed argmax; the turn's counts grow by the sampled token."""
+    from nemo_jax.generate import process_logits, sample_step
+
+    V = 40
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(5, V)).astype(np.float32) * 3
+    sps = [SamplingParams(temperature=0.0, repetition_penalty=1.7, stop_token_ids=(3, 5), min_tokens=4),
+           SamplingParams(temperature=0.8, frequency_penalty=0.9, presence_penalty=0.4, logit_bias=((7, 5.0),)),
+           SamplingParams(temperature=1.2, top_k=6, repetition_penalty=0.6, logit_bias=((1, -100.0), (2, 3.0))),
+           SamplingParams(temperature=0.9, top_p=0.7, presence_penalty=-1.0, stop_token_ids=(9,), min_tokens=1),
+           SamplingParams(temperature=0.0)]  # (no extras: untouched logits)
+    prompts = [[1, 2, 3, 30], [5, 6], [7, 8, 9, 10, 11], [0], [4]]
+    turns = [[4, 4, 30], [7, 7, 7, 12], [2, 19], [8], [5, 5]]
+    rows, hist, how = _rows_for(sps, prompts, turns, V)
+    x = np.asarray(process_logits(jnp.asarray(logits), {**rows, **hist}, how))
+    for i, sp in enumerate(sps):
+        np.testing.assert_allclose(x[i], _np_processed(logits[i], sp, prompts[i], turns[i]), rtol=1e-5, atol=1e-5)
+    assert np.isneginf(x[0, [3, 5]]).all() and np.isfinite(x[3, 9])  # (row 3 has its one token already)
+    u = jnp.asarray(rng.uniform(size=5).astype(np.float32))
+    active = jnp.asarray([True, True, True, True, False])
+    tok, lp, hit, new, (ids, vals) = jax.jit(sample_step, static_argnames="how")(
+        jnp.asarray(logits), u, rows, hist, {}, active, how=how)
+    tok, lp, ids, vals = (np.asarray(a) for a in (tok, lp, ids, vals))
+    for i, sp in enumerate(sps):
+        want = _np_logprobs(x[i], sp)
+        if sp.temperature == 0:
+            assert tok[i] == np.argmax(x[i])
+        assert np.isfinite(want[tok[i]]) and lp[i] == pytest.approx(want[tok[i]], abs=1e-4)
+        order = np.argsort(-want, kind="stable")[:8]
+        np.testing.assert_allclose(vals[i], want[order], atol=1e-4)
+        assert set(ids[i][np.isfinite(vals[i])]) == set(order[np.isfinite(want[order])])
+    counts = np.asarray(new["counts"])
+    for i in range(5):
+        grew = np.asarray(hist["counts"][i]).copy()
+        grew[tok[i]] += i < 4  # (inactive rows count nothing)
+        np.testing.assert_array_equal(counts[i], grew)
+    assert not np.asarray(hit).any()
+
+
+def test_stop_strings_match_across_token_boundaries_like_a_text_search():
+    """`stop_string_hits` step by step over random token sequences (tokens of 0 to 5 bytes, multi-byte UTF-8
+    split across tokens) equals a plain search of the decoded bytes: a row is hit at the first token whose bytes
+    complete any of its stop strings, wherever the string starts."""
+    from nemo_jax.generate import stop_string_hits, token_table
+
+    rng = np.random.default_rng(1)
+    alphabet = list(b"ab \n") + list("é".encode())
+    vocab = [bytes(rng.choice(alphabet, size=rng.integers(0, 6)).tolist()) for _ in range(60)] + [b"\xc3", b"\xa9"]
+    tb, tl = token_table(vocab, len(vocab))
+    b, steps, W = 16, 12, 8
+    stops = [[bytes(rng.choice(alphabet, size=rng.integers(1, 5)).tolist()) for _ in range(rng.integers(0, 3))]
+             for _ in range(b)]
+    stops[0] = ["é".encode(), b"b\n"]  # (a two-byte character, which tokens 60 and 61 spell one byte each)
+    sb, sl = np.full((b, 2, W), -1, np.int32), np.zeros((b, 2), np.int32)
+    for r, xs in enumerate(stops):
+        for j, x in enumerate(xs):
+            sb[r, j, W - len(x):] = np.frombuffer(x, np.uint8)
+            sl[r, j] = len(x)
+    toks = rng.integers(0, len(vocab), size=(steps, b))
+    toks[3:5, 0] = [60, 61]
+    tail = jnp.full((b, 16), -1, jnp.int32)
+    fn = jax.jit(stop_string_hits)
+    text = [b""] * b
+    for i in range(steps):
+        t = jnp.asarray(toks[i])
+        hit, tail = fn(tail, jnp.asarray(tb)[t], jnp.asarray(tl)[t], jnp.asarray(sb), jnp.asarray(sl))
+        for r in range(b):
+            before, text[r] = text[r], text[r] + vocab[toks[i, r]]
+            want = any(text[r].find(x, max(0, len(before) - len(x) + 1)) >= 0 for x in stops[r])
+            assert bool(hit[r]) == want, (i, r, text[r], stops[r])
+        np.testing.assert_array_equal(np.asarray(tail[:, -1])[[r for r in range(b) if text[r]]],
+                                      [text[r][-1] for r in range(b) if text[r]])
+    assert bool(np.asarray(fn(jnp.full((1, 16), -1, jnp.int32), jnp.asarray(tb)[jnp.asarray([60])],
+                                 jnp.asarray(tl)[jnp.asarray([60])], jnp.asarray(sb[:1]), jnp.asarray(sl[:1]))[0])[0]) \
+        is False  # half of é is not é
+
+
+def test_engine_samples_penalties_stop_strings_min_tokens_and_top_logprobs_in_its_step(setup):
+    """The Engine with the extras on, rows of different kinds in one batch: greedy rows with penalties and a
+    logit bias equal a greedy re-derivation from full forwards with the numpy processing; a stop string spanning
+    two tokens ends its turn at the token that completes it (finish "stop", `TurnEnd.stop`); min_tokens holds off
+    a stop id; top_logprobs are the distribution's most likely tokens (a full forward); a plain row in the same
+    batch samples what it samples alone."""
+    from nemo_jax.generate import Engine
+
+    cfg, params = setup
+    vocab = [b"%d " % i for i in range(cfg.vocab_size)]
+    greedy = lambda **kw: SamplingParams(max_new_tokens=8, temperature=0.0, **kw)  # noqa: E731
+    plain = generate(params, [PROMPTS[1]], cfg, greedy()).tokens[0]
+    text = b"".join(vocab[t] for t in plain).decode()
+    cut = len(str(plain[0])) + 2  # from the last digit of the first token into the second: "4 1" of "44 17 "
+    stop = text[cut - 2:cut + 1]
+    first = next(j for j in range(len(plain)) if stop in "".join(f"{t} " for t in plain[:j + 1]))
+    sps = [greedy(repetition_penalty=1.8, frequency_penalty=0.5, presence_penalty=0.3, logit_bias=((7, 2.0),)),
+           greedy(stop=(stop, "never")),
+           greedy(stop_token_ids=(plain[0],), min_tokens=3),
+           SamplingParams(max_new_tokens=6, temperature=0.9, top_k=10, seed=4, top_logprobs=3),
+           greedy()]
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[1], PROMPTS[2], PROMPTS[2]]
+    eng = Engine(params, cfg, batch=5, max_len=40, bucket=8, check_every=3, token_bytes=vocab)
+    ids = [eng.submit(p, sp, tag=i) for i, (p, sp) in enumerate(zip(prompts, sps))]
+    ends = {}
+    while len(ends) < 5:
+        for e in eng.step():
+            ends[e.tag] = e
+            eng.release(e.seq_id)
+    assert [ends[i].seq_id for i in range(5)] == ids
+
+    def full(seq):
+        toks = np.zeros((1, 32), np.int32)
+        toks[0, :len(seq)] = seq
+        return np.asarray(_forward(params, jnp.asarray(toks), cfg)[0, len(seq) - 1])
+    def greedy_ref(prompt, sp):  # greedy on the numpy-processed logits of a full forward, to a stop id or the budget
+        seq, turn = list(prompt), []
+        while len(turn) < sp.max_new_tokens and not (turn and turn[-1] in sp.stop_token_ids):
+            t = int(np.argmax(_np_processed(full(seq), sp, prompt, turn)))
+            seq.append(t)
+            turn.append(t)
+        return turn
+    assert ends[0].tokens == greedy_ref(prompts[0], sps[0])
+    assert ends[1].tokens == plain[:first + 1] and ends[1].finish_reason == "stop" and ends[1].stop == stop
+    assert ends[2].tokens == greedy_ref(prompts[2], sps[2]) and plain[0] not in ends[2].tokens[:3]
+    e = ends[3]
+    assert len(e.top) == len(e.tokens)
+    for j, t in enumerate(e.tokens):
+        want = _np_logprobs(full(list(prompts[3]) + e.tokens[:j]), sps[3])
+        got = e.top[j]
+        assert [a for a, _ in got] == list(np.argsort(-want, kind="stable")[:3])
+        np.testing.assert_allclose([v for _, v in got], np.sort(want)[::-1][:3], atol=1e-4)
+        assert e.logprobs[j] == pytest.approx(want[t], abs=1e-4)
+    assert ends[4].tokens == generate(params, [PROMPTS[2]], cfg, greedy()).tokens[0]
+    with pytest.raises(ValueError, match="token_bytes"):
+        Engine(params, cfg, batch=1, max_len=40).submit([1], greedy(stop=("x",)))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        eng.submit([1], greedy(logit_bias=((cfg.vocab_size, 1.0),)))
+    with pytest.raises(ValueError, match="sampled by the Engine"):
+        generate(params, [[1]], cfg, greedy(min_tokens=1))
