@@ -263,9 +263,20 @@ def cmd_serve(a):
         raise ValueError(f"--port {a.port}: expected 1..65535")
     if a.max_num_seqs < 1 or a.max_model_len < 2 or a.bucket < 1 or a.check_every < 1:
         raise ValueError("--max-num-seqs, --bucket and --check-every must be >= 1 and --max-model-len >= 2")
-    from nemo_jax.serve import parse_adapter_specs
+    if a.max_waiting_queue_length < 0 or not a.max_request_mb > 0 or a.request_timeout < 0 or a.shutdown_timeout < 0:
+        raise ValueError("--max-waiting-queue-length, --request-timeout and --shutdown-timeout must be >= 0 and "
+                         "--max-request-mb > 0")
+    from nemo_jax.serve import check_roots, parse_adapter_specs
 
     adapters = parse_adapter_specs(a.adapters)  # (before JAX starts)
+    if a.enable_runtime_lora_updating and not a.adapter_root:
+        raise ValueError("--enable-runtime-lora-updating needs --adapter-root DIR (the folders adapters may be "
+                         "loaded from)")
+    if a.adapter_root and not a.enable_runtime_lora_updating:
+        raise ValueError("--adapter-root is for runtime loading: add --enable-runtime-lora-updating")
+    check_roots("--adapter-root", a.adapter_root)
+    check_roots("--allowed-local-media-path", a.allowed_local_media_path)
+    a.api_key = a.api_key or os.environ.get("NEMO_JAX_API_KEY") or os.environ.get("VLLM_API_KEY") or None
     from nemo_jax.serve.app import cli_serve
 
     cli_serve(a, adapters)
@@ -387,6 +398,24 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0, help="seeds the draws of requests without a seed")
     s.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level (info: one line per request)")
+    s.add_argument("--api-key", default=None, help="clients must send it as a bearer token on every route but "
+                   "/health (default: $NEMO_JAX_API_KEY, else $VLLM_API_KEY; none: no key)")
+    s.add_argument("--enable-runtime-lora-updating", action="store_true",
+                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (off by default, as vLLM's "
+                        "VLLM_ALLOW_RUNTIME_LORA_UPDATING); loads only under --adapter-root")
+    s.add_argument("--adapter-root", action="append", default=[], metavar="DIR",
+                   help="a folder runtime-loaded adapters may come from (repeatable; '..' and links out refused)")
+    s.add_argument("--allowed-local-media-path", action="append", default=[], metavar="DIR",
+                   help="image_url parts may name files (paths, file:// URLs) under DIR (repeatable; default: "
+                        "data URLs only)")
+    s.add_argument("--max-request-mb", type=float, default=32.0, help="larger request bodies are refused (413) "
+                   "before they are read")
+    s.add_argument("--max-waiting-queue-length", type=int, default=256, help="sequences that may wait for a decode "
+                   "row; more are refused with 429 and Retry-After")
+    s.add_argument("--request-timeout", type=float, default=1800.0, help="seconds a request may take before it is "
+                   "cancelled with a 503 (0: no limit)")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0, help="on SIGTERM: seconds running requests may "
+                   "take to finish before they are cancelled (then the server exits 0)")
     s.set_defaults(fn=cmd_serve)
 
     s = sub.add_parser("rollout-worker", help="sample a GRPO run's requested groups (rollout.spool=true) on an "

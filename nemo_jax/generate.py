@@ -666,6 +666,7 @@ class Engine:
         self._decoding: set[int] = set()  # rows sampling a turn
         self._pos = np.zeros(batch, np.int64)  # positions each row's state holds
         self.decode_steps = 0
+        self.tokens_sampled = 0  # tokens drawn by every row, in all
         self.state = init_decode_state(cfg, batch, max_len, opts.dtype, mesh=self.mesh)
         self._logits = _rows_on(jnp.zeros((batch, cfg.vocab_size), jnp.float32), self.mesh)
         self._done = _rows_on(jnp.ones((batch,), bool), self.mesh)
@@ -997,6 +998,7 @@ class Engine:
             TI, TV = (np.asarray(jnp.stack(x, 0)) for x in zip(*tops))
         D = np.asarray(self._done)
         self._pos += A.sum(0)
+        self.tokens_sampled += int(A.sum())
         out = []
         with self._lock:
             for r in sorted(self._decoding):

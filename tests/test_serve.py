@@ -46,14 +46,18 @@ def _env():
 
 
 class Server:
-    """`nemo-jax serve ...` in a subprocess on a free port; `.client` is an openai.OpenAI on it."""
+    """`nemo-jax serve ...` in a subprocess on a free port; `.client` is an openai.OpenAI on it (with `api_key`:
+    the server is started with it, every request sends it)."""
 
-    def __init__(self, tmp, args):
+    def __init__(self, tmp, args, api_key: str | None = None):
+        self.key = api_key
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(tmp / f"serve-{self.port}.log", "w+")
+        env = dict(_env(), NEMO_JAX_API_KEY=api_key) if api_key else _env()
         self.proc = subprocess.Popen([sys.executable, "-m", "nemo_jax.cli", "serve", *args, "--port", str(self.port)],
-                                     env=_env(), stdout=self.log, stderr=subprocess.STDOUT)
+                                     env=env, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.time() + 600
         while time.time() < deadline:
             assert self.proc.poll() is None, self.output()
@@ -65,15 +69,18 @@ class Server:
             time.sleep(0.5)
         else:
             raise AssertionError("server did not come up:\n" + self.output())
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=300)
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=api_key or "none", max_retries=0, timeout=300)
 
     def output(self) -> str:
         self.log.flush()
         self.log.seek(0)
         return self.log.read()[-4000:]
 
-    def post(self, path, body):
-        return httpx.post(self.url + path, json=body, timeout=300)
+    def post(self, path, body, **kw):
+        return httpx.post(self.url + path, json=body, timeout=300, headers=self.headers, **kw)
+
+    def get(self, path, **kw):
+        return httpx.get(self.url + path, timeout=300, headers=self.headers, **kw)
 
     def close(self):
         self.proc.terminate()
@@ -109,7 +116,10 @@ def served(tmp_path_factory):
         is_leaf=lambda x: isinstance(x, ParamSpec))
     save_peft(cfg, ad, tmp / "adapter", format="vllm", lora_config=lc)
     srv = Server(tmp, ["--ckpt", str(tmp / "model"), "--adapters", f"a1={tmp / 'adapter'}", "--max-num-seqs", "4",
-                       "--max-model-len", "640", "--bucket", "64", "--served-model-name", "tiny"])
+                       "--max-model-len", "640", "--bucket", "64", "--served-model-name", "tiny",
+                       "--enable-runtime-lora-updating", "--adapter-root", str(tmp),
+                       "--allowed-local-media-path", os.path.join(ASSETS, "tiny_vl_chat"),
+                       "--max-waiting-queue-length", "4"], api_key="sekrit")
     try:
         yield srv, tmp, cfg, params, ad
     finally:
@@ -253,12 +263,13 @@ def test_completions_errors_and_metrics(served):
     assert len(ch.logprobs.tokens) == 5 and all(len(t) == 2 for t in ch.logprobs.top_logprobs)
     two = c.completions.create(model="tiny", prompt=["a b", "c d e"], max_tokens=3, temperature=0, n=2)
     assert [x.index for x in two.choices] == [0, 1, 2, 3]
-    for bad in (dict(echo=True), dict(max_tokens=5000), dict(extra_body={"presence_penalty": 0.5})):
+    for bad in (dict(echo=True), dict(max_tokens=5000), dict(extra_body={"functions": []}),
+                dict(extra_body={"foo": 1}), dict(extra_body={"top_k": 2 ** 31}), dict(presence_penalty=3.0)):
         with pytest.raises(openai.BadRequestError):
             c.completions.create(model="tiny", prompt="hi", **{"max_tokens": 3, **bad})
     with pytest.raises(openai.NotFoundError):
         c.completions.create(model="nope", prompt="hi", max_tokens=3)
-    text = httpx.get(srv.url + "/metrics").text
+    text = srv.get("/metrics").text
     m = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if not line.startswith("#")}
     assert m['nemo_jax_requests_total{endpoint="/v1/completions",status="200"}'] >= 2
     assert m['nemo_jax_requests_total{endpoint="/v1/completions",status="404"}'] >= 1

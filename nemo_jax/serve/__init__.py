@@ -1,9 +1,10 @@
 """`nemo-jax serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over the continuous-batching
 `generate.Engine`, with LoRA adapters loaded and unloaded by name at run time (vLLM's endpoints).
 
-    openai.py     requests -> prompts and sampling parameters; finished samples -> response JSON (pure functions)
-    scheduler.py  the engine thread: jobs in arrival order, grouped by adapter; top logprobs by re-scoring
-    app.py        the FastAPI app, adapters by name, metrics, and the `nemo-jax serve` command
+    openai.py     requests -> prompts and sampling parameters; samples -> response JSON or stream chunks (pure)
+    scheduler.py  the engine thread: jobs in arrival order, grouped by adapter; a bounded queue; cancellation
+    metrics.py    the Prometheus text of /metrics
+    app.py        the FastAPI app behind its guard (API key, size limit), adapters by name, and `nemo-jax serve`
 """
 
 import os
@@ -22,3 +23,10 @@ def parse_adapter_specs(specs) -> dict[str, str]:
             raise FileNotFoundError(f"--adapters {name}={path}: no such directory")
         out[name] = path
     return out
+
+
+def check_roots(flag: str, roots) -> None:
+    """Folders given to a flag exist (checked before anything is loaded)."""
+    for r in roots or ():
+        if not os.path.isdir(r):
+            raise FileNotFoundError(f"{flag} {r}: no such directory")

@@ -1,90 +1,204 @@
-"""`nemo-jax serve`: the FastAPI app over a `Scheduler` and the command that runs it with uvicorn.
+"""`nemo-jax serve`: the FastAPI app over a `Scheduler`, the ASGI guard in front of it, and the command that runs
+them with uvicorn.
 
 Endpoints (the OpenAI API as vLLM serves it):
 
-    POST /v1/chat/completions     messages (text and image_url parts), tools, n, temperature, top_p, top_k,
-                                  max_tokens, stop, seed, logprobs/top_logprobs, return_token_ids, ...
+    POST /v1/chat/completions     messages (text and image_url parts), tools, n, sampling fields, penalties,
+                                  logprobs/top_logprobs, return_token_ids, stream (server-sent events), ...
     POST /v1/completions          prompt (text, token ids, or a list of either), the same sampling fields
     GET  /v1/models               the base model and every loaded adapter (`model` = an adapter's name selects it)
     POST /v1/load_lora_adapter    {"lora_name", "lora_path", "load_inplace"?}: a PEFT dir (peft or vllm layout)
-                                  or a nemo-jax adapter checkpoint, loaded under that name
+                                  or a nemo-jax adapter checkpoint under an --adapter-root, loaded under that name
+                                  (only with --enable-runtime-lora-updating)
     POST /v1/unload_lora_adapter  {"lora_name"}
     POST /tokenize, /detokenize   as vLLM's (prompt or messages -> tokens; tokens -> text)
-    GET  /health                  200 while the engine runs, 503 after it failed
-    GET  /metrics                 Prometheus text: requests, tokens, running / waiting sequences, decode steps
+    GET  /health                  200 while the engine runs and the server takes requests, else 503 (no API key)
+    GET  /metrics                 Prometheus text (nemo_jax.serve.metrics)
+
+`Guard`, in front of everything: the API key (a bearer token on every route but /health), the request size limit
+(before a byte of the body is parsed), the request counts by route, and a JSON 500 for whatever escapes a route
+(the connection stays usable).
 """
 
 
 import asyncio
+import functools
+import hmac
 import itertools
 import os
+import signal
+import stat
+import sys
 import threading
 import time
-from collections import Counter
+import traceback
+from concurrent.futures import ThreadPoolExecutor
 
 from nemo_jax.extras import require
-from nemo_jax.serve.openai import APIError, Options, Prompt, options, response, sampling, template_messages
+from nemo_jax.serve.metrics import Metrics
+from nemo_jax.serve.openai import (SSE_DONE, APIError, ChoiceStream, Prompt, check_fields, local_image, options,
+                                   response, sampling, sse, template_messages, token_bytes, usage)
 from nemo_jax.serve.scheduler import Adapter, Job, Scheduler
+
+ADAPTER_LOAD_TIMEOUT_S = 300.0
 
 
 class ServerState:
-    """Model, tokenizer, adapters by name, the scheduler, and the request counters."""
+    """Model, tokenizer, adapters by name, the scheduler, and the server's limits.
+
+    `adapter_roots`: folders runtime adapter loading may read (None: runtime loading is off); `media_roots`:
+    folders local images may be read from (`--allowed-local-media-path`); `request_timeout`: seconds a request may
+    take (0: no limit)."""
 
     def __init__(self, cfg, params, tok, engine, *, model_name: str, max_len: int, bucket: int,
-                 tokens_as_ids: bool = False, mesh=None):
+                 tokens_as_ids: bool = False, mesh=None, max_waiting: int = 256, adapter_roots=None,
+                 media_roots=(), request_timeout: float = 0.0, vocab_bytes=None):
         self.cfg, self.params, self.tok, self.model_name = cfg, params, tok, model_name
         self.max_len, self.bucket, self.tokens_as_ids, self.mesh = max_len, bucket, tokens_as_ids, mesh
-        self.scheduler = Scheduler(engine, params, cfg, bucket=bucket)
+        self.metrics = Metrics()
+        self.fatal: BaseException | None = None
+        self.on_fatal = None  # (exception) -> None: set by `serve` (the process exits)
+        self.scheduler = Scheduler(engine, max_waiting=max_waiting, metrics=self.metrics, on_fatal=self._fatal)
         self.adapters: dict[str, Adapter] = {}
+        self._loading: set[str] = set()  # names being loaded now (a second load of one name is refused)
         self._versions = itertools.count(1)
         self._lock = threading.Lock()
-        self.requests = Counter()  # (endpoint, status) -> requests
-        self.tokens = Counter()  # prompt / generation
-        self.latency = Counter()  # (endpoint) -> seconds, summed
+        self.adapter_roots = None if adapter_roots is None else [os.path.realpath(r) for r in adapter_roots]
+        self.media_roots = [os.path.realpath(r) for r in media_roots]
+        self.request_timeout = request_timeout
+        self._adapter_io = ThreadPoolExecutor(1, thread_name_prefix="adapter-io")  # never the shared executor
         self.stop_ids = tuple(sorted({*cfg.eos_ids, *tok.eos_ids()}))
+        longest = max((len(b) for b in vocab_bytes), default=1) if vocab_bytes else 64
+        self.max_prompt_bytes = max_len * max(longest, 1) + 4096  # more text than this cannot fit max_len tokens
         self.started = time.time()
 
+    def _fatal(self, e: BaseException) -> None:
+        self.fatal = e
+        if self.on_fatal is not None:
+            self.on_fatal(e)
+
     # ------------------------------------------------------------------ adapters
-    def load_adapter(self, name: str, path: str, replace: bool = False) -> Adapter:
+    def _confine(self, path) -> str:
+        """A runtime-loaded adapter's path -> its real path under an --adapter-root (the same answer whether or
+        not the path exists)."""
+        if self.adapter_roots is None:
+            raise APIError("runtime LoRA updating is off (start the server with --enable-runtime-lora-updating "
+                           "and --adapter-root DIR)", status=404)
+        if not isinstance(path, str) or not path or "\0" in path:
+            raise APIError("'lora_path' must be a non-empty string", param="lora_path")
+        if ".." in path.replace("\\", "/").split("/"):
+            raise APIError("'lora_path' may not contain '..'", param="lora_path")
+        real = os.path.realpath(os.path.abspath(path))
+        if not any(os.path.commonpath([real, r]) == r for r in self.adapter_roots):
+            raise APIError("'lora_path' is not under an --adapter-root of this server", param="lora_path")
+        return real
+
+    def _check_tree(self, real: str) -> None:
+        """The adapter dir holds only regular files and folders inside the roots (no FIFO, socket or device to
+        block on, no link out)."""
+        if not os.path.isdir(real):
+            raise APIError("no adapter directory at 'lora_path'", status=404, param="lora_path")
+        seen = 0
+        for top, dirs, files in os.walk(real):
+            for name in dirs + files:
+                seen += 1
+                p = os.path.join(top, name)
+                r = os.path.realpath(p)
+                if self.adapter_roots is not None and not any(os.path.commonpath([r, x]) == x
+                                                              for x in self.adapter_roots):
+                    raise APIError(f"{os.path.relpath(p, real)}: a link out of the --adapter-root", param="lora_path")
+                mode = os.stat(r).st_mode
+                if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                    raise APIError(f"{os.path.relpath(p, real)}: not a regular file", param="lora_path")
+            if seen > 10000:
+                raise APIError("the adapter directory holds more than 10000 entries", param="lora_path")
+
+    def _read_adapter(self, name: str, path: str, root_checked: bool) -> Adapter:
         import jax
         import jax.numpy as jnp
+        from safetensors import SafetensorError
 
         from nemo_jax.lora.peft import load_adapters_any
 
-        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
-            raise APIError("load_lora_adapter needs 'lora_name' and 'lora_path' strings")
-        if name == self.model_name:
-            raise APIError(f"the adapter name {name!r} is the base model's")
-        with self._lock:
-            if name in self.adapters and not replace:
-                raise APIError(f"The lora adapter '{name}' has already been loaded (unload it, or pass "
-                               "\"load_inplace\": true).")
-        if not os.path.exists(path):
+        if root_checked:
+            self._check_tree(path)
+        elif not os.path.exists(path):
             raise APIError(f"{path}: no such adapter directory", status=404)
         try:
             tree = load_adapters_any(path, self.cfg)
-        except (ValueError, FileNotFoundError) as e:
-            raise APIError(f"{path}: {e}") from None
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError, OSError, SafetensorError) as e:
+            where = path if not root_checked else "'lora_path'"
+            raise APIError(f"{where}: not an adapter this server can load ({type(e).__name__}: {e})"[:500],
+                           param="lora_path") from None
         put = jnp.asarray if self.mesh is None else (lambda x: jax.device_put(x, jax.sharding.NamedSharding(
             self.mesh, jax.sharding.PartitionSpec())))
-        ad = Adapter(name, os.path.abspath(path), jax.tree.map(put, tree), next(self._versions))
-        with self._lock:
-            self.adapters[name] = ad
-        return ad
+        return Adapter(name, path, jax.tree.map(put, tree), next(self._versions))
 
-    def unload_adapter(self, name: str) -> None:
+    def _reserve(self, name, replace: bool) -> None:
+        if not isinstance(name, str) or not name or len(name) > 256:
+            raise APIError("'lora_name' must be a non-empty string (at most 256 characters)", param="lora_name")
+        if name == self.model_name:
+            raise APIError(f"the adapter name {name!r} is the base model's", param="lora_name")
+        with self._lock:
+            if name in self._loading:
+                raise APIError(f"The lora adapter '{name}' is being loaded by another request.", param="lora_name")
+            if name in self.adapters and not replace:
+                raise APIError(f"The lora adapter '{name}' has already been loaded (unload it, or pass "
+                               "\"load_inplace\": true).", param="lora_name")
+            self._loading.add(name)
+
+    def load_adapter(self, name: str, path: str) -> Adapter:
+        """An adapter the operator named (--adapters): loaded now, from anywhere."""
+        self._reserve(name, False)
+        try:
+            ad = self._read_adapter(name, os.path.abspath(path), False)
+            with self._lock:
+                self.adapters[name] = ad
+            return ad
+        finally:
+            with self._lock:
+                self._loading.discard(name)
+
+    async def load_adapter_at_runtime(self, name, path, replace: bool) -> Adapter:
+        """POST /v1/load_lora_adapter: gated, confined to the roots, one load per name at a time, the file I/O on
+        its own thread (a stuck read holds up adapter loads, never chat)."""
+        real = self._confine(path)
+        self._reserve(name, replace)
+        try:
+            loop = asyncio.get_running_loop()
+            try:
+                ad = await asyncio.wait_for(loop.run_in_executor(self._adapter_io, self._read_adapter, name, real,
+                                                                 True), ADAPTER_LOAD_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                raise APIError(f"loading the adapter did not finish within {ADAPTER_LOAD_TIMEOUT_S:.0f} s",
+                               status=503) from None
+            with self._lock:
+                self.adapters[name] = ad
+            return ad
+        finally:
+            with self._lock:
+                self._loading.discard(name)
+
+    def unload_adapter(self, name) -> None:
+        if self.adapter_roots is None:
+            raise APIError("runtime LoRA updating is off (start the server with --enable-runtime-lora-updating)",
+                           status=404)
+        if not isinstance(name, str):
+            raise APIError("'lora_name' must be a string", param="lora_name")
         with self._lock:
             if name not in self.adapters:
-                raise APIError(f"The lora adapter '{name}' cannot be found.", status=404)
+                raise APIError(f"The lora adapter '{name}' cannot be found.", status=404, param="lora_name")
             del self.adapters[name]  # (requests already accepted keep their copy)
 
     def resolve(self, model) -> Adapter | None:
+        if model is not None and not isinstance(model, str):
+            raise APIError("'model' must be a string", param="model")
         if model in (None, "", self.model_name):
             return None
         with self._lock:
             if model in self.adapters:
                 return self.adapters[model]
-        raise APIError(f"The model '{model}' does not exist.", status=404, param="model")
+        raise APIError(f"The model '{model[:200]}' does not exist.", status=404, param="model")
 
     def models(self) -> dict:
         card = lambda i, root, parent: {"id": i, "object": "model", "created": int(self.started),  # noqa: E731
@@ -96,7 +210,10 @@ class ServerState:
                 + [card(a.name, a.path, self.model_name) for a in ads]}
 
     # ------------------------------------------------------------------ prompts
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, what: str = "prompt") -> list[int]:
+        if len(text) > self.max_prompt_bytes or len(text.encode()) > self.max_prompt_bytes:
+            raise APIError(f"This model's maximum context length is {self.max_len} tokens; the {what} text is longer "
+                           f"than any {self.max_len} tokens can spell", param=what)
         return self.tok.tokenizer.encode(text, add_special_tokens=False).ids
 
     def chat_tokens(self, body: dict) -> tuple[list[int], list]:
@@ -109,21 +226,26 @@ class ServerState:
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
             raise APIError("'tools' must be a list of tool definitions", param="tools")
         kwargs = body.get("chat_template_kwargs") or {}
-        if not isinstance(kwargs, dict):
-            raise APIError("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
+        if not isinstance(kwargs, dict) or not all(isinstance(k, str) and k.isidentifier() for k in kwargs):
+            raise APIError("'chat_template_kwargs' must be an object of names", param="chat_template_kwargs")
         cont = bool(body.get("continue_final_message"))
+        text_len = sum(len(m["content"]) for m in msgs if isinstance(m.get("content"), str))
+        if text_len > self.max_prompt_bytes:
+            raise APIError(f"This model's maximum context length is {self.max_len} tokens; the messages are longer "
+                           f"than any {self.max_len} tokens can spell", param="messages")
         try:
             text = self.tok.render(msgs, tools=tools or None,
                                    add_generation_prompt=bool(body.get("add_generation_prompt", True)) and not cont,
                                    **kwargs)
-        except (DataError, TypeError, ValueError) as e:
+        except (DataError, TypeError, ValueError, KeyError, AttributeError) as e:
             raise APIError(f"chat template: {e}", param="messages") from None
         eos = self.tok.eos_token
         if cont and eos and eos in text:  # the last message stays open: the model continues it
             text = text[: text.rfind(eos)]
-        ids = self.encode(text)
+        ids = self.encode(text, "messages")
         if not refs:
             return ids, []
+        refs = [r if r.startswith("data:") else local_image(r, self.media_roots) for r in refs]
         try:
             return widen_images(self.cfg, ids, refs)
         except ValueError as e:
@@ -146,51 +268,143 @@ class ServerState:
                 raise APIError("a prompt is empty", param="prompt")
             bad = [t for t in x if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.cfg.vocab_size]
             if bad:
-                raise APIError(f"prompt token {bad[0]!r} is not a token id of this model "
+                raise APIError(f"prompt token {bad[0]!r:.40} is not a token id of this model "
                                f"(vocabulary {self.cfg.vocab_size})", param="prompt")
         return out
 
-    def prompt(self, tokens: list[int], images: list, body: dict, opt: Options) -> Prompt:
-        samples, stop = sampling(body, len(tokens), self.max_len, self.bucket, self.stop_ids)
-        return Prompt(tokens, images, samples, stop, opt.top_logprobs)
+    def prompt(self, tokens: list[int], images: list, body: dict, top_logprobs: int) -> Prompt:
+        samples, stop = sampling(body, len(tokens), self.max_len, self.bucket, self.stop_ids, self.cfg.vocab_size,
+                                 top_logprobs)
+        return Prompt(tokens, images, samples, stop)
 
     # ------------------------------------------------------------------ requests
-    async def run(self, prompts: list[Prompt], adapter: Adapter | None) -> list[list]:
-        """Every prompt through the scheduler, awaited together -> each prompt's samples."""
-        loop = asyncio.get_running_loop()
-        futures = []
-        for p in prompts:
-            fut = loop.create_future()
-
-            def done(result, fut=fut):
-                loop.call_soon_threadsafe(_settle, fut, result)
-            self.scheduler.submit(Job(p, adapter, done))
-            futures.append(fut)
-        out = []
-        for fut in futures:
-            result = await fut
-            if isinstance(result, BaseException):
-                raise result
-            out.append(result)
-        return out
-
-    async def complete(self, body: dict, *, chat: bool) -> dict:
-        if not isinstance(body, dict):
-            raise APIError("the request body must be a JSON object")
+    async def complete(self, request, body: dict, *, chat: bool):
+        check_fields(body, "chat" if chat else "completions")
         adapter = self.resolve(body.get("model"))
         opt = options(body, chat=chat, tokens_as_ids=self.tokens_as_ids)
 
         def prepare():
             if chat:
                 ids, pics = self.chat_tokens(body)
-                return [self.prompt(ids, pics, body, opt)]
-            return [self.prompt(ids, [], body, opt) for ids in self.completion_prompts(body)]
+                return [self.prompt(ids, pics, body, opt.top_logprobs)]
+            return [self.prompt(ids, [], body, opt.top_logprobs) for ids in self.completion_prompts(body)]
         prompts = await asyncio.to_thread(prepare)
-        samples = await self.run(prompts, adapter)
-        self.tokens["prompt"] += sum(len(p.tokens) for p in prompts)
-        self.tokens["generation"] += sum(len(s.tokens) for ss in samples for s in ss)
-        return await asyncio.to_thread(response, self.tok, body.get("model") or self.model_name, prompts, samples,
-                                       opt, chat=chat)
+        model = body.get("model") or self.model_name
+        if opt.stream:
+            return self._stream(request, prompts, adapter, opt, chat, model)
+        samples = await self._run(request, prompts, adapter)
+        return await asyncio.to_thread(response, self.tok, model, prompts, samples, opt, chat=chat)
+
+    def _jobs(self, prompts: list[Prompt], adapter, progress=None) -> tuple[list[Job], list]:
+        """Jobs of the prompts, submitted together (all or none), each with a future its result settles."""
+        loop = asyncio.get_running_loop()
+        jobs, futures = [], []
+        for k, p in enumerate(prompts):
+            fut = loop.create_future()
+
+            def done(result, fut=fut):
+                loop.call_soon_threadsafe(_settle, fut, result)
+            jobs.append(Job(p, adapter, done, None if progress is None else
+                            (lambda i, t, lp, top, k=k: loop.call_soon_threadsafe(progress, k, i, t, lp, top))))
+            futures.append(fut)
+        self.scheduler.submit(*jobs)
+        return jobs, futures
+
+    def _cancel(self, jobs: list[Job], why: str) -> None:
+        if any([self.scheduler.cancel(j) for j in jobs]):
+            self.metrics.events[why] += 1
+
+    async def _run(self, request, prompts: list[Prompt], adapter) -> list[list]:
+        """Every prompt through the scheduler -> each prompt's samples. A client that goes away, or the request
+        timeout, cancels them (their rows are freed at once)."""
+        jobs, futures = self._jobs(prompts, adapter)
+        results = asyncio.gather(*futures)
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            done, _ = await asyncio.wait([results, gone], timeout=self.request_timeout or None,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if results in done:
+                out = results.result()
+                for r in out:
+                    if isinstance(r, BaseException):
+                        raise r
+                return out
+            if gone in done:
+                self._cancel(jobs, "cancelled")
+                raise _ClientGone()
+            self._cancel(jobs, "timed_out")
+            raise APIError(f"the request did not finish within {self.request_timeout:g} s (--request-timeout)",
+                           status=503)
+        finally:
+            gone.cancel()
+            results.cancel()
+            self._cancel(jobs, "cancelled")
+
+    def _stream(self, request, prompts: list[Prompt], adapter, opt, chat: bool, model: str):
+        """A streamed request: its jobs submitted now (a 429 is an HTTP error, not a stream), the chunks as the
+        engine samples them."""
+        events: asyncio.Queue = asyncio.Queue()
+        jobs, futures = self._jobs(prompts, adapter, progress=lambda *a: events.put_nowait(("tokens",) + a))
+        for k, fut in enumerate(futures):
+            fut.add_done_callback(lambda f, k=k: events.put_nowait(("done", k, f)))
+        timeout = self.request_timeout
+
+        async def chunks():
+            n = len(prompts[0].samples)
+            streams = [[ChoiceStream(self.tok, k * n + i, p, opt, chat=chat) for i in range(n)]
+                       for k, p in enumerate(prompts)]
+            rid = f"{'chatcmpl' if chat else 'cmpl'}-{os.urandom(16).hex()}"
+            created, prompt_tokens = int(time.time()), sum(len(p.tokens) for p in prompts)
+
+            def chunk(choices, **extra):
+                c = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                     "created": created, "model": model, "choices": choices}
+                if opt.include_usage or opt.continuous_usage:
+                    c["usage"] = None
+                if opt.continuous_usage and choices:
+                    c["usage"] = usage(prompt_tokens, sum(s.sent_tokens for ss in streams for s in ss))
+                c.update(extra)
+                return sse(c)
+            for k, ss in enumerate(streams):
+                for s in ss:
+                    first = s.first()
+                    if first is not None:
+                        extra = {"prompt_token_ids": list(prompts[k].tokens)} if opt.token_ids and k == 0 else {}
+                        yield chunk([first], **extra)
+            left = len(prompts)
+            deadline = time.monotonic() + timeout if timeout else None
+            try:
+                while left:
+                    wait = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+                    try:
+                        item = await asyncio.wait_for(events.get(), wait)
+                    except asyncio.TimeoutError:
+                        self._cancel(jobs, "timed_out")
+                        raise APIError(f"the request did not finish within {timeout:g} s (--request-timeout)",
+                                       status=503) from None
+                    if item[0] == "tokens":
+                        _, k, i, toks, lps, top = item
+                        part = streams[k][i].add(toks, lps, top)
+                        if part is not None:
+                            yield chunk([part])
+                        continue
+                    _, k, fut = item
+                    left -= 1
+                    result = fut.result()
+                    if isinstance(result, BaseException):
+                        raise result
+                    for s, sample in zip(streams[k], result):
+                        for part in s.finish(sample):
+                            yield chunk([part])
+                if opt.include_usage:
+                    yield chunk([], usage=usage(prompt_tokens, sum(s.completion_tokens for ss in streams
+                                                                   for s in ss)))
+            except APIError as e:
+                yield sse(e.body())
+            yield SSE_DONE
+
+        return _closing_stream()(chunks(), on_close=lambda: self._cancel(jobs, "cancelled"),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     def tokenize(self, body: dict) -> dict:
         if "messages" in body:
@@ -199,34 +413,24 @@ class ServerState:
             ids = self.completion_prompts({"prompt": body.get("prompt")})[0]
         return {"count": len(ids), "max_model_len": self.max_len, "tokens": ids}
 
-    def metrics_text(self) -> str:
-        """Prometheus text exposition (version 0.0.4)."""
-        c = self.scheduler.counts()
-        lines = []
+    def detokenize(self, body: dict) -> dict:
+        ids = body.get("tokens")
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                and 0 <= t < self.cfg.vocab_size for t in ids):
+            raise APIError(f"'tokens' must be a list of token ids in [0, {self.cfg.vocab_size})", param="tokens")
+        return {"prompt": self.tok.tokenizer.decode(ids, skip_special_tokens=False)}
 
-        def metric(name, kind, help_, samples):
-            lines.append(f"# HELP nemo_jax_{name} {help_}")
-            lines.append(f"# TYPE nemo_jax_{name} {kind}")
-            for labels, v in samples:
-                lab = ",".join(f'{k}="{x}"' for k, x in labels.items())
-                lines.append(f"nemo_jax_{name}{{{lab}}} {v}" if lab else f"nemo_jax_{name} {v}")
-        metric("requests_total", "counter", "HTTP requests by endpoint and status code",
-               [({"endpoint": e, "status": str(s)}, n) for (e, s), n in sorted(self.requests.items())])
-        metric("request_seconds_total", "counter", "seconds spent serving requests, by endpoint",
-               [({"endpoint": e}, round(v, 6)) for e, v in sorted(self.latency.items())])
-        metric("prompt_tokens_total", "counter", "prompt tokens of finished requests", [({}, self.tokens["prompt"])])
-        metric("generation_tokens_total", "counter", "tokens sampled",
-               [({}, self.scheduler.metrics["generation_tokens"])])
-        metric("num_requests_running", "gauge", "sequences in decode rows (sampling or about to)",
-               [({}, c["running"])])
-        metric("num_requests_waiting", "gauge", "sequences waiting for a decode row or an adapter switch",
-               [({}, c["waiting"])])
-        metric("decode_steps_total", "counter", "decode steps of the engine (each samples one token per busy row)",
-               [({}, c["decode_steps"])])
-        metric("adapter_switches_total", "counter", "times the engine changed adapter set (rows drained first)",
-               [({}, self.scheduler.metrics["adapter_switches"])])
-        metric("lora_adapters_loaded", "gauge", "adapters loaded by name", [({}, len(self.adapters))])
-        return "\n".join(lines) + "\n"
+    def metrics_text(self) -> str:
+        c = self.scheduler.counts()
+        return self.metrics.render({
+            "num_requests_running": ("sequences in decode rows (sampling or about to)", c["running"]),
+            "num_requests_waiting": ("sequences waiting for a decode row or an adapter switch", c["waiting"]),
+            "lora_adapters_loaded": ("adapters loaded by name", len(self.adapters)),
+            "engine_alive": ("1 while the engine runs", int(self.scheduler.alive))})
+
+
+class _ClientGone(Exception):
+    """The client closed the connection before its response."""
 
 
 def _settle(fut, result):
@@ -234,40 +438,147 @@ def _settle(fut, result):
         fut.set_result(result)
 
 
-def make_app(state: ServerState):
-    """The FastAPI app serving `state`."""
+async def _disconnected(request) -> None:
+    """Returns when the client disconnects (the body has been read: the next message is the disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+@functools.cache
+def _closing_stream():
+    """A StreamingResponse that runs `on_close` however it ends (done, client gone, cancelled): a stream that
+    never started still frees its jobs."""
+    from starlette.responses import StreamingResponse
+
+    class ClosingStream(StreamingResponse):
+        def __init__(self, content, *, on_close, **kw):
+            super().__init__(content, **kw)
+            self.on_close = on_close
+
+        async def __call__(self, scope, receive, send):
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                self.on_close()
+    return ClosingStream
+
+
+# ----------------------------------------------------------------------------- the app and its guard
+class _TooLarge(Exception):
+    pass
+
+
+class Guard:
+    """The outermost ASGI layer (see the module docstring)."""
+
+    def __init__(self, app, state: ServerState, *, api_key: str | None, max_body: int, routes: set[str]):
+        self.app, self.state, self.max_body, self.routes = app, state, max_body, routes
+        self.key = api_key.encode() if api_key else None
+
+    async def _send_error(self, send, e: APIError) -> None:
+        import json
+
+        body = json.dumps(e.body()).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        headers += [(k.lower().encode(), str(v).encode()) for k, v in e.headers.items()]
+        await send({"type": "http.response.start", "status": e.status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    def _authorized(self, scope) -> bool:
+        for k, v in scope.get("headers", ()):
+            if k == b"authorization":
+                scheme, _, token = v.partition(b" ")
+                return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
+        return False
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        endpoint = path if path in self.routes else "other"
+        t0, status, started = time.perf_counter(), [500], [False]
+
+        async def sending(message):
+            if message["type"] == "http.response.start":
+                started[0], status[0] = True, message["status"]
+            await send(message)
+        try:
+            if self.key is not None and path != "/health" and not self._authorized(scope):
+                return await self._send_error(sending, APIError(
+                    "Unauthorized: a valid API key is needed (Authorization: Bearer <key>)", status=401,
+                    headers={"WWW-Authenticate": "Bearer"}))
+            length = next((v for k, v in scope.get("headers", ()) if k == b"content-length"), None)
+            if length is not None and (not length.isdigit() or int(length) > self.max_body):
+                return await self._send_error(sending, APIError(
+                    f"the request body is larger than {self.max_body} bytes (--max-request-mb)", status=413))
+            got = [0]
+
+            async def receiving():
+                message = await receive()
+                if message["type"] == "http.request":
+                    got[0] += len(message.get("body", b""))
+                    if got[0] > self.max_body:
+                        raise _TooLarge()
+                return message
+            await self.app(scope, receiving, sending)
+        except _TooLarge:
+            if not started[0]:
+                await self._send_error(sending, APIError(
+                    f"the request body is larger than {self.max_body} bytes (--max-request-mb)", status=413))
+        except Exception:  # a bug: logged, answered in OpenAI's shape, the connection kept
+            traceback.print_exc()
+            if not started[0]:
+                await self._send_error(sending, APIError("internal server error", status=500))
+        finally:
+            self.state.metrics.request(endpoint, status[0], time.perf_counter() - t0)
+
+
+def make_app(state: ServerState, *, api_key: str | None = None, max_body: int = 32 << 20):
+    """The ASGI app serving `state`: the FastAPI routes behind a `Guard`."""
     require("fastapi", "serve", "nemo-jax serve")
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, PlainTextResponse, Response
+    from starlette.exceptions import HTTPException
 
-    app = FastAPI(title="nemo-jax serve")
+    app = FastAPI(title="nemo-jax serve", docs_url=None, redoc_url=None, openapi_url=None)
+
+    def error(e: APIError):
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(APIError)
     async def api_error(request, e: APIError):
-        return JSONResponse(e.body(), status_code=e.status)
+        return error(e)
 
-    @app.middleware("http")
-    async def count(request: Request, call_next):
-        t0 = time.perf_counter()
-        resp = await call_next(request)
-        state.requests[(request.url.path, resp.status_code)] += 1
-        state.latency[request.url.path] += time.perf_counter() - t0
-        return resp
+    @app.exception_handler(HTTPException)
+    async def http_error(request, e: HTTPException):
+        return error(APIError(f"{e.detail}: {request.method} {request.url.path[:200]}", status=e.status_code))
+
+    @app.exception_handler(_ClientGone)
+    async def client_gone(request, e):
+        return Response(status_code=499)  # (nobody reads it: counted as nginx counts a client that left)
+
+    @app.exception_handler(Exception)
+    async def internal(request, e: Exception):  # (Starlette re-raises it after: the Guard logs it)
+        return error(APIError("internal server error", status=500))
 
     async def body_of(request: Request) -> dict:
+        import json
+
+        raw = await request.body()
         try:
-            body = await request.json()
-        except ValueError:
+            body = json.loads(raw)
+        except (ValueError, RecursionError):
             raise APIError("the request body is not JSON") from None
         if not isinstance(body, dict):
-            raise APIError("the request body must be a JSON object")
+            raise APIError("the request body must be a JSON object", status=422)
         return body
 
     @app.get("/health")
     async def health():
-        if not state.scheduler.alive:
-            return Response(status_code=503)
-        return Response(status_code=200)
+        ok = state.scheduler.alive and not state.scheduler.draining
+        return Response(status_code=200 if ok else 503)
 
     @app.get("/v1/models")
     async def models():
@@ -275,17 +586,17 @@ def make_app(state: ServerState):
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        return await state.complete(await body_of(request), chat=True)
+        return await state.complete(request, await body_of(request), chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await state.complete(await body_of(request), chat=False)
+        return await state.complete(request, await body_of(request), chat=False)
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora(request: Request):
         b = await body_of(request)
         name = b.get("lora_name")
-        await asyncio.to_thread(state.load_adapter, name, b.get("lora_path"), bool(b.get("load_inplace")))
+        await state.load_adapter_at_runtime(name, b.get("lora_path"), b.get("load_inplace") is True)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")
@@ -300,17 +611,46 @@ def make_app(state: ServerState):
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        b = await body_of(request)
-        ids = b.get("tokens")
-        if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
-            raise APIError("'tokens' must be a list of token ids", param="tokens")
-        return {"prompt": state.tok.tokenizer.decode(ids, skip_special_tokens=False)}
+        return state.detokenize(await body_of(request))
 
     @app.get("/metrics")
     async def metrics():
         return PlainTextResponse(state.metrics_text(), media_type="text/plain; version=0.0.4")
 
-    return app
+    routes = {r.path for r in app.routes}
+    return Guard(app, state, api_key=api_key, max_body=max_body, routes=routes)
+
+
+def serve(state: ServerState, app, *, host: str, port: int, log_level: str = "warning",
+          shutdown_timeout: float = 30.0, ready=None) -> int:
+    """Run the app with uvicorn until SIGTERM / SIGINT (-> 0: stop accepting, let running requests finish for up to
+    `shutdown_timeout` seconds, cancel the rest) or the engine dies (-> 1: a supervisor restarts the server)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):  # (draining; not re-raised at the end: the process exits 0)
+            state.scheduler.draining = True
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True
+            self.should_exit = True
+
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if ready is not None:
+                ready(self)
+
+    server = Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                   timeout_graceful_shutdown=shutdown_timeout))
+
+    def fatal(e):
+        state.scheduler.draining = True
+        server.should_exit = True
+    state.on_fatal = fatal
+    if state.fatal is not None:
+        return 1
+    server.run()
+    state.scheduler.close()
+    return 1 if state.fatal is not None else 0
 
 
 # ----------------------------------------------------------------------------- the command
@@ -319,7 +659,6 @@ def cli_serve(a, adapters: dict[str, str]) -> None:
     require("fastapi", "serve", "nemo-jax serve")
     require("uvicorn", "serve", "nemo-jax serve")
     import jax
-    import uvicorn
 
     from nemo_jax.cli import _dtype
     from nemo_jax.data.chat import ChatTokenizer
@@ -333,19 +672,33 @@ def cli_serve(a, adapters: dict[str, str]) -> None:
         mesh = make_mesh(sizes, devices_per_node=sizes.pop("devices_per_node", 0))
     cfg, params, tok_dir = load_for_generation(a.ckpt, mesh=mesh, dtype=_dtype(a.dtype))
     tok = ChatTokenizer.load(a.tokenizer or tok_dir)
+    vocab = token_bytes(tok.tokenizer)
     engine = Engine(params, cfg, batch=a.max_num_seqs, max_len=a.max_model_len, bucket=a.bucket,
-                    check_every=a.check_every, key=jax.random.key(a.seed))
+                    check_every=a.check_every, key=jax.random.key(a.seed), token_bytes=vocab)
     name = a.served_model_name or os.path.basename(os.path.normpath(a.ckpt))
     state = ServerState(cfg, params, tok, engine, model_name=name, max_len=a.max_model_len, bucket=a.bucket,
-                        tokens_as_ids=a.return_tokens_as_token_ids, mesh=mesh)
+                        tokens_as_ids=a.return_tokens_as_token_ids, mesh=mesh, max_waiting=a.max_waiting_queue_length,
+                        adapter_roots=a.adapter_root if a.enable_runtime_lora_updating else None,
+                        media_roots=a.allowed_local_media_path, request_timeout=a.request_timeout, vocab_bytes=vocab)
     for n, path in adapters.items():
-        state.load_adapter(n, path)
+        try:
+            state.load_adapter(n, path)
+        except APIError as e:
+            raise ValueError(f"--adapters {n}={path}: {e}") from None
     # compile the common path once before the first request (a one-token greedy prompt)
     done = threading.Event()
     state.scheduler.submit(Job(Prompt([0], [], [SamplingParams(max_new_tokens=1, temperature=0.0)]), None,
                                lambda r: done.set()))
     done.wait()
+    app = make_app(state, api_key=a.api_key, max_body=int(a.max_request_mb * 2 ** 20))
+    gates = [f"API key {'on' if a.api_key else 'off'}",
+             f"runtime adapters {'under ' + ', '.join(a.adapter_root) if state.adapter_roots is not None else 'off'}"]
     print(f"nemo-jax serve: {name} ({len(adapters)} adapter(s)) on http://{a.host}:{a.port}/v1 "
-          f"({a.max_num_seqs} rows x {a.max_model_len} positions)", flush=True)
-    uvicorn.run(make_app(state), host=a.host, port=a.port, log_level=a.log_level)
-    state.scheduler.close()
+          f"({a.max_num_seqs} rows x {a.max_model_len} positions; {'; '.join(gates)})", flush=True)
+    code = serve(state, app, host=a.host, port=a.port, log_level=a.log_level, shutdown_timeout=a.shutdown_timeout)
+    if code:
+        e = state.fatal
+        print(f"nemo-jax serve: the engine failed ({type(e).__name__}: {e}); exiting with status 1 so that a "
+              "supervisor restarts the server", file=sys.stderr, flush=True)
+        raise SystemExit(1)
+    print("nemo-jax serve: stopped", flush=True)
