@@ -175,9 +175,8 @@ class RowSampling:
     once; rows asking for none of the extras sample exactly as `sample_rows`)."""
     k_max: int = 0  # >= every row's top_k (0: no row truncates to its top k)
     nucleus: bool = False  # some row has top_p < 1
-    penalties: bool = False  # some row has a presence / frequency / repetition penalty
-    bias: bool = False  # some row has a logit_bias
-    min_tokens: bool = False  # some row has min_tokens
+    adjust: bool = False  # some row has penalties, a logit_bias or min_tokens (one variant for the three: few
+    # compiled steps; rows without them carry neutral values)
     top_n: int = 0  # alternatives returned per row and step (>= every row's top_logprobs)
     stop_strings: bool = False  # some row has stop strings
 
@@ -188,24 +187,20 @@ def process_logits(logits: jax.Array, rows: dict, how: RowSampling) -> jax.Array
     (-1 pads) at -inf while its turn has fewer than `min_tokens` [b] tokens (`count` - `turn0`); then the
     repetition penalty on tokens of the prompt (`seen` [b, V]) or of the turn (`counts` [b, V] > 0): logits > 0
     divided by it, the others multiplied; then minus `frequency` x counts and `presence` x (counts > 0).
-    Without any of them (`how`) the logits come back untouched."""
-    if not (how.penalties or how.bias or how.min_tokens):
+    Unless `how.adjust` the logits come back untouched."""
+    if not how.adjust:
         return logits
     x = logits.astype(jnp.float32)
     b, V = x.shape
     r = jnp.arange(b)[:, None]
-    if how.bias:
-        x = x.at[r, rows["bias_ids"]].add(rows["bias"], mode="drop")
-    if how.min_tokens:
-        held = (rows["count"] - rows["turn0"] < rows["min_tokens"])[:, None] & (rows["stops"] >= 0)
-        x = x.at[r, jnp.where(held, rows["stops"], V)].set(-jnp.inf, mode="drop")
-    if how.penalties:
-        counts = rows["counts"]
-        out = counts > 0
-        rep = jnp.where(rows["seen"] | out, rows["repetition"][:, None], 1.0)
-        x = jnp.where(x > 0, x / rep, x * rep)
-        x = x - rows["frequency"][:, None] * counts - rows["presence"][:, None] * out
-    return x
+    x = x.at[r, rows["bias_ids"]].add(rows["bias"], mode="drop")
+    held = (rows["count"] - rows["turn0"] < rows["min_tokens"])[:, None] & (rows["stops"] >= 0)
+    x = x.at[r, jnp.where(held, rows["stops"], V)].set(-jnp.inf, mode="drop")
+    counts = rows["counts"]
+    out = counts > 0
+    rep = jnp.where(rows["seen"] | out, rows["repetition"][:, None], 1.0)
+    x = jnp.where(x > 0, x / rep, x * rep)
+    return x - rows["frequency"][:, None] * counts - rows["presence"][:, None] * out
 
 
 def stop_string_hits(tail: jax.Array, new: jax.Array, n: jax.Array, stop_bytes: jax.Array, stop_lens: jax.Array):
@@ -258,13 +253,13 @@ def sample_step(logits: jax.Array, u: jax.Array, rows: dict, hist: dict, tables:
                                nucleus=how.nucleus)
     tok = jnp.where(rows["temperature"] > 0, _draw(u[:, None], lp), jnp.argmax(x, axis=-1).astype(jnp.int32))
     hist = dict(hist)
-    if how.penalties:
+    if how.adjust:
         hist["counts"] = hist["counts"].at[jnp.arange(b), tok].add(active.astype(jnp.int32))
     hit = jnp.zeros((b,), bool)
     if how.stop_strings:
         new, n = tables["bytes"][tok], tables["lens"][tok]
         hit, tail = stop_string_hits(hist["tail"], new, n, rows["stop_bytes"], rows["stop_lens"])
-        if how.min_tokens:  # (vLLM: stop strings count once the turn has more than min_tokens tokens)
+        if how.adjust:  # (vLLM: stop strings count once the turn has more than min_tokens tokens)
             hit = hit & (rows["count"] - rows["turn0"] + 1 > rows["min_tokens"])
         hist["tail"] = jnp.where(active[:, None], tail, hist["tail"])
     top = None
@@ -910,23 +905,21 @@ class Engine:
         k = int(top_k.max()) if b else 0
         how = RowSampling(
             k_max=min(_pow2(k), V) if k else 0, nucleus=bool((top_p < 1).any()),
-            penalties=any(sp.presence_penalty or sp.frequency_penalty or sp.repetition_penalty != 1.0 for sp in sps),
-            bias=any(sp.logit_bias for sp in sps), min_tokens=any(sp.min_tokens for sp in sps),
+            adjust=any(sp.presence_penalty or sp.frequency_penalty or sp.repetition_penalty != 1.0 or sp.logit_bias
+                       or sp.min_tokens for sp in sps),
             top_n=min(_pow2(max(sp.top_logprobs for sp in sps)), V) if any(sp.top_logprobs for sp in sps) else 0,
             stop_strings=any(sp.stop for sp in sps))
         rows = dict(temperature=temp, top_k=top_k, top_p=top_p, stops=stops, key=key, count=count)
-        if how.bias:
-            B = _pow2(max(len(sp.logit_bias) for sp in sps))
+        if how.adjust:
+            B = _pow2(max(len(sp.logit_bias) for sp in sps) or 1)
             ids, bias = np.full((b, B), V, np.int32), np.zeros((b, B), np.float32)
             for r, s in live.items():
                 for j, (t, x) in enumerate(s.sp.logit_bias):
                     ids[r, j], bias[r, j] = t, x
             rows.update(bias_ids=ids, bias=bias)
-        if how.min_tokens:
             rows["min_tokens"] = np.asarray([live[r].sp.min_tokens if r in live else 0 for r in range(b)], np.int32)
             rows["turn0"] = np.asarray([live[r].sampled - len(live[r].turn_t) if r in live else 0 for r in range(b)],
                                        np.int32)
-        if how.penalties:
             for name in ("presence", "frequency", "repetition"):
                 rows[name] = np.asarray([getattr(live[r].sp, f"{name}_penalty") if r in live else float(name ==
                                          "repetition") for r in range(b)], np.float32)
@@ -945,7 +938,7 @@ class Engine:
         self._static = how
         self._rowp = {n: _rows_on(jnp.asarray(x), self.mesh) for n, x in rows.items()}
         # running arrays: made the first time a row needs them, reset for the rows whose turn starts now
-        if how.penalties and "counts" not in self._hist:
+        if how.adjust and "counts" not in self._hist:
             self._hist.update(counts=_rows_on(jnp.zeros((b, V), jnp.int32), self.mesh),
                               seen=_rows_on(jnp.zeros((b, V), bool), self.mesh))
         if how.stop_strings and "tail" not in self._hist:

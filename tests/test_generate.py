@@ -411,8 +411,7 @@ def _rows_for(sps, prompts, turns, V):
         np.add.at(counts[i], turns[i], 1)
         seen[i, prompts[i]] = True
     k = max(int(rows["top_k"].max()), 0)
-    how = RowSampling(k_max=k, nucleus=bool((rows["top_p"] < 1).any()), penalties=True, bias=True, min_tokens=True,
-                      top_n=8)
+    how = RowSampling(k_max=k, nucleus=bool((rows["top_p"] < 1).any()), adjust=True, top_n=8)
     return {n: jnp.asarray(x) for n, x in rows.items()}, {"counts": jnp.asarray(counts), "seen": jnp.asarray(seen)}, how
 
 

@@ -6,9 +6,12 @@ vision-language one)."""
 import base64
 import json
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -302,3 +305,114 @@ def test_image_requests(served):
     assert data.choices[0].logprobs.content[0].logprob != text.choices[0].logprobs.content[0].logprob
     with pytest.raises(openai.BadRequestError, match="cannot read image"):
         ask([{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}])
+
+
+# ----------------------------------------------------------------------------- streaming, load, lifecycle
+def _sse_events(lines) -> list:
+    out = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def test_streaming_equals_the_response_at_temperature_0(served):
+    """Greedy chat streamed through the official client's iterator and completions parsed as raw SSE: the text,
+    token ids and logprobs of the chunks are the non-streamed response's; usage comes in a last chunk; [DONE]."""
+    srv = served[0]
+    c = srv.client
+    kw = dict(model="tiny", messages=MESSAGES, max_tokens=12, temperature=0, logprobs=True, top_logprobs=5,
+              extra_body={"ignore_eos": True, "return_token_ids": True})
+    whole = c.chat.completions.create(**kw)
+    text, ids, lps, usage, reasons = "", [], [], None, []
+    for ch in c.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
+        for x in ch.choices:
+            text += x.delta.content or ""
+            ids += x.model_extra.get("token_ids") or []
+            lps += x.logprobs.content if x.logprobs else []
+            reasons.append(x.finish_reason)
+        usage = ch.usage or usage
+    w = whole.choices[0]
+    assert text == w.message.content and ids == w.model_extra["token_ids"] and reasons[-1] == w.finish_reason
+    assert [(e.token, e.logprob, [a.token for a in e.top_logprobs]) for e in lps] == \
+        [(e.token, e.logprob, [a.token for a in e.top_logprobs]) for e in w.logprobs.content]
+    assert usage.model_dump() == whole.usage.model_dump()
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 9, "temperature": 0, "stop": ["zz"], "n": 2,
+            "ignore_eos": True}
+    plain = srv.post("/v1/completions", body).json()
+    with httpx.stream("POST", srv.url + "/v1/completions", json={**body, "stream": True}, headers=srv.headers,
+                      timeout=300) as r:
+        events = _sse_events(r.iter_lines())
+    assert events[-1] == "[DONE]" and all(e["object"] == "text_completion" for e in events[:-1])
+    for i in range(2):
+        assert "".join(x["text"] for e in events[:-1] for x in e["choices"] if x["index"] == i) == \
+            plain["choices"][i]["text"]
+
+
+def test_penalties_and_logit_bias_through_the_server(served):
+    """A logit bias of +100 makes greedy sampling pick its token every time; a frequency penalty keeps a greedy
+    turn from repeating itself as the unpenalised one does; min_tokens holds the end-of-turn token off."""
+    srv = served[0]
+    c = srv.client
+    kw = dict(model="tiny", prompt=[5, 6, 7], max_tokens=8, temperature=0, extra_body={"return_token_ids": True})
+    r = c.completions.create(logit_bias={"77": 100}, **kw)
+    assert r.choices[0].model_extra["token_ids"] == [77] * 8
+    free = c.completions.create(**kw).choices[0].model_extra["token_ids"]
+    pen = c.completions.create(frequency_penalty=2.0, presence_penalty=2.0, **kw).choices[0].model_extra["token_ids"]
+    assert len(set(pen)) >= len(set(free)) and len(set(pen)) == len(pen)
+    eos = _tok().eos_ids()[0]
+    r = c.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=6, temperature=0,
+                             logit_bias={str(eos): 100}, extra_body={"min_tokens": 3, "return_token_ids": True})
+    assert r.choices[0].model_extra["token_ids"] == r.choices[0].model_extra["token_ids"][:3] + [eos]
+    assert eos not in r.choices[0].model_extra["token_ids"][:3] and r.choices[0].finish_reason == "stop"
+
+
+def test_a_full_server_answers_429_and_a_closed_stream_frees_its_rows(served):
+    """4 rows and a waiting queue of 4: a stream of n=8 fills both, another request is refused with 429 and
+    Retry-After; closing the stream frees its rows at once (the next request is served long before its 8 x 500
+    tokens would have been sampled)."""
+    srv = served[0]
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 500, "n": 8, "stream": True, "ignore_eos": True}
+    small = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+    steps = lambda m: int(re.search(r"nemo_jax_decode_steps_total (\d+)", m).group(1))  # noqa: E731
+    before = steps(srv.get("/metrics").text)
+    with httpx.Client(headers=srv.headers, timeout=300) as h:
+        with h.stream("POST", srv.url + "/v1/completions", json=body) as first:
+            assert first.status_code == 200
+            r = h.post(srv.url + "/v1/completions", json=small)
+            assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+            assert r.json()["error"]["type"] == "RateLimitError"
+            assert next(x for x in first.iter_lines() if x.startswith("data:"))
+        t0 = time.time()
+        while (r := h.post(srv.url + "/v1/completions", json=small)).status_code == 429 and time.time() - t0 < 30:
+            time.sleep(0.05)  # (the close reaches the server a moment after the client made it)
+        assert r.status_code == 200, r.text
+    deadline = time.time() + 30  # (the close reaches the server a moment later)
+    while time.time() < deadline:
+        m = srv.get("/metrics").text
+        if "nemo_jax_cancelled_total 1" in m and "nemo_jax_num_requests_running 0" in m:
+            break
+        time.sleep(0.1)
+    assert "nemo_jax_cancelled_total 1" in m and 'nemo_jax_requests_rejected_total{reason="queue_full"} 1' in m
+    assert time.time() - t0 < 30 and steps(m) - before < 500  # (8 x 500 tokens in 4 rows: 1000 steps)
+
+
+def test_zz_sigterm_finishes_running_requests_and_exits_0(served):
+    """(Last in the module: it stops the module's server.) SIGTERM while a request runs: the request finishes,
+    new connections are refused, the process exits 0 within the grace period."""
+    srv = served[0]
+    out = []
+    t = threading.Thread(target=lambda: out.append(srv.post("/v1/completions", {
+        "model": "tiny", "prompt": [5, 6, 7], "max_tokens": 300, "ignore_eos": True})))
+    t.start()
+    deadline = time.time() + 60
+    while "nemo_jax_num_requests_running 1" not in srv.get("/metrics").text and time.time() < deadline:
+        time.sleep(0.05)
+    srv.proc.send_signal(signal.SIGTERM)
+    t.join(120)
+    assert out and out[0].status_code == 200 and out[0].json()["usage"]["completion_tokens"] == 300
+    assert srv.proc.wait(60) == 0, srv.output()
+    assert "nemo-jax serve: stopped" in srv.output()
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(srv.url + "/health", timeout=2)

@@ -466,8 +466,11 @@ def _closing_stream():
 
 
 # ----------------------------------------------------------------------------- the app and its guard
-class _TooLarge(Exception):
-    pass
+class _TooLarge(APIError):
+    """A body that grew past the limit as it was read."""
+
+    def __init__(self, limit: int):
+        super().__init__(f"the request body is larger than {limit} bytes (--max-request-mb)", status=413)
 
 
 class Guard:
@@ -511,8 +514,7 @@ class Guard:
                     headers={"WWW-Authenticate": "Bearer"}))
             length = next((v for k, v in scope.get("headers", ()) if k == b"content-length"), None)
             if length is not None and (not length.isdigit() or int(length) > self.max_body):
-                return await self._send_error(sending, APIError(
-                    f"the request body is larger than {self.max_body} bytes (--max-request-mb)", status=413))
+                return await self._send_error(sending, _TooLarge(self.max_body))
             got = [0]
 
             async def receiving():
@@ -520,13 +522,12 @@ class Guard:
                 if message["type"] == "http.request":
                     got[0] += len(message.get("body", b""))
                     if got[0] > self.max_body:
-                        raise _TooLarge()
+                        raise _TooLarge(self.max_body)
                 return message
             await self.app(scope, receiving, sending)
-        except _TooLarge:
+        except _TooLarge as e:
             if not started[0]:
-                await self._send_error(sending, APIError(
-                    f"the request body is larger than {self.max_body} bytes (--max-request-mb)", status=413))
+                await self._send_error(sending, e)
         except Exception:  # a bug: logged, answered in OpenAI's shape, the connection kept
             traceback.print_exc()
             if not started[0]:

@@ -92,7 +92,7 @@ class Scheduler:
             if n > cap:
                 raise APIError(f"{n} samples are more than the server holds at once ({self.engine.batch} rows + "
                                f"{self.max_waiting} waiting)", param="n")
-            inside = self._waiting_locked() + len(self._live)
+            inside = sum(j.n for j in self._pending) + len(self._live)  # (_live: in the engine, in a row or queued)
             if inside + n > cap:
                 self.metrics.events["rejected/queue_full"] += 1
                 waiting = max(inside - self.engine.batch, 0) + n
