@@ -301,6 +301,75 @@ def test_learner_restart_keeps_requests_and_in_flight_groups(tmp_path):
     b.client.close()
 
 
+def test_group_ids_never_repeat_across_learner_restarts(tmp_path):
+    """A learner killed after a checkpoint opened groups its restart does not know: `reconcile` cancels them. The
+    restarted learner's new groups (the same step, the same count of groups opened) get other ids, so each is
+    claimed, none is skipped for its predecessor's cancel marker (which would lose its in-flight slot for good)."""
+    from nemo_jax.rl.envs import Task
+    from nemo_jax.rl.spool import RequestBoard, cancelled, claim_request
+
+    run = str(tmp_path)
+    task = Task("t0", ({"role": "user", "content": "hi"},))
+    first = RequestBoard(run, lease_s=10.0)
+    old = [first.group_id(3) for _ in range(4)]
+    for gid in old:
+        first.post(gid, task, 2, 0, {})
+    restarted = RequestBoard(run, lease_s=10.0)
+    assert restarted.reconcile(RolloutPool(2, 4))[0] == sorted(old) and all(cancelled(run, g) for g in old)
+    new = [restarted.group_id(3) for _ in range(4)]
+    assert not set(new) & set(old) and all(g.startswith("s3-") for g in new)
+    for gid in new:
+        restarted.post(gid, task, 2, 0, {})
+    assert sorted(claim_request(run, f"w{i}").group_id for i in range(4)) == sorted(new)
+
+
+def test_a_release_killed_midway_leaves_a_claim_that_expires(tmp_path, monkeypatch):
+    """`release(lease, rollouts)` killed between its steps (here: the last rename never happens) leaves the group
+    as a claim the learner sees expire and posts again, never as a file nobody reads."""
+    from nemo_jax.rl import spool
+    from nemo_jax.rl.envs import Task
+
+    run = str(tmp_path)
+    board = spool.RequestBoard(run, lease_s=5.0)
+    board.post("g1", Task("t0", ({"role": "user", "content": "hi"},)), 4, 0, {})
+    lease = spool.claim_request(run, "w1")
+    real = os.rename
+
+    def killed(src, dst):
+        if dst == os.path.join(run, "requests", "g1.json"):
+            raise SystemExit("SIGKILL")
+        return real(src, dst)
+    monkeypatch.setattr(spool.os, "rename", killed)
+    with pytest.raises(SystemExit):
+        spool.release(lease, rollouts=3)
+    monkeypatch.setattr(spool.os, "rename", real)
+    assert board.expired(now=100.0) == [] and board.expired(now=106.0) == ["g1"]
+    leftover = tmp_path / "requests" / "claimed" / "w2--g2.releasing"  # (what an older worker left)
+    leftover.write_text("{}")
+    assert board.expired(now=200.0) == [] and board.expired(now=206.0) == ["g2"] and not leftover.exists()
+    board.post("g3", Task("t0", ({"role": "user", "content": "hi"},)), 4, 0, {})
+    lease = spool.claim_request(run, "w1")
+    assert spool.release(lease, rollouts=3)  # (uninterrupted: back as an open request asking for 3)
+    assert json.loads((tmp_path / "requests" / "g3.json").read_text())["rollouts"] == 3
+
+
+def test_a_finished_run_closes_its_board(tmp_path):
+    from nemo_jax.rl.envs import Task
+    from nemo_jax.rl.spool import RequestBoard, claim_request, closed
+
+    run = str(tmp_path)
+    board = RequestBoard(run, lease_s=5.0)
+    for g in ("g1", "g2"):
+        board.post(g, Task("t0", ({"role": "user", "content": "hi"},)), 4, 0, {})
+    claim_request(run, "w1")
+    assert closed(run) is None
+    board.close(12)
+    assert closed(run) == {"step": 12} and claim_request(run, "w2") is None
+    assert not os.listdir(tmp_path / "requests" / "claimed")
+    RequestBoard(run, lease_s=5.0)  # a resumed run reopens it
+    assert closed(run) is None
+
+
 # ----------------------------------------------------------------------------- publishing off the critical path
 def test_publisher_writes_in_the_background_newest_first(tmp_path, monkeypatch):
     """submit returns at once; a version still waiting when a newer one comes is replaced (counted); a failed write

@@ -3,13 +3,16 @@ module), feeding `nemo-jax grpo` runs that sample nothing themselves (rollout.pr
 the run trains with behaviour logprobs equal to the learner's (mismatch KL < 1e-6 in fp32, at every step: the
 run keeps no stale group, so every step after the first trains on turns a newer published adapter sampled); a
 worker SIGKILLed mid-episode loses only its lease (its request is reposted and finished by another worker); the
-learner SIGKILLed and restarted keeps its in-flight groups (their requests and claims survive and complete)."""
+learner SIGKILLed and restarted keeps its in-flight groups (their requests and claims survive and complete); the
+server wants an API key (the workers take it from the environment) and loads adapters only under the run's
+folder; a finished run stops its workers (exit 0)."""
 
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -74,8 +77,12 @@ class Episode:
 '''
 
 
+KEY = "worker-test-key"  # the server wants it; workers take it from $NEMO_JAX_API_KEY
+
+
 def _env(tmp):
-    return dict(os.environ, PYTHONPATH=f"{tmp}{os.pathsep}{ROOT}", XLA_FLAGS=FAST_COMPILE, JAX_PLATFORMS="cpu")
+    return dict(os.environ, PYTHONPATH=f"{tmp}{os.pathsep}{ROOT}", XLA_FLAGS=FAST_COMPILE, JAX_PLATFORMS="cpu",
+                NEMO_JAX_API_KEY=KEY)
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +103,8 @@ def served(tmp_path_factory):
     save_model(str(tmp / "model"), cfg, init(cfg, jax.random.key(3)), tokenizer_dir=resolve("builtin:tiny"))
     (tmp / "wenv.py").write_text(ENV)
     srv = Server(tmp, ["--ckpt", str(tmp / "model"), "--tokenizer", "builtin:tiny", "--max-num-seqs", "8",
-                       "--max-model-len", "160", "--bucket", "32", "--served-model-name", "tiny"])
+                       "--max-model-len", "160", "--bucket", "32", "--served-model-name", "tiny",
+                       "--enable-runtime-lora-updating", "--adapter-root", str(tmp)], api_key=KEY)
     try:
         yield srv, tmp
     finally:
@@ -166,6 +174,8 @@ def test_grpo_fed_by_rollout_workers_trains_on_policy(served):
                _worker(srv, tmp, run, "wb", "--concurrency", "2")]
     try:
         out, _ = learner.communicate(timeout=900)
+        for w in workers:  # the learner closed the run: the workers stop by themselves
+            w.wait(60)
     finally:
         if learner.poll() is None:
             learner.kill()
@@ -173,7 +183,7 @@ def test_grpo_fed_by_rollout_workers_trains_on_policy(served):
     logs = "\n".join(_output(w, full=True) for w in workers)
     assert learner.returncode == 0, out[-3000:] + logs[-4000:]
     for w in workers:
-        assert w.returncode == 0, _output(w)
+        assert w.returncode == 0 and "the learner finished the run at step 3" in _output(w), _output(w)
     recs = [r for r in _records(run) if "mismatch_kl" in r]
     assert [r["step"] for r in recs] == [1, 2, 3], out[-2000:]
     for r in recs:
@@ -338,3 +348,85 @@ def test_turn_parsing_chat_messages_and_server_kinds(tmp_path):
     assert srv.select("run-v3") == ("base", {"lora_path": "run-v3"}) and srv.select(None) == ("base", {})
     srv.kind = "vllm"
     assert srv.select("run-v3") == ("run-v3", {})
+
+
+# ----------------------------------------------------------------------------- a worker as an operator meets it
+def _models_json(owner="nemo-jax"):
+    return {"object": "list", "data": [{"id": "tiny", "owned_by": owner, "max_model_len": 256}]}
+
+
+def test_server_calls_outlast_a_restart_and_send_the_key(monkeypatch, capsys):
+    """The worker's calls to the server (/v1/models, adapter loads) retry refused connections and 503s with
+    backoff, saying so at least every 10 s, and give up with one error line after --wait-s; the API key comes from
+    --api-key or $NEMO_JAX_API_KEY as a bearer token."""
+    import httpx
+
+    from nemo_jax.rl.worker import Server, WorkerError
+
+    monkeypatch.setenv("NEMO_JAX_API_KEY", "k1")
+    seen, down = [], [3]
+
+    def handler(req: httpx.Request):
+        seen.append((req.url.path, req.headers.get("authorization")))
+        if req.url.path.endswith("load_lora_adapter") and down[0] > 0:
+            down[0] -= 1
+            if down[0] == 1:
+                return httpx.Response(503)
+            raise httpx.ConnectError("Connection refused")
+        if req.headers.get("authorization") != "Bearer k1":
+            return httpx.Response(401, json={"error": {"message": "Unauthorized"}})
+        if req.url.path == "/v1/models":
+            return httpx.Response(200, json=_models_json())
+        return httpx.Response(200, text="Success")
+    monkeypatch.setattr(Server, "QUIET_S", 0.05)
+    srv = Server("http://engine:8000/v1", wait_s=5.0, transport=httpx.MockTransport(handler))
+    assert srv.kind == "nemo-jax" and srv.load_adapter("run-v1", "/runs/r/policy/1")
+    out = capsys.readouterr().out
+    assert "ConnectError" in out and "HTTP 503" in out and "answers again" in out
+    assert seen[-1] == ("/v1/load_lora_adapter", "Bearer k1")
+    down[0] = 10 ** 9  # never comes back
+    srv.wait_s = 0.3
+    with pytest.raises(WorkerError, match="no answer within"):
+        srv.load_adapter("run-v2", "/runs/r/policy/2")
+    with pytest.raises(WorkerError, match="give --api-key"):
+        Server("http://engine:8000", api_key="wrong", wait_s=1.0, transport=httpx.MockTransport(handler))
+    off = lambda req: httpx.Response(404, json={"error": {"message": "runtime LoRA updating is off (start ...)"}}) \
+        if "lora" in req.url.path else httpx.Response(200, json=_models_json())  # noqa: E731
+    with pytest.raises(WorkerError, match="does not load adapters at run time"):
+        Server("http://engine:8000", wait_s=1.0, transport=httpx.MockTransport(off)).load_adapter("a", "/x")
+
+
+def test_workers_exit_when_the_learner_closes_the_run(tmp_path, capsys):
+    """The learner's last step closes RUN/requests (`RequestBoard.close`): a running worker stops with a line and
+    gives nothing back; a worker started on a finished run exits at once."""
+    import argparse
+
+    import httpx
+
+    from nemo_jax.config.model import NemotronHConfig
+    from nemo_jax.data.chat import ChatTokenizer
+    from nemo_jax.rl import spool
+    from nemo_jax.rl.envs import make_env
+    from nemo_jax.rl.worker import RolloutWorker, Server, cli_worker
+
+    run = tmp_path / "run"
+    (run / "policy" / "1").mkdir(parents=True)
+    (run / "policy" / "LATEST").write_text("1\n")
+    board = spool.RequestBoard(str(run), lease_s=30.0)
+    handler = lambda req: httpx.Response(200, json=_models_json()) if req.url.path == "/v1/models" \
+        else httpx.Response(200, text="Success")  # noqa: E731
+    srv = Server("http://engine:8000", wait_s=2.0, transport=httpx.MockTransport(handler))
+    with open(os.path.join(ROOT, "nemo_jax", "assets", "models", "tiny.json")) as f:
+        cfg = NemotronHConfig.from_hf_dict(json.load(f))
+    w = RolloutWorker(str(run), srv, ChatTokenizer.load("builtin:tiny"), cfg, make_env("arithmetic"),
+                      worker_id="w1", env_workers=1)
+    threading.Timer(1.0, board.close, args=(7,)).start()
+    t0 = time.time()
+    counts = w.run()
+    assert time.time() - t0 < 20 and counts.get("groups_released", 0) == 0
+    assert "the learner finished the run at step 7" in capsys.readouterr().out
+    a = argparse.Namespace(run=str(run), server="http://engine:8000", env=None, env_args=None, model=None,
+                           tokenizer=None, concurrency=1, lease_s=None, worker_id="w2", api="auto", server_run_dir=None,
+                           api_key=None, request_timeout=5.0, wait_s=2.0, max_groups=0)
+    assert cli_worker(a) == {}  # (before it would contact the server or wait for the learner)
+    assert "nothing to sample" in capsys.readouterr().out

@@ -178,7 +178,7 @@ class GRPORunner:
             if want <= 0:
                 return
             for t, p in self.curriculum.sample_with_p(want):
-                gid = self.pool.open_group(t, f"s{self.step}-{self.pool.counts['groups_opened']}", external=True)
+                gid = self.pool.open_group(t, self.board.group_id(self.step), external=True)
                 self.draw_p[gid] = p
                 self.board.post(gid, self.tasks[t], self.c.rollout.group_size, self.client.version, self.sampling)
 
@@ -295,6 +295,8 @@ class GRPORunner:
                 producer.close()
             logger.close()
         self.save(producer)
+        if self.board is not None and not self.stop_requested:  # finished: workers stop (stopped early: a resume
+            self.board.close(self.step)  # goes on with them)
         self.client.close()
         save_adapter_checkpoint(os.path.join(self.run_dir, "adapters"), self.cfg, self.client.lora_cfg,
                                 self.client.adapters, overwrite=True)

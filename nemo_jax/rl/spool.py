@@ -14,6 +14,8 @@
     RUN/requests/cancelled/<gid>
                             groups the learner gave up (stale beyond max_off_policy_steps, too many failed
                             episodes, or unknown to a restarted learner): their workers stop (`renew` says so)
+    RUN/requests/CLOSED     the learner finished the run (`RequestBoard.close`): workers stop and exit (`closed`);
+                            a learner that starts (or resumes) the run removes it
     RUN/spool/*.jsonl       rollouts, one JSON object per line (`Rollout.to_json` keys; see nemo_jax.rl.rollout),
                             written to a dot-prefixed temp name and renamed, so a reader never sees half a file; a
                             line {"group_id", "task_id", "failed": reason} reports a failed episode
@@ -291,22 +293,34 @@ def complete(lease: Lease) -> None:
 
 def release(lease: Lease, rollouts: int | None = None) -> bool:
     """Give the request back unfinished (e.g. a worker shutting down) -> whether it was still held. `rollouts`:
-    how many the group still needs, when the worker delivered some (the request is posted again asking for those)."""
+    how many the group still needs, when the worker delivered some (the request is posted again asking for those).
+
+    One rename moves the claim back to an open request; the new count is first written over the claim itself
+    (atomically): a worker killed between the two leaves a claim, which expires and is posted again."""
     dst = _requests(lease.run_dir, f"{lease.group_id}.json")
-    if rollouts is None:
-        try:
-            os.rename(lease.path, dst)
-        except FileNotFoundError:
+    if rollouts is not None:
+        if not os.path.exists(lease.path):
             return False
-        return True
-    mine = lease.path[: -len(".json")] + ".releasing"  # (not a claim name: the learner's scans skip it)
+        _atomic_write(lease.path, json.dumps(dict(lease.request, rollouts=int(rollouts))))
     try:
-        os.rename(lease.path, mine)
+        os.rename(lease.path, dst)
     except FileNotFoundError:
         return False
-    _atomic_write(mine, json.dumps(dict(lease.request, rollouts=int(rollouts))))
-    os.rename(mine, dst)
     return True
+
+
+def closed(run_dir: str) -> dict | None:
+    """The learner has finished the run (RUN/requests/CLOSED) -> what it wrote there ({"step", ...}), else None."""
+    try:
+        with open(_requests(run_dir, CLOSED)) as f:
+            return json.loads(f.read() or "{}")
+    except FileNotFoundError:
+        return None
+    except ValueError:
+        return {}
+
+
+CLOSED = "CLOSED"
 
 
 def cancelled(run_dir: str, group_id: str) -> bool:
@@ -334,8 +348,31 @@ class RequestBoard:
         self.run_dir, self.lease_s = run_dir, lease_s
         self.seen: dict[str, tuple[int, float]] = {}  # claim file -> (mtime_ns, when that mtime was first seen)
         self.counts = Counter()  # requests_posted, leases_expired, groups_cancelled/<reason>
+        # this learner process's name in its group ids: ids of a restarted learner never repeat the crashed one's
+        # (whose requests `reconcile` cancels)
+        self.incarnation = uuid.uuid4().hex[:8]
+        self._opened = 0
         for sub in ("claimed", "cancelled"):
             os.makedirs(_requests(run_dir, sub), exist_ok=True)
+        try:
+            os.unlink(_requests(run_dir, CLOSED))  # (the run goes on)
+        except FileNotFoundError:
+            pass
+
+    def group_id(self, step: int) -> str:
+        """A new group's id, `s<step>-<incarnation>-<n>`: unique across the learner's restarts."""
+        self._opened += 1
+        return f"s{step}-{self.incarnation}-{self._opened}"
+
+    def close(self, step: int) -> None:
+        """The run is finished: RUN/requests/CLOSED tells workers to stop; open requests and claims are removed."""
+        _atomic_write(_requests(self.run_dir, CLOSED), json.dumps({"step": step}) + "\n")
+        open_, claimed = self._files()
+        for path in [*open_.values(), *claimed.values()]:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
 
     def post(self, group_id: str, task, group_size: int, version: int, sampling: dict, rollouts: int | None = None):
         post_request(self.run_dir, group_id, task, group_size, version, sampling=sampling, rollouts=rollouts,
@@ -350,8 +387,9 @@ class RequestBoard:
             if n.endswith(".json") and not n.startswith("."):
                 open_[n[: -len(".json")]] = os.path.join(d, n)
         for n in os.listdir(os.path.join(d, "claimed")):
-            if n.endswith(".json") and "--" in n:
-                claimed[n[: -len(".json")].rsplit("--", 1)[1]] = os.path.join(d, "claimed", n)
+            for ext in (".json", ".releasing"):  # (.releasing: what an older release killed midway left)
+                if n.endswith(ext) and "--" in n and not n.startswith("."):
+                    claimed[n[: -len(ext)].rsplit("--", 1)[1]] = os.path.join(d, "claimed", n)
         return open_, claimed
 
     def expired(self, now: float | None = None) -> list[str]:

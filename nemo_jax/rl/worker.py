@@ -85,16 +85,19 @@ class Server:
     model name and context length, and LoRA adapters loaded and unloaded by name."""
 
     LORA_PATHS = {"sglang": "/{}_lora_adapter"}  # vLLM and nemo-jax serve: /v1/{}_lora_adapter
+    QUIET_S = 10.0  # the longest a worker waits for a server without saying so
 
     def __init__(self, url: str, *, model: str | None = None, api_key: str | None = None, timeout_s: float = 900.0,
-                 wait_s: float = 600.0):
+                 wait_s: float = 600.0, transport=None):
         require("openai", "worker", "nemo-jax rollout-worker")
         import httpx
 
         root = url.rstrip("/")
         self.root = root[: -len("/v1")] if root.endswith("/v1") else root
-        self.key, self.timeout_s = api_key or os.environ.get("OPENAI_API_KEY") or "none", timeout_s
-        self.http = httpx.Client(timeout=timeout_s, headers={"Authorization": f"Bearer {self.key}"})
+        self.key = api_key or os.environ.get("NEMO_JAX_API_KEY") or os.environ.get("OPENAI_API_KEY") or "none"
+        self.timeout_s, self.wait_s = timeout_s, wait_s
+        self.http = httpx.Client(timeout=timeout_s, headers={"Authorization": f"Bearer {self.key}"},
+                                 transport=transport)
         cards = self._models(wait_s)
         ids = [c.get("id") for c in cards]
         if model is None:
@@ -107,22 +110,50 @@ class Server:
         self.kind = next((k for k in ("sglang", "vllm", "nemo-jax") if k in owner), "openai")
         self.max_len = card.get("max_model_len")
 
-    def _models(self, wait_s: float) -> list[dict]:
+    def _call(self, method: str, path: str, wait_s: float | None = None, **kw):
+        """An HTTP call that outlasts a server restart: refused connections, resets and 502 / 503 / 504 are retried
+        with backoff (1 s, doubling to 10 s) for up to `wait_s` seconds (default: --wait-s), saying so at least every
+        10 s -> the response (WorkerError once the time is up)."""
         import httpx
 
-        deadline, why = time.monotonic() + wait_s, ""
+        wait_s = self.wait_s if wait_s is None else wait_s
+        t0 = time.monotonic()
+        said, delay, why = None, 1.0, ""
         while True:
             try:
-                r = self.http.get(self.root + "/v1/models", timeout=10)
-                if r.status_code in (401, 403):
-                    raise WorkerError(f"--server {self.root}: {r.status_code} from /v1/models (give --api-key)")
+                r = self.http.request(method, self.root + path, **kw)
+                if r.status_code not in (502, 503, 504):
+                    if said is not None:
+                        print(f"rollout-worker: {self.root} answers again", flush=True)
+                    return r
+                why = f"HTTP {r.status_code}"
+            except httpx.TransportError as e:  # (refused, reset, timed out: the server is down or restarting)
+                why = f"{type(e).__name__}: {e}"
+            now = time.monotonic()
+            if now - t0 >= wait_s:
+                raise WorkerError(f"{self.root}{path}: no answer within {wait_s:.0f} s ({why})")
+            if said is None or now - said >= self.QUIET_S:
+                print(f"rollout-worker: {self.root}{path}: {why}; retrying for up to {wait_s - (now - t0):.0f} s",
+                      flush=True)
+                said = now
+            time.sleep(min(delay, self.QUIET_S, max(wait_s - (now - t0), 0.0)))
+            delay = min(2 * delay, self.QUIET_S)
+
+    def _models(self, wait_s: float) -> list[dict]:
+        deadline = time.monotonic() + wait_s
+        while True:
+            r = self._call("GET", "/v1/models", wait_s=max(deadline - time.monotonic(), 0.0), timeout=10)
+            if r.status_code in (401, 403):
+                raise WorkerError(f"--server {self.root}: {r.status_code} from /v1/models (give --api-key, or set "
+                                  "NEMO_JAX_API_KEY)")
+            try:
                 if r.status_code == 200 and r.json().get("data"):
                     return r.json()["data"]
-                why = f"HTTP {r.status_code}"
-            except (httpx.HTTPError, ValueError) as e:
-                why = str(e)
+            except (ValueError, AttributeError):
+                pass
             if time.monotonic() > deadline:
-                raise WorkerError(f"--server {self.root}: /v1/models did not answer within {wait_s:.0f} s ({why})")
+                raise WorkerError(f"--server {self.root}: /v1/models did not answer within {wait_s:.0f} s "
+                                  f"(HTTP {r.status_code})")
             time.sleep(1.0)
 
     def async_client(self):
@@ -141,13 +172,8 @@ class Server:
         return adapter, {}
 
     def _lora(self, what: str, body: dict):
-        import httpx
-
         path = self.LORA_PATHS.get(self.kind, "/v1/{}_lora_adapter").format(what)
-        try:
-            r = self.http.post(self.root + path, json=body)
-        except httpx.HTTPError as e:
-            raise WorkerError(f"{self.root}{path}: {e}") from None
+        r = self._call("POST", path, json=body)
         try:
             failed = r.status_code == 200 and r.json().get("success") is False  # (SGLang's way of saying no)
         except (ValueError, AttributeError):
@@ -160,9 +186,11 @@ class Server:
         code, text, where = self._lora("load", {"lora_name": name, "lora_path": path})
         if code == 200 or "already" in text.lower():
             return True
-        if code in (404, 405) and "lora" not in text.lower() and "adapter" not in text.lower():
+        if code in (404, 405) and ("lora" not in text.lower() and "adapter" not in text.lower()
+                                   or "runtime lora updating is off" in text.lower()):
             raise WorkerError(f"{self.root}{where}: {code}: the server does not load adapters at run time (vLLM: "
-                              "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True and --enable-lora; SGLang: --enable-lora)")
+                              "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True and --enable-lora; SGLang: --enable-lora; "
+                              "nemo-jax serve: --enable-runtime-lora-updating --adapter-root RUN_DIRS)")
         if code in (400, 404, 500):
             return False
         raise WorkerError(f"{self.root}{where}: loading adapter {name} from {path} failed ({code}): {text[:300]}")
@@ -184,6 +212,8 @@ class _Seq:
     future: object = None  # the request in flight
     adapter: tuple = (None, 0)  # (name, version) it was sent with
     retries: int = 0
+    down: float | None = None  # when its turn first failed to reach the server (sent again until --wait-s)
+    retry_at: float = 0.0
 
 
 def _token_ids(strings: list) -> list[int] | None:
@@ -252,6 +282,8 @@ class ServerSampler:
         self._seqs: dict[int, _Seq] = {}
         self._next = 0
         self._done: queue.Queue = queue.Queue()
+        self._retry: list[_Seq] = []  # turns to send again: the server was unreachable or overloaded
+        self._said = 0.0
         self._warned = False
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, name="server-requests", daemon=True).start()
@@ -270,7 +302,7 @@ class ServerSampler:
 
     @property
     def busy(self) -> int:
-        return sum(s.future is not None for s in self._seqs.values())
+        return sum(s.future is not None for s in self._seqs.values()) + len(self._retry)
 
     def submit(self, tokens: list[int], sp: RequestSampling, *, images=None, tag=None) -> int:
         sid, self._next = self._next, self._next + 1
@@ -290,6 +322,8 @@ class ServerSampler:
 
     def release(self, seq_id: int) -> None:
         s = self._seqs.pop(seq_id, None)
+        if s in self._retry:
+            self._retry.remove(s)
         if s is not None and s.future is not None:
             s.future.cancel()  # (the HTTP request is dropped; vLLM and SGLang abort it)
 
@@ -330,6 +364,11 @@ class ServerSampler:
         """The turns that came back (waiting up to poll_s for the first)."""
         import openai
 
+        now = time.monotonic()
+        for seq in [x for x in self._retry if x.retry_at <= now]:
+            self._retry.remove(seq)
+            if self._seqs.get(seq.id) is seq:
+                self._launch(seq)
         try:
             items = [self._done.get(timeout=self.poll_s)]
         except queue.Empty:
@@ -359,9 +398,27 @@ class ServerSampler:
                 else:
                     self.failed.append((seq.tag, f"the server: {e}"))
                 continue
+            except (openai.APIConnectionError, openai.RateLimitError, openai.InternalServerError) as e:
+                # down, restarting or overloaded: the turn is sent again with backoff for up to --wait-s
+                now = time.monotonic()
+                seq.down = seq.down or now
+                if now - seq.down < self.server.wait_s:
+                    seq.retry_at = now + min(2.0 ** seq.retries, 10.0)
+                    seq.retries += 1
+                    self._retry.append(seq)
+                    self.counts["turns_resent"] += 1
+                    if now - self._said >= 10.0:
+                        self._said = now
+                        print(f"rollout-worker: the server could not take a turn ({type(e).__name__}: {e}); "
+                              f"sending it again for up to {self.server.wait_s - (now - seq.down):.0f} s", flush=True)
+                else:
+                    self.failed.append((seq.tag, f"the server could not sample a turn for {now - seq.down:.0f} s: "
+                                                 f"{type(e).__name__}: {e}"))
+                continue
             except (openai.OpenAIError, TurnFailed) as e:
                 self.failed.append((seq.tag, f"the server could not sample a turn: {type(e).__name__}: {e}"))
                 continue
+            seq.down = None
             if prompt is not None and prompt != seq.tokens:
                 self._mismatch(seq, prompt)
             seq.tokens += tokens
@@ -474,6 +531,7 @@ class RolloutWorker:
         self.loaded: dict[str, int] = {}  # adapters this worker loaded: name -> version
         self.counts = Counter()
         self.stopping = threading.Event()
+        self.finished = None  # what RUN/requests/CLOSED says, once the learner has finished the run
         self._lock = threading.Lock()
         self._files = 0
         self._last_claim = self._last_policy = 0.0
@@ -510,9 +568,18 @@ class RolloutWorker:
             self.server.unload_adapter(name)
             del self.loaded[name]
 
+    def _run_closed(self) -> bool:
+        """Has the learner finished the run? (Then the worker stops: nothing more will be requested.)"""
+        got = spool.closed(self.run_dir)
+        if got is not None and self.finished is None:
+            self.finished = got
+            self.log(f"the learner finished the run{' at step ' + str(got['step']) if 'step' in got else ''} "
+                     f"({self.run_dir}/requests/CLOSED): stopping")
+        return got is not None
+
     def _wait_for_policy(self) -> bool:
         said = False
-        while not self.stopping.is_set():
+        while not self.stopping.is_set() and not self._run_closed():
             self._policy(force=True)
             if self.sampler.adapter[0] is not None:
                 return True
@@ -652,7 +719,12 @@ class RolloutWorker:
             if not self._wait_for_policy():
                 return self.summary()
             hb.start()
+            last_check = 0.0
             while not self.stopping.is_set():
+                if time.monotonic() - last_check >= 0.5:
+                    last_check = time.monotonic()
+                    if self._run_closed():
+                        break
                 self._policy()
                 self._claim()
                 self._deliver(self.driver.pump(wait_s=0.05))
@@ -664,9 +736,10 @@ class RolloutWorker:
                     self.stopping.wait(0.1)
         finally:
             self._hb_stop.set()
-            for gid, g in list(self.groups.items()):
-                self._drop(gid, release=not g.lost)
-                self.counts["groups_released"] += not g.lost
+            for gid, g in list(self.groups.items()):  # (a finished run takes nothing back)
+                back = not g.lost and self.finished is None
+                self._drop(gid, release=back)
+                self.counts["groups_released"] += back
             self.driver.close()
             self.sampler.close()
         self.log("stopped: " + ", ".join(f"{k} {v}" for k, v in sorted(self.summary().items())))
@@ -697,12 +770,20 @@ def cli_worker(a) -> dict:
     env_args = json.loads(a.env_args) if a.env_args else None
     if env_args is not None and not isinstance(env_args, dict):
         raise ValueError(f"--env-args {a.env_args!r}: expected a JSON object")
+    if spool.closed(a.run) is not None:
+        print(f"rollout-worker: the learner finished the run ({a.run}/requests/CLOSED): nothing to sample",
+              flush=True)
+        return {}
     server = Server(a.server, model=a.model, api_key=a.api_key, timeout_s=a.request_timeout, wait_s=a.wait_s)
     stopping = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):  # (the worker takes the signals over when it runs)
         signal.signal(sig, lambda *_: stopping.set())
     model, said = os.path.join(a.run, "model", "config.json"), False
     while not os.path.exists(model):  # the learner writes config.yaml, then model/ when it starts
+        if spool.closed(a.run) is not None:
+            print(f"rollout-worker: the learner finished the run ({a.run}/requests/CLOSED): nothing to sample",
+                  flush=True)
+            return {}
         if not said:
             print(f"rollout-worker: waiting for the learner to start ({model})", flush=True)
             said = True
