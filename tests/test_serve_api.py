@@ -5,7 +5,6 @@ size limit, streaming chunks and [DONE], cancellation on disconnect and on timeo
 Retry-After), an engine that dies (503, the server exits 1), bounded and escaped metrics, runtime adapter loading
 gated, confined and atomic, local images refused, and the streamed text holding back what is not final."""
 
-import asyncio
 import json
 import os
 import socket
@@ -327,8 +326,9 @@ def test_streamed_chunks_add_up_to_the_response(running):
 
 
 def test_clients_that_go_away_free_their_rows_at_once(running):
-    """A stream closed after two chunks and a request whose client timed out are cancelled: their engine rows are
-    released within a fraction of the time they would have taken (1000 tokens at 20 ms a step)."""
+    """A raw SSE stream closed after two chunks, a request whose client timed out, and the official client's stream
+    iterator closed are cancelled: their engine rows are released within a fraction of the time they would have
+    taken (1000 tokens at 20 ms a step)."""
     srv = running(FakeEngine(batch=2, delay=0.02))
     body = {"messages": MSG, "max_tokens": 1000, "stream": True}
     with httpx.stream("POST", srv.url + "/v1/chat/completions", json=body, timeout=30) as r:
@@ -344,8 +344,15 @@ def test_clients_that_go_away_free_their_rows_at_once(running):
     while 1 not in srv.engine.released and time.monotonic() - t0 < 5:
         time.sleep(0.02)
     assert srv.engine.released == [0, 1] and time.monotonic() - t0 < 5
+    stream = srv.client.chat.completions.create(model="tiny", messages=MSG, max_tokens=1000, stream=True)
+    it = iter(stream)
+    assert next(it).choices[0].delta.role == "assistant" and next(it).choices[0].delta.content
+    stream.close()  # (the official client's iterator, given up)
+    while 2 not in srv.engine.released and time.monotonic() - t0 < 10:
+        time.sleep(0.02)
+    assert srv.engine.released == [0, 1, 2]
     m = httpx.get(srv.url + "/metrics").text
-    assert "nemo_jax_cancelled_total 2" in m and "nemo_jax_num_requests_running 0" in m
+    assert "nemo_jax_cancelled_total 3" in m and "nemo_jax_num_requests_running 0" in m
 
 
 def test_bounded_queue_timeout_and_draining(running):
