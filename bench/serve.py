@@ -11,8 +11,8 @@ that many concurrent clients; every level is bounded by --time-limit seconds. Pe
 * p50 / p99 time to first token (request sent -> first streamed token) and per-token latency (a request's time
   from its first to its last token over its tokens after the first);
 * the speed-up: the level's tokens/s over the sequential one (level 1). Goal: >= 4x at 32 concurrent;
-* then the server's RSS before and after --rss-requests more requests (32 at a time, non-streamed): no growth
-  beyond noise.
+* then the server's RSS before and after --rss-requests more requests (32 at a time, non-streamed, 8 tokens), and
+  after as many again: no growth beyond noise.
 
 --runs repeats the levels on the same (warm) server: each run is printed (this machine is noisy).
 """
@@ -159,12 +159,14 @@ async def bench(a, port: int, key: str, pid: int) -> None:
         if at32 is not None:
             print(f"speed-up at 32 concurrent: {at32:.2f}x (goal >= 4x)")
     await many(client, 100, 32, rng)  # (its shapes compiled before the first reading)
-    before = rss_mib(pid)
-    t0 = time.perf_counter()
-    await many(client, a.rss_requests, 32, rng)
-    after = rss_mib(pid)
-    print(f"\nserver RSS: {before:,.1f} MiB before, {after:,.1f} MiB after {a.rss_requests} more requests "
-          f"({time.perf_counter() - t0:.1f} s): {after - before:+,.1f} MiB ({100 * (after - before) / before:+.1f}%)")
+    readings = [rss_mib(pid)]
+    for _ in range(2):  # (a second round: growth that goes on, or what the first round settled)
+        t0 = time.perf_counter()
+        await many(client, a.rss_requests, 32, rng)
+        readings.append(rss_mib(pid))
+        print(f"server RSS after {a.rss_requests} more requests ({time.perf_counter() - t0:.1f} s): "
+              f"{readings[-2]:,.1f} -> {readings[-1]:,.1f} MiB ({readings[-1] - readings[-2]:+,.1f} MiB, "
+              f"{100 * (readings[-1] - readings[-2]) / readings[-2]:+.1f}%)")
     await client.close()
 
 

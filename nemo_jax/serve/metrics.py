@@ -55,14 +55,19 @@ class Rate:
         self._lock = threading.Lock()
 
     def add(self, n: int, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
         with self._lock:
-            self._events.append((time.monotonic() if now is None else now, n))
+            self._events.append((now, n))
+            self._trim(now)
+
+    def _trim(self, now: float) -> None:
+        while self._events and self._events[0][0] < now - self.window:
+            self._events.popleft()
 
     def value(self, now: float | None = None) -> float:
         now = time.monotonic() if now is None else now
         with self._lock:
-            while self._events and self._events[0][0] < now - self.window:
-                self._events.popleft()
+            self._trim(now)
             return sum(n for _, n in self._events) / self.window
 
 
