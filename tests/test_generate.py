@@ -514,7 +514,7 @@ def test_engine_samples_penalties_stop_strings_min_tokens_and_top_logprobs_in_it
     sps = [greedy(repetition_penalty=1.8, frequency_penalty=0.5, presence_penalty=0.3, logit_bias=((7, 2.0),)),
            greedy(stop=(stop, "never")),
            greedy(stop_token_ids=(plain[0],), min_tokens=3),
-           SamplingParams(max_new_tokens=6, temperature=0.9, top_k=10, seed=4, top_logprobs=3),
+           SamplingParams(max_new_tokens=8, temperature=0.9, top_k=10, seed=4, top_logprobs=3),
            greedy()]
     prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[1], PROMPTS[2], PROMPTS[2]]
     eng = Engine(params, cfg, batch=5, max_len=40, bucket=8, check_every=3, token_bytes=vocab)
