@@ -430,7 +430,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "checkpoint dir's name)")
     s.add_argument("--max-num-seqs", type=int, default=8, help="decode rows: sequences sampled at once")
     s.add_argument("--max-model-len", type=int, default=4096, help="positions per row: prompt + completion")
-    s.add_argument("--dtype", type=_dtype_arg, default=None, help="cast the weights (default: as stored), e.g. bf16 or fp32")
+    s.add_argument("--dtype", type=_dtype_arg, default=None,
+                   help="cast the weights (default: as stored), e.g. bf16 or fp32")
     s.add_argument("--bucket", type=int, default=32, help="prompts are padded to a multiple of this (few compiles)")
     s.add_argument("--check-every", type=int, default=4, help="decode steps between looks for finished rows")
     s.add_argument("--return-tokens-as-token-ids", action="store_true",
@@ -481,7 +482,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("import-hf", help="HF safetensors checkpoint -> native checkpoint")
     s.add_argument("src")
     s.add_argument("dst")
-    s.add_argument("--dtype", type=_dtype_arg, default=None, help="cast every tensor (default: keep the checkpoint's dtypes)")
+    s.add_argument("--dtype", type=_dtype_arg, default=None,
+                   help="cast every tensor (default: keep the checkpoint's dtypes)")
     s.add_argument("--ignore-unexpected", action="store_true", help="skip tensors the config does not describe")
     s.add_argument("--overwrite", action="store_true", help="replace DST if it is an earlier native model written "
                    "by nemo-jax (a folder holding anything else is never replaced)")
@@ -492,7 +494,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "safetensors checkpoint")
     s.add_argument("src", help="native model dir, run dir, RUN/checkpoints/N or HF dir")
     s.add_argument("dst")
-    s.add_argument("--dtype", type=_dtype_arg, default=None, help="write every tensor in this dtype (default: as stored)")
+    s.add_argument("--dtype", type=_dtype_arg, default=None,
+                   help="write every tensor in this dtype (default: as stored)")
     s.add_argument("--like", default=None, help="HF dir whose per-tensor dtypes to reproduce")
     s.add_argument("--max-shard-size", default="5GB")
     s.add_argument("--adapters", action="append", default=None, metavar="DIR[:WEIGHT]",

@@ -371,9 +371,9 @@ _ERRNO_IN_TEXT = re.compile(r"\[Errno (\d+)\]|os_error_code='?(\d+)|Os \{ code: 
 
 def os_error_code(e: BaseException, by_message: bool = False) -> int | None:
     """The errno behind a failed write, whichever layer reported it: an OSError's own, or the one in the text of
-    tensorstore's ("os_error_code='28'"), safetensors' ("(os error 28)", "Os { code: 28") or a wrapped "[Errno 28]"; with
-    `by_message`, else the errno whose C library message the text holds (array_record's "No space left on
-    device"). None if there is none."""
+    tensorstore's ("os_error_code='28'"), safetensors' ("(os error 28)", "Os { code: 28") or a wrapped
+    "[Errno 28]"; with `by_message`, else the errno whose C library message the text holds (array_record's "No
+    space left on device"). None if there is none."""
     if isinstance(e, OSError) and e.errno:
         return e.errno
     text = str(e)

@@ -42,11 +42,13 @@ class _QuietFailedSave(logging.Filter):
     """A failed save is reported once, by the CheckpointWriteError `check()` raises. Dropped: orbax's own error
     logs of it (each with a traceback, from its background threads; they carry orbax's `[process=N]` prefix)
     while a save is in flight, and asyncio's "exception was never retrieved" of the writes into a step's
-    temporary folder that the failed save left (logged whenever those futures are collected, even at exit)."""
+    temporary folder that the failed save left (logged whenever those futures are collected, even at exit).
+    Also orbax's warning for a step without its optional step metadata (a damaged step: `latest_good_step`
+    names it)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno < logging.ERROR:
-            return True
+            return not str(record.msg).startswith("Metadata file does not exist")
         if record.name == "asyncio":
             return not ("never retrieved" in str(record.msg) and ".orbax-checkpoint-tmp" in record.getMessage())
         return not (_SAVING[0] and str(record.msg).startswith("[process="))
