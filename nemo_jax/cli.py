@@ -587,11 +587,21 @@ def main(argv=None):
     try:
         args.fn(args)
     except (ValueError, FileNotFoundError, MissingDependency) as e:
+        _end_progress_bars()
         print(f"nemo-jax {cmd}: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     except OSError as e:  # a full disk, a read-only or missing folder: where and why, in one line
+        _end_progress_bars()
         print(f"nemo-jax {cmd}: error: {e if e.filename is None else fsutil.describe_os_error(e)}", file=sys.stderr)
         raise SystemExit(1) from None
+
+
+def _end_progress_bars():
+    """Close the progress bars still open (a run stopped by an error mid-bar): the error line then stands on a line
+    of its own, not glued to the bar's."""
+    tqdm = sys.modules.get("tqdm")
+    for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", ())):
+        bar.close()
 
 
 if __name__ == "__main__":

@@ -428,7 +428,6 @@ def eval_engine(params, cfg, adapters=None, *, rows: int = 32, max_len: int = 10
 
 def cli_eval(a) -> dict:
     import json
-
     import sys
 
     from nemo_jax.sources import load_for_generation
