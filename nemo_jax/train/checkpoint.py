@@ -22,6 +22,7 @@ import shutil
 import signal
 import sys
 import threading
+import time
 
 import jax
 import orbax.checkpoint as ocp
@@ -145,9 +146,8 @@ class RunCheckpointer:
     def _write_error(self, step: int, e: BaseException) -> CheckpointWriteError:
         """A failed save -> one error naming the step, the path and the errno; the step's temporary folder
         (orbax leaves it) is removed, so failed retries do not pile up."""
-        for name in os.listdir(self.directory) if jax.process_index() == 0 else ():
-            if re.fullmatch(rf"{step}\.orbax-checkpoint-tmp.*", name):
-                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+        if jax.process_index() == 0:
+            self._remove_step_temporaries(step)
         text = str(e)
         code = os_error_code(e)
         why = (f"{os.strerror(code)} ({errno.errorcode.get(code, '?')})" if code
@@ -157,6 +157,24 @@ class RunCheckpointer:
         msg = (f"checkpoint step {step} could not be written to {os.path.join(self.directory, str(step))}: {why}; "
                f"its temporary files were removed ({resume}): fix the cause (e.g. free disk space) and rerun")
         return CheckpointWriteError(code, msg) if code else CheckpointWriteError(msg)
+
+    def _remove_step_temporaries(self, step: int, settle_s: float = 0.3, limit_s: float = 10.0):
+        """Remove `step`'s orbax temporaries. Writes tensorstore had in flight when the save failed still land
+        (creating folders again) after orbax gave up on them: remove until none has reappeared for `settle_s`
+        (at most `limit_s`)."""
+        pattern = re.compile(rf"{step}\.orbax-checkpoint-tmp.*")
+        deadline, quiet_since = time.monotonic() + limit_s, None
+        while time.monotonic() < deadline:
+            left = [n for n in os.listdir(self.directory) if pattern.fullmatch(n)]
+            if left:
+                for name in left:
+                    shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+                quiet_since = None
+            elif quiet_since is None:
+                quiet_since = time.monotonic()
+            elif time.monotonic() - quiet_since >= settle_s:
+                return
+            time.sleep(0.05)
 
     # ------------------------------------------------------------------ restoring
     def steps(self) -> list[int]:
