@@ -25,7 +25,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from nemo_jax.config.model import NemotronHConfig, write_config
-from nemo_jax.fsutil import Damage, atomic_dir, copy_tokenizer_files, has_manifest, verify_manifest
+from nemo_jax.fsutil import Damage, atomic_dir, copy_tokenizer_files, has_manifest, move_aside, verify_manifest
 from nemo_jax.model.spec import PARAM_LAYOUT, ParamSpec, check_param_layout, param_specs
 
 
@@ -119,11 +119,17 @@ class CorruptCheckpoint(ValueError):
 
 def step_dirs(ckpt_dir: str) -> list[int]:
     """The committed steps (folders named by their number) of a run's checkpoint folder, oldest first."""
+    return [s for s, is_dir in _step_entries(ckpt_dir) if is_dir]
+
+
+def _step_entries(ckpt_dir: str) -> list[tuple[int, bool]]:
+    """(step, whether it is a folder) of every entry named by a number, oldest first: a step that is a file or a
+    symbolic link leading nowhere (a loop, a target gone) is listed too, to be named, not skipped unseen."""
     try:
         names = os.listdir(ckpt_dir)
     except FileNotFoundError:
         return []
-    return sorted(int(n) for n in names if n.isdigit() and os.path.isdir(os.path.join(ckpt_dir, n)))
+    return sorted((int(n), os.path.isdir(os.path.join(ckpt_dir, n))) for n in names if n.isdigit())
 
 
 _WARNED: set = set()
@@ -135,18 +141,13 @@ def warn_damaged(step_dir: str, damage: Damage, action: str):
     if key in _WARNED:
         return
     _WARNED.add(key)
-    print(f"warning: checkpoint {step_dir} is damaged: {damage.file}: {damage.reason}; {action}", file=sys.stderr,
-          flush=True)
+    what = f"{damage.file}: " if damage.file else ""
+    print(f"warning: checkpoint {step_dir} is damaged: {what}{damage.reason}; {action}", file=sys.stderr, flush=True)
 
 
 def set_aside(step_dir: str) -> str:
     """Move a damaged step out of the way (N -> N.damaged, or N.damaged-2, ...; never deleted) -> the new path."""
-    dst, k = step_dir.rstrip("/") + ".damaged", 1
-    while os.path.lexists(dst):
-        k += 1
-        dst = f"{step_dir.rstrip('/')}.damaged-{k}"
-    os.rename(step_dir, dst)
-    return dst
+    return move_aside(step_dir, "damaged")
 
 
 def _decodes(step_dir: str) -> Damage | None:
@@ -186,11 +187,22 @@ def _decodes(step_dir: str) -> Damage | None:
     return None
 
 
+STEP_RECORD = os.path.join("meta", "metadata")  # what every reader of a step reads first (config, model config)
+
+
 def step_damage(step_dir: str) -> Damage | None:
     """What is wrong with a run checkpoint step: its files against its manifest (every byte read), or for a step
-    without one, whether every array decodes (`_decodes`)."""
+    without one, whether its record is there and every array decodes (`_decodes`). A step that is not a folder
+    (a symbolic link that loops or leads nowhere, a file) is damaged too."""
+    if not os.path.isdir(step_dir):
+        kind = "a symbolic link that leads nowhere (a loop, or its target is gone)" if os.path.islink(step_dir) \
+            else "not a folder"
+        return Damage("", kind)
     if has_manifest(step_dir):
         return verify_manifest(step_dir)[0]
+    if not os.path.isfile(os.path.join(step_dir, STEP_RECORD)):
+        return Damage(STEP_RECORD, "missing, and the step has no manifest: it is incomplete (a save or a copy cut "
+                                   "short)")
     return _decodes(step_dir)
 
 
@@ -203,7 +215,7 @@ def latest_good_step(ckpt_dir: str, *, heal: bool = False, verify: bool = True) 
     (generate, eval, export, merge, model.init) do not heal: they leave the run dir as it is. `verify=False`
     trusts every step (the newest is returned)."""
     ckpt_dir = os.path.abspath(ckpt_dir)
-    for step in reversed(step_dirs(ckpt_dir)):
+    for step, _ in reversed(_step_entries(ckpt_dir)):
         d = os.path.join(ckpt_dir, str(step))
         damage = step_damage(d) if verify else None
         if damage is None:

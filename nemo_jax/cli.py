@@ -48,16 +48,23 @@ NON_NEGATIVE = _number(int, 0)
 TEMPERATURE = _number(float, 0)
 
 
+DTYPE_NAMES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32",
+               "fp16": "float16", "float16": "float16"}  # --dtype NAME -> the jnp dtype
+
+
+def _dtype_arg(text: str) -> str:
+    """An argparse type: a --dtype name, checked with the other arguments (before JAX starts)."""
+    if text in ("", "keep") or text in DTYPE_NAMES:
+        return text
+    raise argparse.ArgumentTypeError(f"unknown dtype {text!r} (one of {', '.join(DTYPE_NAMES)}, or keep)")
+
+
 def _dtype(name: str | None):
     if name in (None, "", "keep"):
         return None
     import jax.numpy as jnp
 
-    table = {"bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16, "fp32": jnp.float32, "float32": jnp.float32,
-             "fp16": jnp.float16, "float16": jnp.float16}
-    if name not in table:
-        raise SystemExit(f"--dtype: unknown dtype {name!r} (use one of {sorted(table)})")
-    return table[name]
+    return getattr(jnp, DTYPE_NAMES[_dtype_arg(name)])
 
 
 def _converting(command: str):
@@ -77,6 +84,7 @@ def _share_note() -> str:
 
 
 def cmd_import_hf(a):
+    fsutil.check_not_input(a.dst, [a.src])
     fsutil.check_output(a.dst, "native model", a.overwrite)  # before JAX starts
     from nemo_jax.hf.io import import_pretrained
 
@@ -87,6 +95,7 @@ def cmd_import_hf(a):
 
 
 def cmd_export_hf(a):
+    fsutil.check_not_input(a.dst, [a.src, a.like])
     fsutil.check_output(a.dst, "HF checkpoint", a.overwrite)  # before JAX starts
     with _converting("export-hf"):
         _export_hf(a)
@@ -102,7 +111,9 @@ def _export_hf(a):
         from nemo_jax.lora.peft import MergedSource, parse_adapter_arg
         from nemo_jax.sources import load_adapters
 
-        sets = [(load_adapters(d, cfg), w) for d, w in map(parse_adapter_arg, a.adapters)]
+        named = [parse_adapter_arg(x) for x in a.adapters]
+        fsutil.check_not_input(a.dst, [d for d, _ in named])
+        sets = [(load_adapters(d, cfg), w) for d, w in named]
         params = MergedSource(params, cfg, sets)
     dtypes = read_dtypes(a.like) if a.like else _dtype(a.dtype)
     save_pretrained(cfg, params, a.dst, max_shard_size=a.max_shard_size, dtypes=dtypes, tokenizer_dir=tok_dir,
@@ -114,7 +125,8 @@ def cmd_merge(a):
 
     flags = [f"{k}=true" for k in ("overwrite", "allow_nonfinite") if getattr(a, k)]
     recipe = load_recipe(a.recipe, list(a.overrides) + flags)
-    fsutil.check_output(recipe.output, "HF checkpoint", recipe.overwrite)  # both before JAX starts
+    fsutil.check_not_input(recipe.output, list(recipe.models.values()) + list(recipe.adapters.values()), "output")
+    fsutil.check_output(recipe.output, "HF checkpoint", recipe.overwrite)  # all before JAX starts
     from nemo_jax.merge import run_recipe, summary
 
     src = run_recipe(recipe, progress=True)
@@ -128,6 +140,7 @@ def cmd_merge(a):
 
 
 def cmd_lora_export(a):
+    fsutil.check_not_input(a.dst, [a.src])
     fsutil.check_output(a.dst, "PEFT adapter dir", a.overwrite)  # before JAX starts
     from nemo_jax.lora.peft import save_peft
     from nemo_jax.sources import load_adapter_set
@@ -139,6 +152,7 @@ def cmd_lora_export(a):
 
 
 def cmd_lora_import(a):
+    fsutil.check_not_input(a.dst, [a.src, a.model])
     fsutil.check_output(a.dst, "adapter checkpoint", a.overwrite)  # before JAX starts
     from nemo_jax.config.model import NemotronHConfig
     from nemo_jax.lora import save_adapter_checkpoint
@@ -191,28 +205,52 @@ def _mesh_overrides(mesh: str | None) -> list[str]:
     return [f"mesh.{k}={v}" for k, v in read_mesh_sizes(mesh).items()]
 
 
+def _check_run(c, new_run: bool):
+    """Before JAX starts: the mesh against the devices this host will have (where that is known then: a CPU
+    host), and a rerun's settings against the run it would resume."""
+    from nemo_jax.config.train import check_rerun, resolve_mesh_sizes
+    from nemo_jax.hostmem import known_device_count
+    from nemo_jax.parallel.distributed import resolve as process_layout
+
+    n = known_device_count()
+    if n is not None and not process_layout(getattr(c, "distributed", None)).multi:
+        try:
+            resolve_mesh_sizes(c.mesh.sizes(), n)
+        except ValueError as e:
+            raise ValueError(f"{e} of this CPU host (XLA_FLAGS=--xla_force_host_platform_device_count=N or "
+                             "JAX_NUM_CPU_DEVICES=N simulates N)") from None
+    if not new_run:
+        check_rerun(c, os.path.abspath(c.run_dir or os.path.join("runs", c.name)))
+
+
 def cmd_sft(a):
     from nemo_jax.config.train import load_sft_config
 
     c = load_sft_config(a.config, _mesh_overrides(a.mesh) + list(a.overrides))  # checked before JAX starts
+    _check_run(c, a.new_run)
     from nemo_jax.train.sft import main as sft_main
 
-    sft_main(a.config, config=c, verbose=a.verbose)
+    sft_main(a.config, config=c, verbose=a.verbose, new_run=a.new_run)
 
 
 def cmd_grpo(a):
     from nemo_jax.config.train import load_grpo_config
 
     c = load_grpo_config(a.config, _mesh_overrides(a.mesh) + list(a.overrides))  # checked before JAX starts
+    _check_run(c, a.new_run)
     from nemo_jax.rl.grpo import main as grpo_main
 
-    grpo_main(a.config, config=c)
+    grpo_main(a.config, config=c, new_run=a.new_run)
 
 
 def cmd_recipe(a):
-    from nemo_jax.recipe import main as recipe_main
+    from nemo_jax.recipe import RecipeStopped, main as recipe_main
 
-    recipe_main(a.recipe, a.overrides)
+    try:
+        recipe_main(a.recipe, a.overrides)
+    except RecipeStopped as e:
+        print(f"nemo-jax recipe: {e}", file=sys.stderr)
+        raise SystemExit(3) from None
 
 
 def cmd_eval(a):
@@ -223,13 +261,20 @@ def cmd_eval(a):
 
 def cmd_plan(a):
     from nemo_jax.config.train import load_plan_config
-    from nemo_jax.plan.targets import default_target, native_target
+    from nemo_jax.plan.targets import PLUGINS, default_target, native_target, require_plugin
 
     load_plan_config(a.config, _mesh_overrides(a.mesh) + list(a.overrides))  # checked before JAX starts
+    if a.target is None and default_target(a.device_kind) == "cpu":
+        own = native_target(a.device_kind)
+        print(f"note: planning on the cpu target, an estimate: compiling for {a.device_kind} itself needs the "
+              f"{PLUGINS[own][1]!r} extra (pip install 'nemo_jax[{PLUGINS[own][1]}]', then --target {own})",
+              file=sys.stderr)
     a.target = a.target or default_target(a.device_kind)
     if a.target != "cpu" and native_target(a.device_kind) != a.target:
         raise ValueError(f"--target {a.target} cannot compile for --device-kind {a.device_kind} (its target is "
                          f"{native_target(a.device_kind)}, or cpu for an estimate)")
+    if a.target != "cpu":
+        require_plugin(a.target)  # one line naming the extra, before JAX starts
     if a.target == "gpu":
         tune_xla_gpu(force=True)  # the flags a GPU run sets (nemo_jax.hostmem.GPU_XLA_FLAGS): the same program
     import jax
@@ -288,6 +333,10 @@ def cmd_rollout_worker(a):
     cli_worker(a)
 
 
+NEW_RUN_HELP = ("start afresh in the run dir: an earlier run there is moved aside to RUN_DIR.prev (never deleted); "
+                "without it a run dir holding checkpoints resumes, and is refused if its settings differ")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="nemo-jax", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
@@ -296,12 +345,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--config", default=None, help="YAML config (default: the embedded tiny CPU config)")
     s.add_argument("--mesh", default=None, help="mesh preset YAML (configs/mesh/*.yaml) or sizes like fsdp=4,expert=2")
     s.add_argument("--verbose", action="store_true", help="print the whole resolved config (always in RUN/config.yaml)")
+    s.add_argument("--new-run", action="store_true", help=NEW_RUN_HELP)
     s.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. steps=20 optim.lr=1e-4")
     s.set_defaults(fn=cmd_sft)
 
     s = sub.add_parser("grpo", help="asynchronous GRPO on LoRA adapters from a YAML config (see configs/grpo)")
     s.add_argument("--config", required=True, help="GRPO YAML config, e.g. configs/grpo/tiny-cpu.yaml")
     s.add_argument("--mesh", default=None, help="mesh preset YAML (configs/mesh/*.yaml) or sizes like fsdp=4")
+    s.add_argument("--new-run", action="store_true", help=NEW_RUN_HELP)
     s.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. steps=20 rollout.group_size=4")
     s.set_defaults(fn=cmd_grpo)
 
@@ -390,7 +441,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "checkpoint dir's name)")
     s.add_argument("--max-num-seqs", type=int, default=8, help="decode rows: sequences sampled at once")
     s.add_argument("--max-model-len", type=int, default=4096, help="positions per row: prompt + completion")
-    s.add_argument("--dtype", default=None, help="cast the weights (default: as stored), e.g. bf16 or fp32")
+    s.add_argument("--dtype", type=_dtype_arg, default=None,
+                   help="cast the weights (default: as stored), e.g. bf16 or fp32")
     s.add_argument("--bucket", type=int, default=32, help="prompts are padded to a multiple of this (few compiles)")
     s.add_argument("--check-every", type=int, default=4, help="decode steps between looks for finished rows")
     s.add_argument("--return-tokens-as-token-ids", action="store_true",
@@ -459,7 +511,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("import-hf", help="HF safetensors checkpoint -> native checkpoint")
     s.add_argument("src")
     s.add_argument("dst")
-    s.add_argument("--dtype", default=None, help="cast every tensor (default: keep the checkpoint's dtypes)")
+    s.add_argument("--dtype", type=_dtype_arg, default=None,
+                   help="cast every tensor (default: keep the checkpoint's dtypes)")
     s.add_argument("--ignore-unexpected", action="store_true", help="skip tensors the config does not describe")
     s.add_argument("--overwrite", action="store_true", help="replace DST if it is an earlier native model written "
                    "by nemo-jax (a folder holding anything else is never replaced)")
@@ -470,7 +523,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "safetensors checkpoint")
     s.add_argument("src", help="native model dir, run dir, RUN/checkpoints/N or HF dir")
     s.add_argument("dst")
-    s.add_argument("--dtype", default=None, help="write every tensor in this dtype (default: as stored)")
+    s.add_argument("--dtype", type=_dtype_arg, default=None,
+                   help="write every tensor in this dtype (default: as stored)")
     s.add_argument("--like", default=None, help="HF dir whose per-tensor dtypes to reproduce")
     s.add_argument("--max-shard-size", default="5GB")
     s.add_argument("--adapters", action="append", default=None, metavar="DIR[:WEIGHT]",
@@ -544,6 +598,11 @@ def cmd_data_prepare(args):
     print(f"{args.out}: {m['documents']:,} documents, {m['tokens']:,} tokens ({m['assistant_tokens']:,} trained), "
           f"{len(m['shards'])} shards, lengths {m['min_length']}..{m['max_length']}, "
           f"{m['rejected_count']} rejected lines")
+    if m["rejected"]:  # --on-error skip: nothing is dropped without a word
+        r = m["rejected"][0]
+        print(f"skipped {m['rejected_count']} lines ({len(m['rejected'])} listed in "
+              f"{os.path.join(args.out, 'manifest.json')}), the first {r['file']}:{r['line']}: {r['reason']}",
+              file=sys.stderr)
 
 
 def main(argv=None):
@@ -557,11 +616,21 @@ def main(argv=None):
     try:
         args.fn(args)
     except (ValueError, FileNotFoundError, MissingDependency) as e:
+        _end_progress_bars()
         print(f"nemo-jax {cmd}: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     except OSError as e:  # a full disk, a read-only or missing folder: where and why, in one line
+        _end_progress_bars()
         print(f"nemo-jax {cmd}: error: {e if e.filename is None else fsutil.describe_os_error(e)}", file=sys.stderr)
         raise SystemExit(1) from None
+
+
+def _end_progress_bars():
+    """Close the progress bars still open (a run stopped by an error mid-bar): the error line then stands on a line
+    of its own, not glued to the bar's."""
+    tqdm = sys.modules.get("tqdm")
+    for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", ())):
+        bar.close()
 
 
 if __name__ == "__main__":

@@ -8,6 +8,9 @@
 * Temporaries are named `<name>.tmp-<host>-<pid>-<random>`; those whose writer on this host has died (a killed
   command) are removed by the next write of the same output, and an interrupted swap (`<name>.old-...` left
   while `<name>` is missing) is rolled back, so nothing piles up and nothing is lost.
+* Outputs get the permissions `mkdir` and `open` would give them under the user's umask (a temporary is made
+  private by `tempfile`; it is opened up before it is published), so another account (a vLLM server) can read them.
+* An output is never one of its command's inputs, inside one, or around one (`check_not_input`).
 * Content manifests (`write_manifest` / `verify_manifest`): the size and hash of every file of a folder, so a
   reader can prove a checkpoint is as it was written (`nemo_jax.checkpoint.latest_good_step`).
 """
@@ -18,6 +21,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -34,6 +38,20 @@ COMMAND = None  # the `nemo-jax` subcommand running (set by the CLI; recorded in
 
 class OutputExistsError(ValueError):
     """The destination holds something this command may not replace (nothing was written)."""
+
+
+def umask() -> int:
+    """The process's umask (read from /proc where it can be, since setting it to read it is not thread-safe)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _owner_tag() -> str:
@@ -78,6 +96,18 @@ def recover(path: str) -> None:
                 shutil.rmtree(full, ignore_errors=True)
 
 
+def move_aside(path: str, tag: str) -> str:
+    """Rename `path` to `path.TAG` (or `path.TAG-2`, ...: never over anything) -> the new path. Nothing is
+    deleted: a damaged checkpoint step (`damaged`), an earlier run replaced by `--new-run` (`prev`)."""
+    path = os.path.abspath(os.fspath(path)).rstrip(os.sep)
+    dst, k = f"{path}.{tag}", 1
+    while os.path.lexists(dst):
+        k += 1
+        dst = f"{path}.{tag}-{k}"
+    os.rename(path, dst)
+    return dst
+
+
 def read_marker(path: str) -> dict | None:
     """The output marker of folder `path`, or None (none, or unreadable)."""
     try:
@@ -86,6 +116,21 @@ def read_marker(path: str) -> dict | None:
     except (OSError, ValueError):
         return None
     return m if isinstance(m, dict) else None
+
+
+def check_not_input(out: str, inputs, what: str = "destination") -> None:
+    """Refuse (OutputExistsError) an output that is one of the `inputs` (paths), lies inside one, or holds one:
+    writing it would replace or change what the command reads. Paths are compared after resolving links."""
+    real = os.path.realpath(out)
+    for src in inputs:
+        if not src:
+            continue
+        s = os.path.realpath(src)
+        how = ("is the input" if real == s else "lies inside the input" if real.startswith(s.rstrip(os.sep) + os.sep)
+               else "holds the input" if s.startswith(real.rstrip(os.sep) + os.sep) else None)
+        if how:
+            raise OutputExistsError(f"{out} {how} {src}: an output never replaces or changes what it is made from "
+                                    f"(choose another {what})")
 
 
 def check_output(path: str, kind: str, overwrite: bool = False, own_files=()) -> str:
@@ -142,14 +187,16 @@ def atomic_dir(path: str, kind: str, *, overwrite: bool = False, own_files=(), m
     recover(path)
     check_output(path, kind, overwrite, own_files)
     tmp = tempfile.mkdtemp(prefix=f"{os.path.basename(path)}.tmp-{_owner_tag()}", dir=parent)
+    os.chmod(tmp, 0o777 & ~umask())  # as mkdir makes a folder (mkdtemp's is private)
     try:
         yield tmp
         seal(tmp, kind, manifest)
         check_output(path, kind, overwrite, own_files)  # nothing appeared there meanwhile
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, OSError) and type(e) is OSError and e.errno and e.filename is None:
-            raise OSError(e.errno, e.strerror, path) from e  # a full disk while writing: say which output
+        code = None if isinstance(e, OSError) and (type(e) is not OSError or e.filename) else os_error_code(e)
+        if code and isinstance(e, Exception):  # a full disk while writing (whatever raised it): say which output
+            raise OSError(code, os.strerror(code), path) from e
         raise
     publish(tmp, path)
 
@@ -199,6 +246,7 @@ def atomic_write_text(path: str, text: str) -> None:
     os.makedirs(d, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".tmp-", dir=d)
     try:
+        os.fchmod(fd, 0o666 & ~umask())  # as open() makes a file (mkstemp's is private)
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()
@@ -316,6 +364,23 @@ def verify_manifest(folder: str) -> tuple[Damage | None, int]:
         if h != digest:
             return Damage(rel, "content differs from when it was written"), done
     return None, done
+
+
+_ERRNO_IN_TEXT = re.compile(r"\[Errno (\d+)\]|os_error_code='?(\d+)|Os \{ code: (\d+)|\(os error (\d+)\)")
+
+
+def os_error_code(e: BaseException, by_message: bool = False) -> int | None:
+    """The errno behind a failed write, whichever layer reported it: an OSError's own, or the one in the text of
+    tensorstore's ("os_error_code='28'"), safetensors' ("(os error 28)", "Os { code: 28") or a wrapped
+    "[Errno 28]"; with `by_message`, else the errno whose C library message the text holds (array_record's "No
+    space left on device"). None if there is none."""
+    if isinstance(e, OSError) and e.errno:
+        return e.errno
+    text = str(e)
+    m = _ERRNO_IN_TEXT.search(text)
+    if m:
+        return int(next(g for g in m.groups() if g))
+    return next((c for c in errno.errorcode if os.strerror(c) in text), None) if by_message else None
 
 
 def describe_os_error(e: OSError) -> str:

@@ -69,6 +69,24 @@ def cpu_only() -> bool:
     return not any(importlib.util.find_spec(m) for m in _ACCELERATOR_PLUGINS)
 
 
+def known_device_count() -> int | None:
+    """How many devices this process's jax will have, where that is known before jax starts: on the CPU alone
+    (`cpu_only`), JAX_NUM_CPU_DEVICES, else XLA_FLAGS' last --xla_force_host_platform_device_count, else 1.
+    None where accelerators decide (their count is known once jax has started)."""
+    import re
+
+    if not cpu_only():
+        return None
+    try:
+        n = int(os.environ.get("JAX_NUM_CPU_DEVICES", "-1"))
+    except ValueError:
+        return None
+    if n >= 0:
+        return n
+    forced = re.findall(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
+    return int(forced[-1]) if forced else 1
+
+
 def keep_freed_memory() -> bool:
     """Configure glibc malloc as described above. Returns False (and changes nothing) where jax will use an
     accelerator (see `cpu_only`), where the C library has no `mallopt` (not glibc), where jax is already

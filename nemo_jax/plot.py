@@ -6,6 +6,9 @@ and faint with an exponential moving average solid on top; sparse series (eval m
 steps) are drawn raw with markers, so each point is a real value and the curve ends at the last one; schedules
 (the learning rate) are never smoothed. A figure shows only the panels with data (no MFU panel without a known
 device peak).
+A GRPO run's `loss` is its policy loss, not a cross-entropy: it is drawn as `policy_loss` on a panel of its own,
+never on the SFT loss axis. In a panel of several metrics each metric has its colour (and, with several runs,
+each run its line style); a panel of one metric gives each run its colour.
 `bar_chart` draws grouped bars (e.g. a recipe's stages x environments).
 """
 
@@ -53,7 +56,9 @@ GROUPS = (
         Panel("Rewards", "reward (per rollout)", ("reward*", "*_reward", "*/reward*", "eval_reward*", "eval_pass*",
                                                   "eval_success*", "eval_consistency")),
         Panel("response length", "response length (tokens)", ("response_len*", "*/response_len*")))),
+    Group("policy_loss", (Panel("Policy loss", "policy loss (the run's loss.kind objective)", ("policy_loss",)),)),
 )
+RL_MARKER = "reward_mean"  # a run that logs it is an RL run: its `loss` is a policy loss
 
 SPARSE = 0.25  # a series logged at fewer than this share of the steps of the run's densest series is sparse
 
@@ -70,6 +75,13 @@ def metrics_path(run_dir: str) -> str:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: no such metrics file (is {run_dir!r} a run directory?)")
     return path
+
+
+def as_plotted(records: list[dict]) -> list[dict]:
+    """An RL run's records with its `loss` named `policy_loss` (an SFT run's as they are)."""
+    if not any(RL_MARKER in r for r in records):
+        return records
+    return [{("policy_loss" if k == "loss" else k): v for k, v in r.items()} for r in records]
 
 
 def read_metrics(run_dir: str) -> list[dict]:
@@ -170,16 +182,18 @@ def _save(fig, canvas_cls, path: str):
 
 def _draw_panel(ax, panel: Panel, keys: list[str], runs: list[tuple[str, list[dict]]], smoothing: float,
                 colors) -> bool:
-    """One run: a colour per metric. Several runs: a colour per run and a line style per metric. -> whether any
-    curve was smoothed."""
+    """Several metrics: a colour per metric, and with several runs a line style per run. One metric: a colour per
+    run. (Only metrics and runs with data in the panel count.) -> whether any curve was smoothed."""
     from matplotlib.ticker import MaxNLocator  # present: plot_runs checked with _matplotlib()
 
     styles = ["-", "--", ":", "-."]
     smoothed = False
+    drawn = [k for k in keys if any(series(r, k)[0] for _, r in runs)]
+    with_data = [ri for ri, (_, r) in enumerate(runs) if any(series(r, k)[0] for k in drawn)]
     for ri, (label, records) in enumerate(runs):
-        for ki, key in enumerate(keys):
-            color = colors[(ri if len(runs) > 1 else ki) % len(colors)]
-            style = styles[ki % len(styles)]
+        for ki, key in enumerate(drawn):
+            color = colors[(ki if len(drawn) > 1 else with_data.index(ri) if ri in with_data else ri) % len(colors)]
+            style = styles[with_data.index(ri) % len(styles)] if len(drawn) > 1 and len(with_data) > 1 else "-"
             steps, values = series(records, key, panel.scale)
             if not steps:
                 continue
@@ -212,7 +226,7 @@ def figures(run_dirs: list[str], keys: list[str] | None = None, smoothing: float
     if not 0.0 <= smoothing < 1.0:
         raise ValueError(f"plot: smoothing {smoothing} must be in [0, 1)")
     Figure, _ = _matplotlib()
-    runs = list(zip(run_labels(run_dirs), [read_metrics(d) for d in run_dirs]))
+    runs = list(zip(run_labels(run_dirs), [as_plotted(read_metrics(d)) for d in run_dirs]))
     present = set().union(*(scalar_keys(r) for _, r in runs))
     if keys is not None:
         missing = [k for k in keys if k not in present]

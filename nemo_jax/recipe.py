@@ -12,7 +12,9 @@
                                  final) scored on every `eval.envs` environment: mean reward, full-success rate
 
 Every stage writes its output whole or not at all (temporary name, rename), so a rerun skips the stages whose
-outputs exist and continues with the first missing one (a GRPO expert resumes from its own checkpoints).
+outputs exist and continues with the first missing one (a GRPO expert resumes from its own checkpoints). A
+training stage that stops early (SIGTERM / SIGINT: it saves a checkpoint and returns) writes no output and stops
+the recipe (`RecipeStopped`): nothing is built on a partial stage, and a rerun continues that stage's run.
 """
 
 from __future__ import annotations
@@ -92,6 +94,10 @@ class RecipeConfig:
     eval: EvalSection = field(default_factory=EvalSection)
 
 
+class RecipeStopped(Exception):
+    """A training stage stopped early (a signal): its run keeps its checkpoints, nothing was built on it."""
+
+
 def load_recipe_config(path: str, overrides=()) -> RecipeConfig:
     from nemo_jax.config.load import from_dict
 
@@ -134,7 +140,10 @@ class Recipe:
             return
         print(f"[recipe] {name} -> {output}", flush=True)
         self.ran_any = True
-        fn()
+        out = fn()
+        if isinstance(out, dict) and out.get("stopped_early"):
+            raise RecipeStopped(f"stopped at stage {name} (its training stopped at step {out.get('step')}, "
+                                f"checkpoint saved); no later stage ran: rerun the same command to continue it")
         if not os.path.exists(output):
             raise RuntimeError(f"recipe stage {name} finished without writing {output}")
 
@@ -142,12 +151,15 @@ class Recipe:
         from nemo_jax.train.sft import main as sft_main
 
         extra = [f"run_dir={run_dir}"] + ([f"model.init={init}", "model.init_sft_config=null"] if init else [])
-        sft_main(_rel(config, self.path), list(overrides) + extra)
+        out = sft_main(_rel(config, self.path), list(overrides) + extra)
+        if out.get("stopped_early"):
+            return out  # a partial run: no stage output from it
         from nemo_jax.checkpoint import save_model
         from nemo_jax.sources import load_for_generation
 
         cfg, params, tok_dir = load_for_generation(run_dir)  # the run's latest good checkpoint (and tokenizer)
         save_model(dst, cfg, params, tokenizer_dir=tok_dir)
+        return out
 
     def _merge(self, stage: MergeStage, sets: list[str]):
         from nemo_jax.merge import load_recipe, run_recipe, summary
@@ -178,7 +190,7 @@ class Recipe:
     def _grpo(self, e: ExpertSection):
         from nemo_jax.rl.grpo import main as grpo_main
 
-        grpo_main(_rel(e.config, self.path), list(e.overrides) + [
+        return grpo_main(_rel(e.config, self.path), list(e.overrides) + [
             f"run_dir={self.out(f'expert-{e.name}')}", f"model.init={self.out('base-merge')}",
             "model.init_sft_config=null", f"tokenizer={self.out('base-merge')}"])
 

@@ -76,6 +76,8 @@ def resolve(path: str) -> str | Run:
     """A path -> a Run (run dir, RUN/checkpoints or RUN/checkpoints/N) or the path itself (a native or HF model
     dir). A run with no readable checkpoint, or a path that holds none of these, is a FileNotFoundError."""
     path = os.path.abspath(os.fspath(path))
+    if os.path.islink(path) and not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: a symbolic link that leads nowhere (a loop, or its target is gone)")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no such model, checkpoint or run dir")
     head, tail = os.path.split(path)
@@ -163,13 +165,13 @@ def restore_run_params(state_dir: str, target=None):
     import numpy as np
     import orbax.checkpoint as ocp
 
+    from nemo_jax.tensorio import tree_metadata
+
     ckptr = ocp.PyTreeCheckpointer()
     if target is None:
-        meta = ckptr.metadata(state_dir)
-        meta = getattr(meta, "item_metadata", meta)
         dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), np.dtype(m.dtype), sharding=dev),
-                              getattr(meta, "tree", meta)["params"])
+                              tree_metadata(state_dir)["params"])
     item = {"params": _dicts(target)}
     out = ckptr.restore(state_dir, args=ocp.args.PyTreeRestore(
         item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True))

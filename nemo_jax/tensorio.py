@@ -86,6 +86,16 @@ class NativeWriter:
             f.write("Checkpoint successfully committed.")
 
 
+def tree_metadata(item_dir: str):
+    """The tree of array metadata (shape, dtype) of an orbax PyTree item (a native model's params/, a run step's
+    state/), read by the item's handler: a run step's items carry no step metadata of their own, which
+    `PyTreeCheckpointer.metadata` would warn about on every read."""
+    from etils import epath
+
+    meta = ocp.PyTreeCheckpointHandler().metadata(epath.Path(os.path.abspath(item_dir)))
+    return getattr(meta, "tree", meta)
+
+
 class NativeReader:
     """Region reads from any orbax params checkpoint (ours, `save_model`'s, OCDBT or not) through
     tensorstore: `src[path]` is the leaf's ShapeDtypeStruct, `src.read(path, region)` a numpy array, and
@@ -97,9 +107,7 @@ class NativeReader:
         from nemo_jax.model.spec import flatten_with_paths
 
         self.dir = os.path.abspath(params_dir)
-        meta = ocp.PyTreeCheckpointer().metadata(self.dir)
-        meta = getattr(meta, "item_metadata", meta)
-        flat = flatten_with_paths(getattr(meta, "tree", meta))
+        flat = flatten_with_paths(tree_metadata(self.dir))
         head = prefix.rstrip("/") + "/" if prefix else ""
         self._meta = {k[len(head):]: v for k, v in flat.items() if k.startswith(head)}
         with open(os.path.join(self.dir, "_METADATA")) as f:

@@ -4,6 +4,7 @@ that name the key."""
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import types
 import typing
 from typing import Any
@@ -64,7 +65,9 @@ def from_dict(cls, data: dict, where: str = ""):
     for k, v in data.items():
         key = f"{where}.{k}" if where else k
         if k not in fields:
-            raise ValueError(f"unknown config key {key!r} (known: {', '.join(sorted(fields))})")
+            near = difflib.get_close_matches(str(k), fields, n=1, cutoff=0.6)
+            hint = f"did you mean {(f'{where}.' if where else '') + near[0]!r}? " if near else ""
+            raise ValueError(f"unknown config key {key!r} ({hint}known: {', '.join(sorted(fields))})")
         tp = hints[k]
         if dataclasses.is_dataclass(tp):
             kw[k] = from_dict(tp, v or {}, key)

@@ -458,6 +458,93 @@ def load_plan_config(path: str | None, overrides=()):
                "program": "grpo_learner_step", "prefill": None}
 
 
+def resolve_mesh_sizes(sizes: dict, n_devices: int) -> dict:
+    """Mesh axis sizes (a -1 axis takes the devices left over) on `n_devices` devices -> every axis's size, or a
+    ValueError naming what does not fit. Pure: the CLI checks a run's mesh with it before JAX starts where the
+    device count is known then (`nemo_jax.hostmem.known_device_count`), `parallel.mesh.make_mesh` on the real
+    devices."""
+    axes = tuple(MeshSection().sizes())
+    sizes = {a: int(sizes.get(a, 1)) for a in axes}
+    free = [a for a, s in sizes.items() if s == -1]
+    if len(free) > 1:
+        raise ValueError(f"mesh: only one axis may be -1, got {free}")
+    for a, s in sizes.items():
+        if s == 0 or s < -1:
+            raise ValueError(f"mesh.{a}: size must be positive or -1, got {s}")
+    fixed = math.prod(s for s in sizes.values() if s != -1)
+    named = ", ".join(f"{a}={s}" for a, s in sizes.items() if s not in (1, -1)) or "all 1"
+    if free:
+        if n_devices % fixed:
+            raise ValueError(f"mesh: {named} (product {fixed}) does not divide the {n_devices} devices")
+        sizes[free[0]] = n_devices // fixed
+    if math.prod(sizes.values()) != n_devices:
+        raise ValueError(f"mesh: {named} uses {math.prod(sizes.values())} devices, {n_devices} are available "
+                         "(set one axis to -1 to take the devices left over)")
+    return sizes
+
+
+# Settings a resumed run may change: where and how it runs, logs, evaluates and saves, not what it trains. Every
+# other key must equal the run's (`rerun_conflicts`): a rerun with other settings would silently resume (or, when
+# the run is finished, do nothing) under a config that no longer matches its checkpoints.
+RESUMABLE_KEYS = ("name", "run_dir", "log_every", "eval_every", "eval_attempts", "eval_tasks", "eval_rows",
+                  "mesh.*", "checkpoint.*", "logging.*", "distributed.*", "model.init_sft_config", "model.remat",
+                  "model.kernels", "model.attention", "model.moe_chunk_tokens", "optim.grad_accum", "data.eval",
+                  "data.max_eval_batches", "data.workers", "data.prefetch", "data.prepare_workers",
+                  "rollout.producer", "rollout.spool", "rollout.in_flight_groups", "rollout.sampler_rows",
+                  "rollout.sampler_positions", "rollout.env_workers", "rollout.lease_s", "rollout.spool_max_file_mb",
+                  "rollout.publish_*")
+
+
+def _flat(d, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def rerun_conflicts(saved: dict, config) -> list[tuple[str, object, object]]:
+    """The settings of `config` (a run config) that differ from a run's `saved` config (its RUN/config.yaml, as
+    a dict) outside RESUMABLE_KEYS -> [(dotted key, the run's value, this one)]. Keys one of them lacks (a
+    setting added or removed between versions) are not compared."""
+    import dataclasses
+    import fnmatch
+    import json
+
+    ours = _flat(json.loads(json.dumps(dataclasses.asdict(config))))
+    theirs = _flat(json.loads(json.dumps(saved)))
+    return [(k, theirs[k], v) for k, v in ours.items()
+            if k in theirs and theirs[k] != v and not any(fnmatch.fnmatchcase(k, p) for p in RESUMABLE_KEYS)]
+
+
+def check_rerun(config, run_dir: str) -> None:
+    """Refuse (ValueError, one line naming the differing keys) to resume a run dir that holds checkpoints of a
+    run with other settings (`rerun_conflicts` against RUN/config.yaml). Nothing is read but that file."""
+    import os
+
+    import yaml
+
+    ckpts = os.path.join(run_dir, "checkpoints")
+    path = os.path.join(run_dir, "config.yaml")
+    if not (os.path.isdir(ckpts) and any(n.isdigit() for n in os.listdir(ckpts))) or not os.path.isfile(path):
+        return
+    try:
+        with open(path) as f:
+            saved = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError) as e:
+        raise ValueError(f"{path}: unreadable ({type(e).__name__}), so a rerun cannot tell whether its settings are "
+                         "the run's: repair it, or pass --new-run to start afresh") from None
+    diff = rerun_conflicts(saved if isinstance(saved, dict) else {}, config)
+    if diff:
+        shown = ", ".join(f"{k} {a!r} -> {b!r}" for k, a, b in diff[:6]) + (f" (and {len(diff) - 6} more)"
+                                                                              if len(diff) > 6 else "")
+        raise ValueError(f"{run_dir} holds a run with other settings ({shown}): its checkpoints were trained with "
+                         f"its own ({path}); rerun with those to continue it, give another run_dir, or pass --new-run "
+                         "to move it aside and start afresh")
+
+
 def read_mesh_sizes(spec: str) -> dict:
     """A `--mesh` argument: a preset YAML (configs/mesh/*.yaml) or inline sizes "fsdp=8,tensor=2" -> {axis: size}."""
     import os

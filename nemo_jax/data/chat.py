@@ -202,7 +202,7 @@ def read_chat_jsonl(path: str, tok: ChatTokenizer, vocab_size: int, on_error: st
         raise ValueError(f"data.on_error: {on_error!r} (expected raise or skip)")
     docs, skipped = [], 0
     try:
-        f = open(path)
+        f = open(path, "rb")  # lines end at b"\n" only; each decoded strictly (`parse_record`)
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: no such data file") from None
     with f:
@@ -222,10 +222,25 @@ def read_chat_jsonl(path: str, tok: ChatTokenizer, vocab_size: int, on_error: st
     return docs, skipped
 
 
-def parse_record(raw, tok: ChatTokenizer, vocab_size: int, base_dir: str | None = None) -> Document:
-    """A JSON line (or an already parsed record, e.g. a Parquet row) -> Document; DataError says what is wrong."""
+ROLES = ("system", "user", "assistant", "tool")  # a message of any other role is refused, not trained on
+
+
+def utf8(line: bytes) -> str:
+    """A line's bytes -> text; bytes that are not UTF-8 are a DataError naming the first (never replaced with
+    U+FFFD and trained on)."""
     try:
-        return _parse(json.loads(raw) if isinstance(raw, (str, bytes)) else raw, tok, vocab_size, base_dir)
+        return line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"not UTF-8: byte 0x{line[e.start]:02x} at column {e.start + 1} ({e.reason})") from None
+
+
+def parse_record(raw, tok: ChatTokenizer, vocab_size: int, base_dir: str | None = None) -> Document:
+    """A JSON line (text or bytes, which must be UTF-8) or an already parsed record (e.g. a Parquet row) ->
+    Document; DataError says what is wrong."""
+    if isinstance(raw, bytes):
+        raw = utf8(raw)
+    try:
+        return _parse(json.loads(raw) if isinstance(raw, str) else raw, tok, vocab_size, base_dir)
     except json.JSONDecodeError as e:
         raise DataError(f"not valid JSON ({e.msg})") from None
     except (ValueError, KeyError, TypeError, jinja2.TemplateError) as e:
@@ -284,6 +299,8 @@ def _parse(obj, tok: ChatTokenizer, vocab_size: int, base_dir: str | None = None
     for i, m in enumerate(obj["messages"]):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
             raise DataError(f'messages[{i}] needs string "role" and "content"')
+        if m["role"] not in ROLES:
+            raise DataError(f"messages[{i}]: unknown role {m['role'][:40]!r} (expected one of {', '.join(ROLES)})")
         messages.append(dict(m, content=content_text(m["content"], f"messages[{i}]", refs)))
     ids, mask = tok.encode_chat(messages, obj.get("tools"))
     if len(ids) and (ids.max() >= vocab_size or ids.min() < 0):

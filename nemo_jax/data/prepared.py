@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from nemo_jax.data.chat import DataError, Document, resolve
+from nemo_jax.fsutil import check_not_input, os_error_code
 
 MANIFEST = "manifest.json"
 VERSION = 1
@@ -108,7 +109,8 @@ def _parquet():
 
 
 def _records(chunk: Chunk):
-    """-> (line number within the chunk (1-based) or row, raw record: a JSON line or a dict)."""
+    """-> (line number within the chunk (1-based) or row, raw record: a JSON line's bytes (decoded, strictly, by
+    `parse_record`) or a dict). Lines end at b"\n" only, as a JSONL reader counts them."""
     if chunk.kind == "parquet":
         table = _parquet().ParquetFile(chunk.path).read_row_group(chunk.start)
         for i, row in enumerate(table.to_pylist()):
@@ -117,7 +119,7 @@ def _records(chunk: Chunk):
     with open(chunk.path, "rb") as f:
         f.seek(chunk.start)
         data = f.read(chunk.stop - chunk.start)
-    for i, line in enumerate(data.decode("utf-8", errors="replace").splitlines()):
+    for i, line in enumerate(data.split(b"\n")):
         if line.strip():
             yield i + 1, line
 
@@ -149,7 +151,8 @@ class ShardWriter:
         self.base = os.path.join(out, "shards", name)
         self.hist = np.zeros(len(HIST_EDGES), np.int64)
         self.stats = {"file": name + ".array_record", **info, "documents": 0, "tokens": 0, "assistant_tokens": 0,
-                      "min_length": None, "max_length": 0, "max_token_id": -1, "rejected": [], "rejected_count": 0}
+                      "min_length": None, "max_length": 0, "max_token_id": -1, "rejected": [], "rejected_count": 0,
+                      "line_base": None}  # rejected JSONL lines: numbered in the chunk until `_file_lines`
         self.w = ArrayRecordWriter(self.base + ".array_record.tmp", "group_size:1")
 
     def add(self, doc: Document):
@@ -217,11 +220,10 @@ def _shard_job(args) -> dict:
 
 def _os_error(e: RuntimeError, path: str) -> OSError:
     """array_record reports a failed write (e.g. a full disk) as a RuntimeError with the C library's message ->
-    the OSError it stands for (errno from that message), naming the shard."""
+    the OSError it stands for (`fsutil.os_error_code`; EIO when it names none), naming the shard."""
     import errno as errno_
 
-    text = str(e)
-    code = next((c for c in errno_.errorcode if os.strerror(c) in text), errno_.EIO)
+    code = os_error_code(e, by_message=True) or errno_.EIO
     return OSError(code, os.strerror(code), path)
 
 
@@ -244,13 +246,35 @@ def _finished(base: str, fp: str) -> dict | None:
     return stats
 
 
-def _line_of(path: str, start: int, local: int) -> int:
-    """The file line number of line `local` (1-based) of the chunk starting at byte `start`."""
-    n = 0
+def _lines_before(path: str, starts) -> dict[int, int]:
+    """{byte offset: lines of `path` before it} for chunk starts, in one pass up to the last of them."""
+    out, n, at = {}, 0, 0
     with open(path, "rb") as f:
-        while f.tell() < start:
-            n += f.read(min(1 << 24, start - f.tell())).count(b"\n")
-    return n + local
+        for start in sorted(set(starts)):
+            while at < start:
+                block = f.read(min(1 << 24, start - at))
+                if not block:
+                    break
+                n, at = n + block.count(b"\n"), at + len(block)
+            out[start] = n
+    return out
+
+
+def _file_lines(out: str, chunks: list[Chunk], done: dict) -> None:
+    """The rejected lines a JSONL shard recorded are numbered within its chunk (a worker does not count the lines
+    before it); number them within the file (one pass per file, only for shards with rejects) and rewrite the
+    shard's statistics (`line_base` set: done once)."""
+    todo = [c for c in chunks if c.kind == "jsonl" and done[c.name]["rejected"]
+            and done[c.name].get("line_base") is None]
+    for path in {c.path for c in todo}:
+        mine = [c for c in todo if c.path == path]
+        before = _lines_before(path, [c.start for c in mine])
+        for c in mine:
+            stats = done[c.name]
+            stats["line_base"] = before[c.start]
+            for r in stats["rejected"]:
+                r["line"] += before[c.start]
+            _write_json(os.path.join(out, "shards", c.name + ".json"), stats)
 
 
 def prepare(sources: list[str], tokenizer: str, out: str, *, workers: int = 1, vocab_size: int | None = None,
@@ -261,14 +285,26 @@ def prepare(sources: list[str], tokenizer: str, out: str, *, workers: int = 1, v
     `vocab_size`: token ids must be below it (default: the tokenizer's vocabulary). Finished shards of a
     previous run on the same inputs are kept (`overwrite`: an earlier prepared output in `out` is cleared
     first); the manifest is written last and atomically. `out` must be new, empty, or a prepared-data folder
-    (`claim_output`): a folder holding anything else is refused before any work."""
-    from nemo_jax.data.chat import ChatTokenizer
-
+    (`claim_output`): a folder holding anything else is refused before any work, and a prepare that fails before
+    finishing a shard leaves no folder behind that it made."""
     if on_error not in ("raise", "skip"):
         raise ValueError(f"data.on_error: {on_error!r} (expected raise or skip)")
     if not sources:
         raise ValueError("data prepare: no input files")
-    claim_output(out, overwrite)
+    check_not_input(out, [resolve(p) for p in sources], "--out")
+    made = claim_output(out, overwrite)
+    try:
+        return _prepare(sources, tokenizer, out, workers, vocab_size, on_error, chunk_bytes, quiet)
+    except BaseException:
+        shards = os.path.join(out, "shards")
+        if made and not any(n.endswith(".array_record") for n in (os.listdir(shards) if os.path.isdir(shards) else ())):
+            _unclaim(out, made)  # nothing finished: leave no empty skeleton behind
+        raise
+
+
+def _prepare(sources, tokenizer, out, workers, vocab_size, on_error, chunk_bytes, quiet) -> dict:
+    from nemo_jax.data.chat import ChatTokenizer
+
     tok = ChatTokenizer.load(tokenizer)  # fails early on a bad tokenizer directory
     vocab = vocab_size or tok.tokenizer.get_vocab_size()
     chunks = plan_chunks(list(sources), chunk_bytes)
@@ -291,22 +327,27 @@ def prepare(sources: list[str], tokenizer: str, out: str, *, workers: int = 1, v
     for (c, *_), r in zip(jobs, results):
         if "error" in r:
             path, start, local, msg = r["error"]
-            line = _line_of(path, start, local) if isinstance(local, int) else local
+            line = _lines_before(path, [start])[start] + local if isinstance(local, int) else local
             raise DataError(f"{path}:{line}: {msg}")
         done[c.name] = r
+    _file_lines(out, chunks, done)
     shards = [done[c.name] for c in chunks]
     if not sum(s["documents"] for s in shards):
-        raise DataError(f"{', '.join(map(str, sources))}: no usable conversations")
+        bad = [(s["input"], r) for s in shards for r in s["rejected"]][:1]
+        why = (f" (every line was rejected; the first, {bad[0][0]}:{bad[0][1]['line']}: {bad[0][1]['reason']})" if bad
+               else " (the files hold no lines)" if not chunks else "")
+        raise DataError(f"{', '.join(map(str, sources))}: no usable conversations{why}")
     return write_manifest(out, shards, tokenizer, vocab)
 
 
 OWN_ENTRIES = (MANIFEST, "shards")  # what a prepared-data folder holds (besides its output marker)
 
 
-def claim_output(out: str, overwrite: bool = False):
+def claim_output(out: str, overwrite: bool = False) -> str | None:
     """Make `out` a prepared-data folder: new or empty (marked now, so a killed run is recognised), or one
     already (kept, to reuse its finished shards; with `overwrite` cleared). A folder holding anything else is
-    an OutputExistsError naming the entry: nothing in it is touched."""
+    an OutputExistsError naming the entry: nothing in it is touched. -> "new" (this call made the folder),
+    "empty" (it marked an empty one) or None (it was prepared data already)."""
     from nemo_jax.fsutil import OUTPUT_MARKER, OutputExistsError, read_marker, write_marker
 
     out = os.path.abspath(out)
@@ -322,6 +363,7 @@ def claim_output(out: str, overwrite: bool = False):
         more = f" (and {len(foreign) - 1} more)" if len(foreign) > 1 else ""
         raise OutputExistsError(f"{out}: not touched: {foreign[0]!r}{more} in it is not part of a prepared-data "
                                 "folder (choose an empty or new --out)")
+    made = None if marker is not None else "empty" if os.path.isdir(out) else "new"
     os.makedirs(out, exist_ok=True)
     if overwrite:
         for e in OWN_ENTRIES + (MANIFEST + ".tmp",):
@@ -333,6 +375,21 @@ def claim_output(out: str, overwrite: bool = False):
     os.makedirs(os.path.join(out, "shards"), exist_ok=True)
     if marker is None:
         write_marker(out, "prepared data")
+    return made
+
+
+def _unclaim(out: str, made: str) -> None:
+    """Undo `claim_output` of a prepare that finished nothing: the folder it made is removed, an empty one it
+    marked is left empty (only what it wrote there is removed)."""
+    from nemo_jax.fsutil import OUTPUT_MARKER
+
+    if made == "new":
+        shutil.rmtree(out, ignore_errors=True)
+        return
+    shutil.rmtree(os.path.join(out, "shards"), ignore_errors=True)
+    for name in (OUTPUT_MARKER, MANIFEST + ".tmp"):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(out, name))
 
 
 def _run_jobs(jobs, workers: int) -> list[dict]:

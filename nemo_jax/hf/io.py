@@ -183,7 +183,8 @@ def check_against_config(reader: HFReader, cfg: NemotronHConfig, table: list[Ent
     extra = [n for n in reader.tensors if n not in expected and n not in constants and not hf_ignored(n)]
     if extra and not ignore_unexpected:
         raise CheckpointError(f"{reader.path}: unexpected tensor {extra[0]!r} (and {len(extra) - 1} more); "
-                              "the config does not describe it (pass ignore_unexpected=True to skip)")
+                              "the config does not describe it (nemo-jax import-hf --ignore-unexpected skips such tensors; from "
+                              "Python: ignore_unexpected=True)")
     for name, e in expected.items():
         fname, shape, dt = reader.tensors[name]
         if shape != e.hf_shape:

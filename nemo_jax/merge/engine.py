@@ -336,11 +336,10 @@ def run_recipe(recipe: Recipe, progress: bool = False) -> MergeSource:
     """Stream the merge into `recipe.output` (written whole or not at all; an existing output is replaced only
     with `recipe.overwrite` and only when it is an earlier HF checkpoint written here; every tensor checked to be
     finite unless `recipe.allow_nonfinite`) -> the source, with its stats."""
-    from nemo_jax.fsutil import check_output
+    from nemo_jax.fsutil import check_not_input, check_output
 
     out = os.path.abspath(recipe.output)
-    if out in {os.path.abspath(p) for p in list(recipe.models.values()) + list(recipe.adapters.values())}:
-        raise RecipeError(f"output {recipe.output} is one of the inputs")
+    check_not_input(out, list(recipe.models.values()) + list(recipe.adapters.values()), "output")
     check_output(out, "HF checkpoint", recipe.overwrite)  # refused before any input is opened
     cfg, src = open_recipe(recipe)
     save_pretrained(cfg, src, recipe.output, max_shard_size=recipe.max_shard_size, dtypes=src.out_dtypes(),

@@ -14,28 +14,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from nemo_jax.config.train import read_mesh_sizes  # noqa: F401 (parsed on the config side)
+from nemo_jax.config.train import resolve_mesh_sizes as resolve_sizes  # noqa: F401 (pure: checked before JAX)
 from nemo_jax.parallel.rules import MESH_AXES
 
 BATCH_AXES = ("data", "fsdp", "expert")
 TOKEN_AXES = BATCH_AXES + ("context",)
-
-
-def resolve_sizes(sizes: dict, n_devices: int) -> dict:
-    sizes = {a: int(sizes.get(a, 1)) for a in MESH_AXES}
-    free = [a for a, s in sizes.items() if s == -1]
-    if len(free) > 1:
-        raise ValueError(f"mesh: only one axis may be -1, got {free}")
-    fixed = math.prod(s for s in sizes.values() if s != -1)
-    for a, s in sizes.items():
-        if s == 0 or s < -1:
-            raise ValueError(f"mesh.{a}: size must be positive or -1, got {s}")
-    if free:
-        if n_devices % fixed:
-            raise ValueError(f"mesh: {n_devices} devices not divisible by the fixed axes' product {fixed}")
-        sizes[free[0]] = n_devices // fixed
-    if math.prod(sizes.values()) != n_devices:
-        raise ValueError(f"mesh: sizes {sizes} use {math.prod(sizes.values())} devices, {n_devices} available")
-    return sizes
 
 
 # Axes placed inside a node first (its fast links: NVLink, a TPU slice's ICI), the heaviest traffic first:

@@ -38,15 +38,31 @@ def gpu_spec(device_kind: str) -> str:
         return f.read()
 
 
+PLUGINS = {"gpu": ("jax_plugins.xla_cuda12", "plan-gpu"), "tpu": ("libtpu", "plan-tpu")}  # module, extra
+
+
 def plugin_installed(target: str) -> bool:
-    """Whether this host can compile for `target` without its device: the CUDA plugin or libtpu is installed."""
+    """Whether this host can compile for `target` without its device: the CUDA plugin or libtpu is installed
+    (decided without importing either; a missing `jax_plugins` namespace is "not installed")."""
     import importlib.util
 
-    if target == "gpu":
-        return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
-    if target == "tpu":
-        return importlib.util.find_spec("libtpu") is not None
-    raise ValueError(f"target {target!r}: expected one of {TARGETS}")
+    if target not in PLUGINS:
+        raise ValueError(f"target {target!r}: expected one of {TARGETS}")
+    try:
+        return importlib.util.find_spec(PLUGINS[target][0]) is not None
+    except ModuleNotFoundError:  # the parent package (jax_plugins) is absent
+        return False
+
+
+def require_plugin(target: str) -> None:
+    """MissingDependency (one line naming the extra) unless `target`'s compile-only plugin is installed."""
+    from nemo_jax.extras import MissingDependency
+
+    if not plugin_installed(target):
+        raise MissingDependency(f"--target {target} compiles with {'XLA:GPU' if target == 'gpu' else 'libtpu'} "
+                                f"without the device, which needs the {PLUGINS[target][1]!r} extra: pip install "
+                                f"'nemo_jax[{PLUGINS[target][1]}]' (at jax's version), or plan with --target cpu "
+                                "(an estimate)")
 
 
 def tpu_topology_name(generation: str, n: int) -> str:
@@ -112,12 +128,9 @@ def _topology(target: str, device_kind: str, n: int):
 
 def get_topology(target: str, device_kind: str, n: int) -> list:
     """n compile-only devices of `device_kind` ("h100" | "h200" | "b200" for gpu, "tpu-v5p" | "tpu-v5e" |
-    "tpu-v6e" for tpu), in host order. Raises ValueError for an unknown kind or count, RuntimeError when the
+    "tpu-v6e" for tpu), in host order. Raises ValueError for an unknown kind or count, MissingDependency when the
     target's plugin is not installed."""
-    if not plugin_installed(target):
-        extra = "plan-gpu" if target == "gpu" else "plan-tpu"
-        raise RuntimeError(f"compiling for {target} needs its plugin: pip install 'nemo_jax[{extra}]' "
-                           "(at jax's version)")
+    require_plugin(target)
     return list(_topology(target, device_kind, n).devices)[:n]
 
 

@@ -25,7 +25,6 @@ import dataclasses
 import math
 import os
 import shutil
-import signal
 import threading
 import time
 from collections import Counter
@@ -35,7 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from nemo_jax.config.load import dump_yaml
-from nemo_jax.config.train import GRPOConfig, load_grpo_config  # noqa: F401 (load_grpo_config: re-exported)
+from nemo_jax.config.train import (GRPOConfig, load_grpo_config,  # noqa: F401 (load_grpo_config: re-exported)
+                                   resolve_mesh_sizes)
 from nemo_jax.data.chat import ChatTokenizer
 from nemo_jax.lora import LoraConfig, save_adapter_checkpoint
 from nemo_jax.lora.peft import check_servable
@@ -48,8 +48,9 @@ from nemo_jax.rl.pool import RolloutPool
 from nemo_jax.rl.producer import ThreadProducer, as_text, sample_rollouts
 from nemo_jax.rl.rollout import RolloutImages, learner_batch
 from nemo_jax.rl.spool import RequestBoard, SpoolReader
+from nemo_jax.train.checkpoint import catch_stop_signals
 from nemo_jax.train.metrics import MetricsLogger, check_logging
-from nemo_jax.train.sft import DTYPES, initial_params, options_from
+from nemo_jax.train.sft import DTYPES, initial_params, options_from, start_run
 
 
 MAX_DRAWS = 4  # groups drawn per step, at most, as a multiple of groups_per_step (zero-variance ones are skipped)
@@ -212,12 +213,8 @@ class GRPORunner:
         self.client.publish(self.run_dir, format=r.publish_format, dtype=PUBLISH_DTYPES[r.publish_dtype],
                             keep=r.publish_keep, keep_every=r.publish_keep_every)
 
-    def _install_signals(self):
-        def handler(signum, frame):
-            self.stop_requested = True
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, handler)
-            signal.signal(signal.SIGINT, handler)
+    def _on_signal(self, signum):
+        self.stop_requested = True
 
     def evaluate(self) -> dict:
         """The current policy on the fixed held-out tasks (see `evaluate_env`)."""
@@ -264,7 +261,7 @@ class GRPORunner:
             producer.set_policy(self.client.version, self.client.adapters)
         if r.publish_every:
             self._publish()
-        self._install_signals()
+        restore_signals = catch_stop_signals(self._on_signal)
         logger = MetricsLogger(self.run_dir, enabled=jax.process_index() == 0, logging=c.logging,
                                config=dataclasses.asdict(c), name=c.name)
         if not self.quiet:
@@ -295,17 +292,24 @@ class GRPORunner:
                 producer.close()
             logger.close()
         self.save(producer)
-        if self.board is not None and not self.stop_requested:  # finished: workers stop (stopped early: a resume
-            self.board.close(self.step)  # goes on with them)
+        restore_signals()
+        done = self.step >= c.steps
+        if self.board is not None and done:  # finished: workers stop (a stopped run's rerun goes on with them)
+            self.board.close(self.step)
         self.client.close()
-        save_adapter_checkpoint(os.path.join(self.run_dir, "adapters"), self.cfg, self.client.lora_cfg,
-                                self.client.adapters, overwrite=True)
+        if done:  # the final adapters: a stopped run has none yet (a rerun continues it; its checkpoints hold them)
+            save_adapter_checkpoint(os.path.join(self.run_dir, "adapters"), self.cfg, self.client.lora_cfg,
+                                    self.client.adapters, overwrite=True)
         last["step"] = self.step
-        last["stopped_early"] = self.stop_requested
-        if not self.quiet:
-            print(f"grpo {c.name}: {'stopped' if self.stop_requested else 'done'} at step {self.step}; outputs in "
-                  f"{self.run_dir}: adapters/ (final LoRA adapters), metrics.jsonl, config.yaml, checkpoints/"
-                  + (", policy/" if r.publish_every else ""), flush=True)
+        last["stopped_early"] = not done
+        if not self.quiet and done:
+            print(f"grpo {c.name}: done at step {self.step}; outputs in {self.run_dir}: adapters/ (final LoRA "
+                  f"adapters), metrics.jsonl, config.yaml, checkpoints/" + (", policy/" if r.publish_every else ""),
+                  flush=True)
+        elif not self.quiet:
+            print(f"grpo {c.name}: stopped at step {self.step} of {c.steps}; rerun the same command to continue "
+                  f"(adapters/ is written when the run completes; the checkpoints hold the adapters so far: "
+                  f"nemo-jax lora export {self.run_dir} OUT)", flush=True)
         return last
 
     def _one_step(self, producer, logger, bar) -> dict:
@@ -394,15 +398,22 @@ class GRPORunner:
 
 # ----------------------------------------------------------------------------- eval
 def evaluate_env(engine, tok, cfg, env, attempts: int, max_new_tokens: int, temperature: float, *,
-                 split: str = "eval", tasks=None, timeout_s: float = 0.0) -> dict:
+                 split: str = "eval", tasks=None, timeout_s: float = 0.0, progress: bool = False) -> dict:
     """Every `split` task (or the given `tasks`) attempted `attempts` times through `engine` (its adapters) ->
     tasks, attempts, reward_mean (each task weighted equally), success_rate, pass@1 (the mean success of single
-    attempts), pass@k (solved at least once in k = attempts), consistency (solved in all k attempts)."""
+    attempts), pass@k (solved at least once in k = attempts), consistency (solved in all k attempts).
+    `progress`: a progress bar of finished attempts on stderr (its first update waits for the sampler's compile)."""
+    from tqdm import tqdm
+
     tasks = list(env.tasks(split) if tasks is None else tasks)
     if not tasks:
         raise ValueError(f"{getattr(env, 'name', 'environment')}: no {split!r} tasks to evaluate")
-    got = sample_rollouts(engine, tok, cfg, env, [(t, f"eval{i}") for i, t in enumerate(tasks)], attempts,
-                          max_new_tokens, temperature, timeout_s=timeout_s)
+    bar = tqdm(total=len(tasks) * attempts, desc="eval", unit="attempt", dynamic_ncols=True, disable=not progress)
+    try:
+        got = sample_rollouts(engine, tok, cfg, env, [(t, f"eval{i}") for i, t in enumerate(tasks)], attempts,
+                              max_new_tokens, temperature, timeout_s=timeout_s, progress=bar.update)
+    finally:
+        bar.close()
     rew = np.array([x.reward for x in got]).reshape(len(tasks), attempts)
     succ = np.array([x.success for x in got]).reshape(len(tasks), attempts)
     return {"tasks": len(tasks), "attempts": attempts, "reward_mean": float(rew.mean()),
@@ -419,9 +430,12 @@ def eval_engine(params, cfg, adapters=None, *, rows: int = 32, max_len: int = 10
 
 def cli_eval(a) -> dict:
     import json
+    import sys
 
     from nemo_jax.sources import load_for_generation
 
+    say = lambda text: print(f"eval: {text}", file=sys.stderr, flush=True)  # noqa: E731 (stdout: the figures)
+    say(f"loading {a.ckpt}" + (f" and the adapters {a.adapters}" if a.adapters else ""))
     cfg, params, tok_dir = load_for_generation(a.ckpt, dtype=jnp.float32)
     adapters = None
     if a.adapters:
@@ -431,7 +445,10 @@ def cli_eval(a) -> dict:
     tok = ChatTokenizer.load(a.tokenizer or tok_dir)
     env = make_env(a.env, **(json.loads(a.env_args) if a.env_args else {}))
     engine = eval_engine(params, cfg, adapters, rows=a.rows, max_len=a.max_len, seed=a.seed)
-    out = evaluate_env(engine, tok, cfg, env, a.attempts, a.max_new_tokens, a.temperature, split=a.split)
+    say(f"{a.env}: {len(env.tasks(a.split))} {a.split} tasks x {a.attempts} attempts on {a.rows} sampler rows "
+        "(the first attempts finish after the sampler compiles)")
+    out = evaluate_env(engine, tok, cfg, env, a.attempts, a.max_new_tokens, a.temperature, split=a.split,
+                       progress=True)
     out.update(env=a.env, ckpt=a.ckpt, adapters=a.adapters)
     width = max(len(k) for k in out)
     for k, v in out.items():
@@ -442,11 +459,14 @@ def cli_eval(a) -> dict:
     return out
 
 
-def main(path: str | None = None, overrides=(), *, config: GRPOConfig | None = None) -> dict:
+def main(path: str | None = None, overrides=(), *, config: GRPOConfig | None = None, new_run: bool = False) -> dict:
     """`nemo-jax grpo`: the config (`config`, or loaded from `path` + `overrides`) is validated before any work;
-    the resolved config is written to RUN/config.yaml (what rollout workers read)."""
+    the resolved config is written to RUN/config.yaml (what rollout workers read). A run dir holding checkpoints
+    of a run with other settings is refused, or with `new_run` moved aside first (`nemo_jax.train.sft.start_run`)."""
     c = config or load_grpo_config(path, overrides)
+    resolve_mesh_sizes(c.mesh.sizes(), jax.device_count())  # the mesh fits the devices, before any work
     run_dir = os.path.abspath(c.run_dir or os.path.join("runs", c.name))
+    start_run(run_dir, c, "grpo", new_run)
     new_dir = not os.path.exists(run_dir)
     try:
         runner = GRPORunner(c)

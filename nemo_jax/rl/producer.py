@@ -366,10 +366,12 @@ def sampling_params(cfg, tok, max_new_tokens: int, temperature: float, top_p: fl
 
 def sample_rollouts(engine: Engine, tok, cfg, env, tasks: list[tuple[Task, str]], group_size: int,
                     max_new_tokens: int, temperature: float, *, images: ImageStore | None = None,
-                    timeout_s: float = 0.0, workers: int = 16, top_p: float = 1.0, top_k: int = 0) -> list[Rollout]:
+                    timeout_s: float = 0.0, workers: int = 16, top_p: float = 1.0, top_k: int = 0,
+                    progress=None) -> list[Rollout]:
     """tasks: (task, group id) pairs -> group_size scored rollouts per task (task-major order), sampled through
     `engine` (continuous batching over its rows; its adapters and version). Pictures go to `images` (default: a
-    temporary store, removed afterwards: the rollouts' image records then point nowhere)."""
+    temporary store, removed afterwards: the rollouts' image records then point nowhere). `progress(n)` is
+    called as n more rollouts finish (e.g. a progress bar's update)."""
     sp = sampling_params(cfg, tok, max_new_tokens, temperature, top_p, top_k)
     tmp = None
     if images is None and cfg.vision is not None:
@@ -382,8 +384,11 @@ def sample_rollouts(engine: Engine, tok, cfg, env, tasks: list[tuple[Task, str]]
         for (task, gid), j in ((t, j) for t in tasks for j in range(group_size)):
             d.add(task, gid, f"{gid}/{j}")
         while d.running:
-            for x in d.pump():
+            done = d.pump()
+            for x in done:
                 got[x.rollout_id] = x
+            if progress is not None and done:
+                progress(len(done))
     finally:
         d.close()
         if tmp is not None:

@@ -15,16 +15,20 @@ next `check()` (the trainer calls it every step) with the path and errno, its te
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import re
 import shutil
+import signal
+import sys
 import threading
+import time
 
 import jax
 import orbax.checkpoint as ocp
 
 from nemo_jax.checkpoint import latest_good_step, set_aside, step_dirs, step_verified, warn_damaged
-from nemo_jax.fsutil import Damage, write_manifest
+from nemo_jax.fsutil import Damage, os_error_code, write_manifest
 from nemo_jax.model.spec import PARAM_LAYOUT, check_param_layout, flatten_with_paths
 
 
@@ -32,8 +36,51 @@ class CheckpointWriteError(OSError):
     """A checkpoint step that could not be written (the run stops; the previous steps are intact)."""
 
 
+_SAVING = [0]  # saves in flight (from `save` until sealed): their failures are reported by CheckpointWriteError
+
+
+class _QuietFailedSave(logging.Filter):
+    """A failed save is reported once, by the CheckpointWriteError `check()` raises. Dropped: orbax's own error
+    logs of it (each with a traceback, from its background threads; they carry orbax's `[process=N]` prefix)
+    while a save is in flight, and asyncio's "exception was never retrieved" of the writes into a step's
+    temporary folder that the failed save left (logged whenever those futures are collected, even at exit).
+    Also orbax's warning for a step without its optional step metadata (a damaged step: `latest_good_step`
+    names it)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR:
+            return not str(record.msg).startswith("Metadata file does not exist")
+        if record.name == "asyncio":
+            return not ("never retrieved" in str(record.msg) and ".orbax-checkpoint-tmp" in record.getMessage())
+        return not (_SAVING[0] and str(record.msg).startswith("[process="))
+
+
+def _quiet_closed_loop(previous):
+    """-> an unraisable-exception hook for `previous`: writes still in flight when orbax closes a failed save's
+    event loop call back into the closed loop, each an unraisable `RuntimeError: Event loop is closed` with a
+    traceback (59 of them for a 60-array step): noise after a failure that is reported once. Every other
+    unraisable exception goes to `previous`."""
+    def hook(unraisable):
+        e = unraisable.exc_value
+        if not (isinstance(e, RuntimeError) and str(e) == "Event loop is closed"):
+            previous(unraisable)
+
+    hook.quiets_closed_loops = True
+    return hook
+
+
+def quiet_orbax_failures() -> None:
+    """Install `_QuietFailedSave` and `_quiet_closed_loop` (once per process)."""
+    for name in ("absl", "asyncio"):
+        if not any(isinstance(f, _QuietFailedSave) for f in logging.getLogger(name).filters):
+            logging.getLogger(name).addFilter(_QuietFailedSave())
+    if not getattr(sys.unraisablehook, "quiets_closed_loops", False):
+        sys.unraisablehook = _quiet_closed_loop(sys.unraisablehook)
+
+
 class RunCheckpointer:
     def __init__(self, directory: str, keep: int = 3, async_save: bool = True, verify: bool = True):
+        quiet_orbax_failures()
         self.directory = os.path.abspath(directory)
         self.async_save, self.verify = async_save, verify
         opts = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
@@ -48,19 +95,22 @@ class RunCheckpointer:
     def save(self, step: int, state, data_state: dict, meta: dict, force: bool = False) -> bool:
         self.wait()  # the previous step is sealed (or its error raised) before the next starts
         meta = {**meta, "param_layout": PARAM_LAYOUT}
+        _SAVING[0] += 1
         try:
             saved = self.mngr.save(step, args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
                 meta=ocp.args.JsonSave(meta)), force=force)
         except Exception as e:  # noqa: BLE001 - orbax reports a failed write as whatever its layers raised
+            _SAVING[0] -= 1
             raise self._write_error(step, e) from None
-        if saved:
-            if self.async_save:
-                self._sealer = threading.Thread(target=self._seal_in_background, args=(step,), daemon=True,
-                                                name=f"seal-checkpoint-{step}")
-                self._sealer.start()
-            else:
-                self._seal(step)
+        if not saved:
+            _SAVING[0] -= 1
+        elif self.async_save:
+            self._sealer = threading.Thread(target=self._seal_in_background, args=(step,), daemon=True,
+                                            name=f"seal-checkpoint-{step}")
+            self._sealer.start()
+        else:
+            self._seal(step)
         return saved
 
     def _seal(self, step: int):
@@ -71,6 +121,8 @@ class RunCheckpointer:
                 write_manifest(os.path.join(self.directory, str(step)))
         except Exception as e:  # noqa: BLE001
             raise self._write_error(step, e) from None
+        finally:
+            _SAVING[0] -= 1
 
     def _seal_in_background(self, step: int):
         try:
@@ -94,12 +146,10 @@ class RunCheckpointer:
     def _write_error(self, step: int, e: BaseException) -> CheckpointWriteError:
         """A failed save -> one error naming the step, the path and the errno; the step's temporary folder
         (orbax leaves it) is removed, so failed retries do not pile up."""
-        for name in os.listdir(self.directory) if jax.process_index() == 0 else ():
-            if re.fullmatch(rf"{step}\.orbax-checkpoint-tmp.*", name):
-                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+        if jax.process_index() == 0:
+            self._remove_step_temporaries(step)
         text = str(e)
-        m = re.search(r"os_error_code='?(\d+)|\[Errno (\d+)\]", text)
-        code = e.errno if isinstance(e, OSError) and e.errno else int(m.group(1) or m.group(2)) if m else None
+        code = os_error_code(e)
         why = (f"{os.strerror(code)} ({errno.errorcode.get(code, '?')})" if code
                else f"{type(e).__name__}: {text.splitlines()[0][:300] if text else ''}")
         last = [s for s in self.steps() if s < step]
@@ -107,6 +157,24 @@ class RunCheckpointer:
         msg = (f"checkpoint step {step} could not be written to {os.path.join(self.directory, str(step))}: {why}; "
                f"its temporary files were removed ({resume}): fix the cause (e.g. free disk space) and rerun")
         return CheckpointWriteError(code, msg) if code else CheckpointWriteError(msg)
+
+    def _remove_step_temporaries(self, step: int, settle_s: float = 0.3, limit_s: float = 10.0):
+        """Remove `step`'s orbax temporaries. Writes tensorstore had in flight when the save failed still land
+        (creating folders again) after orbax gave up on them: remove until none has reappeared for `settle_s`
+        (at most `limit_s`)."""
+        pattern = re.compile(rf"{step}\.orbax-checkpoint-tmp.*")
+        deadline, quiet_since = time.monotonic() + limit_s, None
+        while time.monotonic() < deadline:
+            left = [n for n in os.listdir(self.directory) if pattern.fullmatch(n)]
+            if left:
+                for name in left:
+                    shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+                quiet_since = None
+            elif quiet_since is None:
+                quiet_since = time.monotonic()
+            elif time.monotonic() - quiet_since >= settle_s:
+                return
+            time.sleep(0.05)
 
     # ------------------------------------------------------------------ restoring
     def steps(self) -> list[int]:
@@ -180,6 +248,23 @@ class RunCheckpointer:
     def close(self):
         self.wait()
         self.mngr.close()
+
+
+def catch_stop_signals(on_signal):
+    """SIGTERM and SIGINT (a scheduler's preemption, Ctrl-C) call `on_signal(signum)` instead of ending the
+    process: the trainer saves a checkpoint after the current step and stops. -> a function that puts the previous
+    handlers back (a recipe's next stage, or a merge after training, must not inherit a finished trainer's
+    handler, which would swallow the signal). Off the main thread nothing is installed (Python delivers signals
+    to the main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = {s: signal.signal(s, lambda signum, frame: on_signal(signum)) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def restore():
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+    return restore
 
 
 def _sync(name: str):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -15,17 +14,19 @@ import numpy as np
 
 from nemo_jax.config.load import dump_yaml
 from nemo_jax.config.model import NemotronHConfig
-from nemo_jax.config.train import SFTConfig, load_sft_config  # noqa: F401 (load_sft_config: re-exported)
+from nemo_jax.config.train import (SFTConfig, check_rerun, load_sft_config,  # noqa: F401 (load_sft_config: re-exported)
+                                   resolve_mesh_sizes)
 from nemo_jax.data.chat import ASSETS, ChatTokenizer, read_chat_jsonl
 from nemo_jax.data.loader import PackedIterator, ShardedBatches
 from nemo_jax.data.prepared import open_sources
+from nemo_jax.fsutil import atomic_write_text, move_aside
 from nemo_jax.kernels import resolve as resolve_kernels
 from nemo_jax.model import model as M
 from nemo_jax.model.spec import abstract_params, count_params, init as init_params, param_specs
 from nemo_jax.parallel import distributed
 from nemo_jax.parallel.mesh import batch_shards, batch_sharding, make_mesh
 from nemo_jax.parallel.rules import Rules, param_shardings
-from nemo_jax.train.checkpoint import RunCheckpointer, abstract_like
+from nemo_jax.train.checkpoint import RunCheckpointer, abstract_like, catch_stop_signals
 from nemo_jax.train.metrics import MetricsLogger, check_logging, device_peak_flops, model_flops_per_token
 from nemo_jax.lora import (CONSTANT_LEAVES, LoraConfig, adapter_shardings, attach, init_adapters,
                            save_adapter_checkpoint, summary_table)
@@ -332,17 +333,10 @@ class Trainer:
             print(f"resumed from {self.ckpt.directory} at step {step}")
         return True
 
-    def _install_signals(self):
-        def handler(signum, frame):
-            self.stop_requested = True
-            if not self.quiet:
-                print(f"\nsignal {signum}: saving a checkpoint and stopping after this step")
-
-        for s in (signal.SIGTERM, signal.SIGINT):
-            try:
-                signal.signal(s, handler)
-            except ValueError:  # not in the main thread
-                pass
+    def _on_signal(self, signum):
+        self.stop_requested = True
+        if not self.quiet:
+            print(f"\nsignal {signum}: saving a checkpoint and stopping after this step")
 
     # ------------------------------------------------------------------ loop
     def run(self) -> dict:
@@ -351,7 +345,7 @@ class Trainer:
         c = self.c
         os.makedirs(self.run_dir, exist_ok=True)
         self.maybe_restore()
-        self._install_signals()
+        restore_signals = catch_stop_signals(self._on_signal)
         logger = MetricsLogger(self.run_dir, enabled=jax.process_index() == 0, logging=c.logging,
                                config=_asdict(c), name=c.name)
         start = int(self.state.step)
@@ -422,12 +416,27 @@ class Trainer:
         if bar is not None:
             bar.close()
         self.save(force=True)
+        restore_signals()
         self.ckpt.close()
         self.it.close()
         logger.close()
         last["step"] = step
         last["stopped_early"] = self.stop_requested
         return last
+
+
+def start_run(run_dir: str, c, command: str, new_run: bool = False) -> None:
+    """Before a training command builds anything in `run_dir`: with `new_run`, an earlier run there is moved
+    aside to RUN.prev (never deleted; process 0 moves it, every process waits for that); else a run there with
+    other settings is refused (`config.train.check_rerun`)."""
+    if not new_run:
+        check_rerun(c, run_dir)
+        return
+    if jax.process_index() == 0 and os.path.lexists(run_dir) and os.listdir(run_dir):
+        print(f"{command}: --new-run: the earlier run in {run_dir} moved aside to {move_aside(run_dir, 'prev')}",
+              flush=True)
+    if jax.process_count() > 1:
+        distributed.barrier(f"nemo-jax {command}: new run", 300.0)
 
 
 def _process_rows(sharding, batch: int, seq_len: int) -> dict[int, tuple[int, int]]:
@@ -458,22 +467,26 @@ def _asdict(c):
     return dataclasses.asdict(c)
 
 
-def main(path: str | None = None, overrides=(), *, config: SFTConfig | None = None, verbose: bool = False):
+def main(path: str | None = None, overrides=(), *, config: SFTConfig | None = None, verbose: bool = False,
+         new_run: bool = False):
     """`nemo-jax sft`: the config (`config`, or loaded from `path` + `overrides`) is validated before anything
     is written; the run dir gets its config.yaml once the trainer is built (model, data and mesh checked), and a
-    run dir this call created is removed again when building the trainer fails. The resolved config is printed
-    in full with `verbose` only (it is always in RUN/config.yaml)."""
+    run dir this call created is removed again when building the trainer fails. A run dir holding checkpoints
+    of a run with other settings is refused (`check_rerun`), or with `new_run` moved aside to RUN.prev first.
+    The resolved config is printed in full with `verbose` only (it is always in RUN/config.yaml)."""
     c = config or load_sft_config(path, overrides)
     distributed.initialize(c.distributed)  # before any device use
+    resolve_mesh_sizes(c.mesh.sizes(), jax.device_count())  # the mesh fits the devices, before anything is said
     run_dir = os.path.abspath(c.run_dir or os.path.join("runs", c.name))
     options_from(c.model)  # the model's own choices (remat, attention, ...) before anything is written
+    start_run(run_dir, c, "sft", new_run)
     text = dump_yaml(c)
     if jax.process_index() == 0:
         if verbose:
             print(f"# resolved config ({path or 'embedded default: tiny CPU SFT'})\n{text}")
-        print(f"sft {c.name}: {path or 'the embedded tiny CPU config'}, {c.steps} steps of {c.data.batch_size} x "
-              f"{c.data.seq_len} tokens; resolved config in {os.path.join(run_dir, 'config.yaml')}"
-              + ("" if verbose else " (--verbose prints it)"), flush=True)
+        print(f"sft: run {c.name!r} from {path or 'the embedded tiny CPU config'}, {c.steps} steps of "
+              f"{c.data.batch_size} x {c.data.seq_len} tokens, into {run_dir}"
+              + ("" if verbose else " (--verbose prints the resolved config)"), flush=True)
     new_dir = not os.path.exists(run_dir)
     with distributed.failure_guard("sft"):  # a lost peer: name it, exit non-zero at once
         try:
@@ -485,11 +498,9 @@ def main(path: str | None = None, overrides=(), *, config: SFTConfig | None = No
                 shutil.rmtree(run_dir, ignore_errors=True)  # made by this call, holding nothing of value
             raise
         if jax.process_index() == 0:
-            os.makedirs(run_dir, exist_ok=True)
-            with open(os.path.join(run_dir, "config.yaml"), "w") as f:
-                f.write(text)
+            atomic_write_text(os.path.join(run_dir, "config.yaml"), text)
         print(f"model: {count_params(tr.cfg):,} parameters, pattern {tr.cfg.pattern}; mesh {dict(tr.mesh.shape)}; "
-              f"run dir {run_dir}")
+              f"resolved config in {os.path.join(run_dir, 'config.yaml')}")
         out = tr.run()
     summary = {k: out[k] for k in ("step", "loss", "eval_loss", "tokens_per_sec", "stopped_early") if k in out}
     print("done:", json.dumps(summary))
