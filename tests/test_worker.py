@@ -277,11 +277,16 @@ def test_killed_worker_loses_its_lease_and_a_restarted_learner_keeps_its_groups(
         by_group.setdefault(x["group_id"], []).append(x)
     # (b) the killed worker's groups: reposted, finished by b; (c) the groups in flight at the checkpoint the
     # learner restarted from: kept (more than 4 rollouts once complete: some were read after that checkpoint), and
-    # complete, or still posted or claimed when the run reached its last step (other groups may finish first)
+    # complete, or still posted, claimed or unread when the run reached its last step (other groups may finish first)
     req = run / "requests"
 
+    unread = {}  # rollouts a worker finished that the learner had no step left to read
+    for x in (x for xs in _spool(run, ".").values() for x in xs if "tokens" in x):
+        unread.setdefault(x["group_id"], []).append(x)
+
     def still_open(gid):
-        return (req / f"{gid}.json").exists() or any(n.endswith(f"--{gid}.json") for n in os.listdir(req / "claimed"))
+        return ((req / f"{gid}.json").exists() or any(n.endswith(f"--{gid}.json") for n in os.listdir(req / "claimed"))
+                or len(by_group.get(gid, [])) + len(unread.get(gid, [])) >= 4)
     for gid in held + in_flight:
         assert not (req / "cancelled" / gid).exists(), gid
         assert len(by_group.get(gid, [])) >= 4 or (gid in in_flight and still_open(gid)), (gid, by_group.get(gid))
@@ -394,6 +399,16 @@ def test_server_calls_outlast_a_restart_and_send_the_key(monkeypatch, capsys):
         if "lora" in req.url.path else httpx.Response(200, json=_models_json())  # noqa: E731
     with pytest.raises(WorkerError, match="does not load adapters at run time"):
         Server("http://engine:8000", wait_s=1.0, transport=httpx.MockTransport(off)).load_adapter("a", "/x")
+    busy = [2]  # another worker on the same server is loading this version: wait for it, then "already loaded"
+
+    def racing(req):
+        if "lora" not in req.url.path:
+            return httpx.Response(200, json=_models_json())
+        busy[0] -= 1
+        word = "is being loaded by another request" if busy[0] > 0 else "has already been loaded"
+        return httpx.Response(400, json={"error": {"message": f"The lora adapter 'a' {word}."}})
+    assert Server("http://engine:8000", wait_s=5.0, transport=httpx.MockTransport(racing)).load_adapter("a", "/x")
+    assert busy[0] == 0
 
 
 def test_workers_exit_when_the_learner_closes_the_run(tmp_path, capsys):

@@ -182,10 +182,16 @@ class Server:
 
     def load_adapter(self, name: str, path: str) -> bool:
         """Load the adapter dir `path` (as the server's machine sees it) as `name` -> True, or False when the server
-        cannot read the dir (e.g. pruned meanwhile). Loaded already (another worker on this server): True."""
-        code, text, where = self._lora("load", {"lora_name": name, "lora_path": path})
-        if code == 200 or "already" in text.lower():
-            return True
+        cannot read the dir (e.g. pruned meanwhile). Loaded already, or being loaded by another worker on this server
+        (waited for): True."""
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            code, text, where = self._lora("load", {"lora_name": name, "lora_path": path})
+            if code == 200 or "already" in text.lower():
+                return True
+            if "being loaded" not in text.lower() or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)  # another worker on this server is loading the same version: wait for its answer
         if code in (404, 405) and ("lora" not in text.lower() and "adapter" not in text.lower()
                                    or "runtime lora updating is off" in text.lower()):
             raise WorkerError(f"{self.root}{where}: {code}: the server does not load adapters at run time (vLLM: "
