@@ -14,8 +14,9 @@ import os
 import sys
 
 from nemo_jax import fsutil
+from nemo_jax.config.train import CAST_DTYPES, cast_dtype
 from nemo_jax.extras import MissingDependency
-from nemo_jax.hostmem import choose_platforms, keep_freed_memory, tune_xla_cpu, tune_xla_gpu
+from nemo_jax.hostmem import choose_platforms, keep_freed_memory, quiet_plugin_noise, tune_xla_cpu, tune_xla_gpu
 
 
 class _Parser(argparse.ArgumentParser):
@@ -46,18 +47,7 @@ def _number(kind, lo=None, hi=None, lo_open=False, hi_open=False):
 POSITIVE = _number(int, 1)
 NON_NEGATIVE = _number(int, 0)
 TEMPERATURE = _number(float, 0)
-
-
-def _dtype(name: str | None):
-    if name in (None, "", "keep"):
-        return None
-    import jax.numpy as jnp
-
-    table = {"bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16, "fp32": jnp.float32, "float32": jnp.float32,
-             "fp16": jnp.float16, "float16": jnp.float16}
-    if name not in table:
-        raise SystemExit(f"--dtype: unknown dtype {name!r} (use one of {sorted(table)})")
-    return table[name]
+DTYPE_CHOICES = ("keep", *CAST_DTYPES)  # --dtype (checked before JAX starts)
 
 
 def _converting(command: str):
@@ -81,8 +71,8 @@ def cmd_import_hf(a):
     from nemo_jax.hf.io import import_pretrained
 
     with _converting("import-hf"):
-        import_pretrained(a.src, a.dst, dtype=_dtype(a.dtype), ignore_unexpected=a.ignore_unexpected, progress=True,
-                          overwrite=a.overwrite, allow_nonfinite=a.allow_nonfinite)
+        import_pretrained(a.src, a.dst, dtype=cast_dtype(a.dtype), ignore_unexpected=a.ignore_unexpected,
+                          progress=True, overwrite=a.overwrite, allow_nonfinite=a.allow_nonfinite)
     print(f"imported {a.src} -> {a.dst}{_share_note()}")
 
 
@@ -104,7 +94,7 @@ def _export_hf(a):
 
         sets = [(load_adapters(d, cfg), w) for d, w in map(parse_adapter_arg, a.adapters)]
         params = MergedSource(params, cfg, sets)
-    dtypes = read_dtypes(a.like) if a.like else _dtype(a.dtype)
+    dtypes = read_dtypes(a.like) if a.like else cast_dtype(a.dtype)
     save_pretrained(cfg, params, a.dst, max_shard_size=a.max_shard_size, dtypes=dtypes, tokenizer_dir=tok_dir,
                     progress=True, overwrite=a.overwrite, allow_nonfinite=a.allow_nonfinite)
 
@@ -379,7 +369,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "checkpoint dir's name)")
     s.add_argument("--max-num-seqs", type=int, default=8, help="decode rows: sequences sampled at once")
     s.add_argument("--max-model-len", type=int, default=4096, help="positions per row: prompt + completion")
-    s.add_argument("--dtype", default=None, help="cast the weights (default: as stored), e.g. bf16 or fp32")
+    s.add_argument("--dtype", default=None, choices=DTYPE_CHOICES,
+                   help="cast the weights (default: as stored), e.g. bf16 or fp32")
     s.add_argument("--bucket", type=int, default=32, help="prompts are padded to a multiple of this (few compiles)")
     s.add_argument("--check-every", type=int, default=4, help="decode steps between looks for finished rows")
     s.add_argument("--return-tokens-as-token-ids", action="store_true",
@@ -430,7 +421,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("import-hf", help="HF safetensors checkpoint -> native checkpoint")
     s.add_argument("src")
     s.add_argument("dst")
-    s.add_argument("--dtype", default=None, help="cast every tensor (default: keep the checkpoint's dtypes)")
+    s.add_argument("--dtype", default=None, choices=DTYPE_CHOICES,
+                   help="cast every tensor (default: keep the checkpoint's dtypes)")
     s.add_argument("--ignore-unexpected", action="store_true", help="skip tensors the config does not describe")
     s.add_argument("--overwrite", action="store_true", help="replace DST if it is an earlier native model written "
                    "by nemo-jax (a folder holding anything else is never replaced)")
@@ -441,7 +433,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "safetensors checkpoint")
     s.add_argument("src", help="native model dir, run dir, RUN/checkpoints/N or HF dir")
     s.add_argument("dst")
-    s.add_argument("--dtype", default=None, help="write every tensor in this dtype (default: as stored)")
+    s.add_argument("--dtype", default=None, choices=DTYPE_CHOICES,
+                   help="write every tensor in this dtype (default: as stored)")
     s.add_argument("--like", default=None, help="HF dir whose per-tensor dtypes to reproduce")
     s.add_argument("--max-shard-size", default="5GB")
     s.add_argument("--adapters", action="append", default=None, metavar="DIR[:WEIGHT]",
@@ -520,6 +513,7 @@ def cmd_data_prepare(args):
 def main(argv=None):
     args = build_parser().parse_args(argv)
     choose_platforms()  # before cpu_only() is asked and before jax starts
+    quiet_plugin_noise()  # no CUDA driver lines from an installed GPU plugin on a host without a GPU
     keep_freed_memory()  # CPU-only processes: see nemo_jax.hostmem
     tune_xla_cpu()
     tune_xla_gpu()

@@ -321,7 +321,7 @@ def cli_serve(a, adapters: dict[str, str]) -> None:
     import jax
     import uvicorn
 
-    from nemo_jax.cli import _dtype
+    from nemo_jax.config.train import cast_dtype
     from nemo_jax.data.chat import ChatTokenizer
     from nemo_jax.generate import Engine, SamplingParams, load_for_generation
 
@@ -331,7 +331,7 @@ def cli_serve(a, adapters: dict[str, str]) -> None:
 
         sizes = read_mesh_sizes(a.mesh)
         mesh = make_mesh(sizes, devices_per_node=sizes.pop("devices_per_node", 0))
-    cfg, params, tok_dir = load_for_generation(a.ckpt, mesh=mesh, dtype=_dtype(a.dtype))
+    cfg, params, tok_dir = load_for_generation(a.ckpt, mesh=mesh, dtype=cast_dtype(a.dtype))
     tok = ChatTokenizer.load(a.tokenizer or tok_dir)
     engine = Engine(params, cfg, batch=a.max_num_seqs, max_len=a.max_model_len, bucket=a.bucket,
                     check_every=a.check_every, key=jax.random.key(a.seed))
