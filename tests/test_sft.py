@@ -101,19 +101,35 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path):
     again = _spawn(run, steps, "checkpoint.every=2")
     out, _ = again.communicate(timeout=300)
     assert again.returncode == 0 and "resumed from" in out, out[-2000:]
+    # the killed run's write lock was left behind; the rerun reclaimed it, saying so
+    assert f"reclaimed the write lock of nemo-jax sft (pid {proc.pid} " in out and "that process is gone" in out
     for a, b in zip(_final_params(tmp_path / "ref", steps), _final_params(run, steps)):
         np.testing.assert_array_equal(a, b)
 
 
 def test_sigterm_leaves_a_checkpoint(tmp_path):
+    """A running `sft` also holds its run dir: a second `sft` on it stops at once naming it, while a reader
+    (`export-hf`) reads the newest good step without waiting; SIGTERM saves, and releases the lock."""
+    from nemo_jax.checkpoint import latest_good_step
+    from nemo_jax.runlock import LOCK_FILE
+
     run = tmp_path / "term"
-    proc = _spawn(run, 100000, "checkpoint.every=100000")
-    _wait_for(lambda: (run / "metrics.jsonl").exists() and len((run / "metrics.jsonl").read_text().splitlines()) >= 2, proc)
+    proc = _spawn(run, 100000, "checkpoint.every=20", "checkpoint.keep=100")
+    _wait_for(lambda: (run / "checkpoints").exists() and latest_good_step(str(run / "checkpoints")), proc)
+    second = subprocess.run([sys.executable, "-m", "nemo_jax.cli", "sft", *BASE, f"run_dir={run}", "steps=5"],
+                            capture_output=True, text=True, timeout=300)
+    assert second.returncode == 2 and f"is being written by nemo-jax sft (pid {proc.pid} " in second.stderr, \
+        second.stderr
+    reader = subprocess.run([sys.executable, "-m", "nemo_jax.cli", "export-hf", str(run), str(tmp_path / "hf")],
+                            capture_output=True, text=True, timeout=300)
+    assert reader.returncode == 0 and (tmp_path / "hf" / "model.safetensors").exists(), reader.stderr
+    assert proc.poll() is None and json.loads((run / LOCK_FILE).read_text())["pid"] == proc.pid
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, out[-2000:]
     steps = [int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()]
     assert steps and 0 < max(steps) < 100000
+    assert not (run / LOCK_FILE).exists()
 
 
 def test_restore_eight_device_checkpoint_onto_four(tmp_path):

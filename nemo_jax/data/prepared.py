@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from nemo_jax import fsutil, runlock
 from nemo_jax.data.chat import DataError, Document, resolve
 
 MANIFEST = "manifest.json"
@@ -261,13 +262,20 @@ def prepare(sources: list[str], tokenizer: str, out: str, *, workers: int = 1, v
     `vocab_size`: token ids must be below it (default: the tokenizer's vocabulary). Finished shards of a
     previous run on the same inputs are kept (`overwrite`: an earlier prepared output in `out` is cleared
     first); the manifest is written last and atomically. `out` must be new, empty, or a prepared-data folder
-    (`claim_output`): a folder holding anything else is refused before any work."""
-    from nemo_jax.data.chat import ChatTokenizer
-
+    (`claim_output`): a folder holding anything else is refused before any work. The folder's write lock
+    (`nemo_jax.runlock`) is held throughout: a second writer of `out` stops at once, naming this one."""
     if on_error not in ("raise", "skip"):
         raise ValueError(f"data.on_error: {on_error!r} (expected raise or skip)")
     if not sources:
         raise ValueError("data prepare: no input files")
+    check_prepared_output(out)  # a file or a foreign folder is refused before anything is made
+    with runlock.hold(out, f"nemo-jax {fsutil.COMMAND or 'data prepare'}"):  # one writer per folder
+        return _prepare(sources, tokenizer, out, workers, vocab_size, on_error, chunk_bytes, quiet, overwrite)
+
+
+def _prepare(sources, tokenizer, out, workers, vocab_size, on_error, chunk_bytes, quiet, overwrite) -> dict:
+    from nemo_jax.data.chat import ChatTokenizer
+
     claim_output(out, overwrite)
     tok = ChatTokenizer.load(tokenizer)  # fails early on a bad tokenizer directory
     vocab = vocab_size or tok.tokenizer.get_vocab_size()
@@ -303,16 +311,15 @@ def prepare(sources: list[str], tokenizer: str, out: str, *, workers: int = 1, v
 OWN_ENTRIES = (MANIFEST, "shards")  # what a prepared-data folder holds (besides its output marker)
 
 
-def claim_output(out: str, overwrite: bool = False):
-    """Make `out` a prepared-data folder: new or empty (marked now, so a killed run is recognised), or one
-    already (kept, to reuse its finished shards; with `overwrite` cleared). A folder holding anything else is
-    an OutputExistsError naming the entry: nothing in it is touched."""
-    from nemo_jax.fsutil import OUTPUT_MARKER, OutputExistsError, read_marker, write_marker
+def check_prepared_output(out: str) -> dict | None:
+    """May `out` become a prepared-data folder (new, empty, or one already)? -> its output marker (None: none
+    yet); a file, or a folder holding anything else, is an OutputExistsError naming the entry."""
+    from nemo_jax.fsutil import OUTPUT_MARKER, OutputExistsError, read_marker
 
     out = os.path.abspath(out)
     if os.path.lexists(out) and (os.path.islink(out) or not os.path.isdir(out)):
         raise OutputExistsError(f"{out} exists and is not a folder: not touched (choose another --out)")
-    entries = sorted(os.listdir(out)) if os.path.isdir(out) else []
+    entries = [e for e in sorted(os.listdir(out)) if not runlock.is_lock_entry(e)] if os.path.isdir(out) else []
     marker = read_marker(out) if entries else None
     if marker is not None and marker.get("kind") != "prepared data":
         raise OutputExistsError(f"{out}: not touched: it holds a {marker.get('kind')} (written by "
@@ -322,6 +329,17 @@ def claim_output(out: str, overwrite: bool = False):
         more = f" (and {len(foreign) - 1} more)" if len(foreign) > 1 else ""
         raise OutputExistsError(f"{out}: not touched: {foreign[0]!r}{more} in it is not part of a prepared-data "
                                 "folder (choose an empty or new --out)")
+    return marker
+
+
+def claim_output(out: str, overwrite: bool = False):
+    """Make `out` a prepared-data folder: new or empty (marked now, so a killed run is recognised), or one
+    already (kept, to reuse its finished shards; with `overwrite` cleared). A folder holding anything else is
+    an OutputExistsError naming the entry: nothing in it is touched (`check_prepared_output`)."""
+    from nemo_jax.fsutil import write_marker
+
+    out = os.path.abspath(out)
+    marker = check_prepared_output(out)
     os.makedirs(out, exist_ok=True)
     if overwrite:
         for e in OWN_ENTRIES + (MANIFEST + ".tmp",):

@@ -461,27 +461,30 @@ def _asdict(c):
 def main(path: str | None = None, overrides=(), *, config: SFTConfig | None = None, verbose: bool = False):
     """`nemo-jax sft`: the config (`config`, or loaded from `path` + `overrides`) is validated before anything
     is written; the run dir gets its config.yaml once the trainer is built (model, data and mesh checked), and a
-    run dir this call created is removed again when building the trainer fails. The resolved config is printed
-    in full with `verbose` only (it is always in RUN/config.yaml)."""
+    run dir this call created is removed again when building the trainer fails. The run dir's write lock is held
+    throughout (`distributed.writer_lock`): a second writer of it stops at once, naming this one. The resolved
+    config is printed in full with `verbose` only (it is always in RUN/config.yaml)."""
     c = config or load_sft_config(path, overrides)
     distributed.initialize(c.distributed)  # before any device use
     run_dir = os.path.abspath(c.run_dir or os.path.join("runs", c.name))
     options_from(c.model)  # the model's own choices (remat, attention, ...) before anything is written
     text = dump_yaml(c)
-    if jax.process_index() == 0:
-        if verbose:
-            print(f"# resolved config ({path or 'embedded default: tiny CPU SFT'})\n{text}")
-        print(f"sft {c.name}: {path or 'the embedded tiny CPU config'}, {c.steps} steps of {c.data.batch_size} x "
-              f"{c.data.seq_len} tokens; resolved config in {os.path.join(run_dir, 'config.yaml')}"
-              + ("" if verbose else " (--verbose prints it)"), flush=True)
     new_dir = not os.path.exists(run_dir)
-    with distributed.failure_guard("sft"):  # a lost peer: name it, exit non-zero at once
+    with (distributed.failure_guard("sft"),  # a lost peer: name it, exit non-zero at once
+          distributed.writer_lock(run_dir, "nemo-jax sft") as lock):  # one writer per run dir
+        if jax.process_index() == 0:
+            if verbose:
+                print(f"# resolved config ({path or 'embedded default: tiny CPU SFT'})\n{text}")
+            print(f"sft {c.name}: {path or 'the embedded tiny CPU config'}, {c.steps} steps of {c.data.batch_size} "
+                  f"x {c.data.seq_len} tokens; resolved config in {os.path.join(run_dir, 'config.yaml')}"
+                  + ("" if verbose else " (--verbose prints it)"), flush=True)
         try:
             tr = Trainer(c)
         except Exception:  # (an interrupt keeps what was prepared, for the rerun)
             if new_dir and jax.process_index() == 0 and os.path.isdir(run_dir):
                 import shutil
 
+                lock.release()
                 shutil.rmtree(run_dir, ignore_errors=True)  # made by this call, holding nothing of value
             raise
         if jax.process_index() == 0:
