@@ -15,7 +15,7 @@ PROMPTS = [[5, 17, 3, 44, 9, 1, 2], [8, 2], [60, 61, 62, 63, 64]]
 
 @pytest.fixture(scope="module")
 def setup():
-    cfg = tiny_cfg("MEM*E-", n_group=2, topk_group=1, chunk_size=4)
+    cfg = tiny_cfg("M*E-", n_group=2, topk_group=1, chunk_size=4)  # every layer kind once
     params = M.init(cfg, jax.random.key(0))
     return cfg, params
 

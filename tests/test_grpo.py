@@ -25,7 +25,7 @@ from nemo_jax.rl.learner import make_learner_step
 from nemo_jax.rl.producer import sample_rollouts, sample_rollouts_plain
 from nemo_jax.rl.rollout import learner_batch
 
-from helpers import FAST_COMPILE, tiny_cfg
+from helpers import FAST_COMPILE, micro_model, tiny_cfg
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -219,8 +219,11 @@ BANDIT = textwrap.dedent('''
 
 
 def _grpo_cmd(run_dir, steps):
+    """The bandit on a random tiny model cut to attention + MLP (the adapters are on lm_head alone)."""
+    model = micro_model(os.path.dirname(run_dir))
     return [sys.executable, "-m", "nemo_jax.cli", "grpo", "--config", os.path.join(ROOT, "configs/grpo/tiny-cpu.yaml"),
             f"run_dir={run_dir}", f"steps={steps}", "model.init=random", "model.init_sft_config=null",
+            f"model.config={model}",
             "rollout.env=bandit_env:Digits", "rollout.env_args={}", "rollout.group_size=6",
             "rollout.groups_per_step=4", "rollout.max_new_tokens=6", "rollout.seq_len=32", "optim.lr=0.03",
             "lora.targets=[lm_head]", "checkpoint.every=3", "logging.tensorboard=false", "eval_every=0"]
