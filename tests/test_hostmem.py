@@ -89,6 +89,7 @@ def _xla_probe(mode: str, **env):
     return out[0], out[1], [float(v) for v in out[2:]]
 
 
+@pytest.mark.slow
 def test_xla_cpu_setting_applies_and_keeps_values():
     if not hostmem._jaxlib_knows(hostmem.YNN_FUSIONS):
         pytest.skip("this jaxlib has no YNNPACK fusion flag")

@@ -68,6 +68,7 @@ def test_loops_are_counted_by_trip_count(target):
         np.testing.assert_allclose(flat, H.cost_analysis_flops(unrolled), rtol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["cpu", "gpu"])
 def test_model_step_flops_match_an_unrolled_compile(monkeypatch, target):
     """The SFT step of a small scanned config (periodic scan, CE chunks, 2 micro-batches: all loops) counts

@@ -367,6 +367,7 @@ def test_loader_rows_hold_their_documents_images_within_budget(vl, tmp_path):
     assert n_rows >= 4 and it.dropped == 0
 
 
+@pytest.mark.slow
 def test_generate_with_images_prefill_matches_forward(vl, tmp_path):
     from nemo_jax.generate import SamplingParams, generate, prefill, prompt_images
 
@@ -497,6 +498,7 @@ class Pictures:
         return Ep()
 
 
+@pytest.mark.slow
 def test_rl_rollouts_with_images_train_on_the_pictures_they_were_sampled_with(vl, tmp_path, monkeypatch):
     """Pictures in an episode's observations (the opening message and a tool result) go through the engine's
     prefill and continuation, into the rollouts as content-hashed files under the run dir, through validation,
