@@ -72,6 +72,20 @@ def test_stop_tokens_and_finish_reason(setup):
     assert g0.finish_reason[0] == "length"
 
 
+def test_one_decode_program_serves_every_budget(setup):
+    """The decode step depends on the sampling settings, not on max_new_tokens: a second budget on the same
+    state shape compiles nothing new."""
+    from nemo_jax import generate as G
+
+    cfg, params = setup
+    greedy = SamplingParams(max_new_tokens=2, temperature=0.0)
+    short = generate(params, PROMPTS, cfg, greedy, max_len=16)
+    compiled = G._decode_and_sample._cache_size()
+    longer = generate(params, PROMPTS, cfg, SamplingParams(max_new_tokens=5, temperature=0.0), max_len=16)
+    assert G._decode_and_sample._cache_size() == compiled
+    assert [t[:2] for t in longer.tokens] == short.tokens
+
+
 @pytest.mark.slow
 def test_continuing_state_equals_prefilling_concatenation(setup):
     cfg, params = setup
