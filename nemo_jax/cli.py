@@ -14,8 +14,9 @@ import os
 import sys
 
 from nemo_jax import fsutil
+from nemo_jax.config.train import CAST_DTYPES, cast_dtype
 from nemo_jax.extras import MissingDependency
-from nemo_jax.hostmem import choose_platforms, keep_freed_memory, tune_xla_cpu, tune_xla_gpu
+from nemo_jax.hostmem import choose_platforms, keep_freed_memory, quiet_plugin_noise, tune_xla_cpu, tune_xla_gpu
 
 
 class _Parser(argparse.ArgumentParser):
@@ -48,23 +49,12 @@ NON_NEGATIVE = _number(int, 0)
 TEMPERATURE = _number(float, 0)
 
 
-DTYPE_NAMES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32",
-               "fp16": "float16", "float16": "float16"}  # --dtype NAME -> the jnp dtype
-
-
 def _dtype_arg(text: str) -> str:
-    """An argparse type: a --dtype name, checked with the other arguments (before JAX starts)."""
-    if text in ("", "keep") or text in DTYPE_NAMES:
+    """An argparse type: a --dtype name (`config.train.CAST_DTYPES`), checked with the other arguments (before
+    JAX starts)."""
+    if text in ("", "keep") or text in CAST_DTYPES:
         return text
-    raise argparse.ArgumentTypeError(f"unknown dtype {text!r} (one of {', '.join(DTYPE_NAMES)}, or keep)")
-
-
-def _dtype(name: str | None):
-    if name in (None, "", "keep"):
-        return None
-    import jax.numpy as jnp
-
-    return getattr(jnp, DTYPE_NAMES[_dtype_arg(name)])
+    raise argparse.ArgumentTypeError(f"unknown dtype {text!r} (one of {', '.join(CAST_DTYPES)}, or keep)")
 
 
 def _converting(command: str):
@@ -89,8 +79,8 @@ def cmd_import_hf(a):
     from nemo_jax.hf.io import import_pretrained
 
     with _converting("import-hf"):
-        import_pretrained(a.src, a.dst, dtype=_dtype(a.dtype), ignore_unexpected=a.ignore_unexpected, progress=True,
-                          overwrite=a.overwrite, allow_nonfinite=a.allow_nonfinite)
+        import_pretrained(a.src, a.dst, dtype=cast_dtype(a.dtype), ignore_unexpected=a.ignore_unexpected,
+                          progress=True, overwrite=a.overwrite, allow_nonfinite=a.allow_nonfinite)
     print(f"imported {a.src} -> {a.dst}{_share_note()}")
 
 
@@ -115,7 +105,7 @@ def _export_hf(a):
         fsutil.check_not_input(a.dst, [d for d, _ in named])
         sets = [(load_adapters(d, cfg), w) for d, w in named]
         params = MergedSource(params, cfg, sets)
-    dtypes = read_dtypes(a.like) if a.like else _dtype(a.dtype)
+    dtypes = read_dtypes(a.like) if a.like else cast_dtype(a.dtype)
     save_pretrained(cfg, params, a.dst, max_shard_size=a.max_shard_size, dtypes=dtypes, tokenizer_dir=tok_dir,
                     progress=True, overwrite=a.overwrite, allow_nonfinite=a.allow_nonfinite)
 
@@ -608,6 +598,7 @@ def cmd_data_prepare(args):
 def main(argv=None):
     args = build_parser().parse_args(argv)
     choose_platforms()  # before cpu_only() is asked and before jax starts
+    quiet_plugin_noise()  # no CUDA driver lines from an installed GPU plugin on a host without a GPU
     keep_freed_memory()  # CPU-only processes: see nemo_jax.hostmem
     tune_xla_cpu()
     tune_xla_gpu()

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import jax
 import jax.numpy as jnp
@@ -453,10 +453,12 @@ def generate(params, prompts: list[list[int]], cfg, sp: SamplingParams = Samplin
     # derived from last_logits (not a fresh host array): placed as the step's own outputs are, so the loop's
     # first call and the later ones share one compiled program
     done = jnp.zeros_like(last_logits[:, 0], bool)
+    step_sp = replace(sp, max_new_tokens=1, seed=None)  # what the step reads: one program for every budget
     toks, lps, stops = [], [], []
     for i in range(sp.max_new_tokens):
         key, sub = jax.random.split(key)
-        tok, lp, stop, last_logits, state = _decode_and_sample(p, last_logits, state, done, sub, cfg, opts, sp, mesh)
+        tok, lp, stop, last_logits, state = _decode_and_sample(p, last_logits, state, done, sub, cfg, opts, step_sp,
+                                                               mesh)
         toks.append(tok)
         lps.append(lp)
         stops.append(stop & ~done)

@@ -23,15 +23,29 @@ faster than the default set). Same results to rounding (exp, rsqrt, silu within 
 allocator settings it must run before `import jax`, applies to CPU-only processes, and is left alone when
 XLA_FLAGS already sets the fusion type or the installed jaxlib does not know the flag (an unknown XLA flag
 aborts the process).
+
+`quiet_plugin_noise`: on a host without a GPU where a CUDA plugin is installed anyway (`nemo_jax[plan-gpu]`, for
+deviceless GPU plans), each of the plugin's native libraries logs "Could not find cuda drivers on your machine"
+when it loads, behind absl's "All log messages before absl::InitializeLog() ..." line: three pairs when `import
+jax` loads the GPU kernels' libraries, a fourth when jax registers its plugins. The C++ logging of those
+libraries honours no setting, so the `nemo-jax` command runs those two moments (the import of jax, wherever a
+command first does it, and the plugin registration right after) with file descriptor 2 sent to a temporary file,
+then copies what was written there to stderr less exactly those lines: every other line, a real warning
+included, is kept and in order.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import importlib.abc
+import importlib.machinery
 import importlib.util
 import mmap
 import os
+import re
 import sys
+import tempfile
 
 # mallopt parameters (glibc malloc.h)
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -2, -4, -8
@@ -165,3 +179,78 @@ def tune_xla_gpu(force: bool = False) -> bool:
     os.environ["XLA_FLAGS"] = " ".join([flags] + add).strip()
     return True
 
+
+
+# What an accelerator plugin's native libraries log on a host without that accelerator (nothing else matches)
+PLUGIN_NOISE = re.compile(
+    r"WARNING: All log messages before absl::InitializeLog\(\) is called are written to STDERR"
+    r"|I\d{4} [\d:.]+ +\d+ cudart_stub\.cc:\d+\] Could not find cuda drivers on your machine, GPU will not be used\.")
+
+
+@contextlib.contextmanager
+def stderr_filtered(noise: re.Pattern = PLUGIN_NOISE):
+    """Run the block with file descriptor 2 (what native libraries and Python's sys.stderr write to) sent to a
+    temporary file; then write its lines to the real stderr in order, less the lines that `noise` matches whole."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            kept = [line for line in tmp.read().splitlines(keepends=True)
+                    if not noise.fullmatch(line.rstrip(b"\r\n").decode("utf-8", "replace"))]
+            if kept:
+                os.write(2, b"".join(kept))
+
+
+def _register_plugins():
+    """Let jax find and register its PJRT plugins now (it does so at its first device query otherwise); the
+    registration creates no backend, so a later `jax.distributed.initialize()` is still in time."""
+    from jax._src import xla_bridge
+
+    register = getattr(xla_bridge, "_discover_and_register_pjrt_plugins", None)
+    if register is not None:
+        register()
+
+
+class _QuietJaxImport(importlib.abc.MetaPathFinder):
+    """Finds `jax` as Python would and runs its import (then the plugin registration) under `stderr_filtered`."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "jax":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            with contextlib.suppress(ValueError):
+                sys.meta_path.remove(self)
+            with stderr_filtered():
+                run(module)
+                _register_plugins()
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+_GPU_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "jax_rocm7_plugin")
+
+
+def quiet_plugin_noise() -> bool:
+    """On a CPU-only process (see `cpu_only`) with a GPU plugin installed, filter PLUGIN_NOISE out of stderr while
+    jax is imported and registers its plugins (see above). -> whether the filter is in place; False (nothing
+    changed) where jax is already imported, where jax will use an accelerator, or where no GPU plugin is
+    installed."""
+    if "jax" in sys.modules or not cpu_only() or not any(importlib.util.find_spec(m) for m in _GPU_PLUGINS):
+        return False
+    if not any(isinstance(f, _QuietJaxImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _QuietJaxImport())
+    os.environ["NEMO_JAX_QUIET_PLUGINS"] = "1"  # child processes too (nemo_jax/__init__.py)
+    return True

@@ -168,8 +168,13 @@ class Recipe:
         print(summary(run_recipe(r, progress=False).stats), flush=True)
 
     def run(self) -> dict:
+        from nemo_jax.parallel.distributed import writer_lock
+
+        with writer_lock(self.run_dir, "nemo-jax recipe"):  # one writer per run dir (each stage's run: its own)
+            return self._run()
+
+    def _run(self) -> dict:
         c, out = self.c, self.out
-        os.makedirs(self.run_dir, exist_ok=True)
         base = c.base.model or out("base")
         if c.base.model is None:
             self._stage("base", base, lambda: self._sft(c.base.sft_config, c.base.overrides, out("base-run"), base,

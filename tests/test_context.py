@@ -45,8 +45,10 @@ def reference():
     return params, batch, _loss_and_grads(params, batch, None)
 
 
-@pytest.mark.parametrize("context,data,attention", [(2, 2, "blocked"), (8, 1, "blocked"), (4, 1, "full"),
-                                                    (4, 2, "ring")])
+@pytest.mark.parametrize("context,data,attention", [pytest.param(2, 2, "blocked", marks=pytest.mark.slow),
+                                                    pytest.param(8, 1, "blocked", marks=pytest.mark.slow),
+                                                    (4, 1, "full"),
+                                                    pytest.param(4, 2, "ring", marks=pytest.mark.slow)])
 def test_split_sequence_matches_unsplit(reference, context, data, attention):
     """Balanced causal attention against all-gathered K/V ("blocked"), ring attention ("ring") and the
     all-gathered plain reference ("full")."""
@@ -59,6 +61,7 @@ def test_split_sequence_matches_unsplit(reference, context, data, attention):
                                    err_msg=jax.tree_util.keystr(path))
 
 
+@pytest.mark.slow
 def test_context_split_divides_memory_and_not_work():
     """A 2048-token row: per-device temporaries and weights ~1/context, FLOPs over all devices within 1.2x of one device's
     (the balanced attention computes ~(2n+1)/2n of the causal blocks; the reference would be ~1.5x here)."""

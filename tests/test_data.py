@@ -271,6 +271,7 @@ def test_loader_reads_shards_only_when_asked_and_each_process_its_share(prepared
     assert sorted(targets) == want  # together: every target of the epoch once
 
 
+@pytest.mark.slow
 def test_loader_workers_resume_exactly(prepared):
     docs = PreparedDocuments([prepared[0]])
     a = PackedIterator(docs, 128, 4, seed=2, window=64, workers=2)

@@ -15,7 +15,7 @@ PROMPTS = [[5, 17, 3, 44, 9, 1, 2], [8, 2], [60, 61, 62, 63, 64]]
 
 @pytest.fixture(scope="module")
 def setup():
-    cfg = tiny_cfg("MEM*E-", n_group=2, topk_group=1, chunk_size=4)
+    cfg = tiny_cfg("M*E-", n_group=2, topk_group=1, chunk_size=4)  # every layer kind once
     params = M.init(cfg, jax.random.key(0))
     return cfg, params
 
@@ -31,6 +31,7 @@ def full_logprobs(params, cfg, seq, temperature=1.0, width=32):
     return np.asarray(jax.nn.log_softmax(logits / temperature, axis=-1))
 
 
+@pytest.mark.slow
 def test_greedy_matches_full_reforward_argmax(setup):
     cfg, params = setup
     g = generate(params, PROMPTS, cfg, SamplingParams(max_new_tokens=6, temperature=0.0))
@@ -50,6 +51,7 @@ def test_logprobs_equal_full_forward(setup, temperature):
         np.testing.assert_allclose(lps, want, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_padded_batch_rows_equal_alone(setup):
     cfg, params = setup
     sp = SamplingParams(max_new_tokens=5, temperature=0.0)
@@ -70,6 +72,21 @@ def test_stop_tokens_and_finish_reason(setup):
     assert g0.finish_reason[0] == "length"
 
 
+def test_one_decode_program_serves_every_budget(setup):
+    """The decode step depends on the sampling settings, not on max_new_tokens: a second budget on the same
+    state shape compiles nothing new."""
+    from nemo_jax import generate as G
+
+    cfg, params = setup
+    greedy = SamplingParams(max_new_tokens=2, temperature=0.0)
+    short = generate(params, PROMPTS, cfg, greedy, max_len=16)
+    compiled = G._decode_and_sample._cache_size()
+    longer = generate(params, PROMPTS, cfg, SamplingParams(max_new_tokens=5, temperature=0.0), max_len=16)
+    assert G._decode_and_sample._cache_size() == compiled
+    assert [t[:2] for t in longer.tokens] == short.tokens
+
+
+@pytest.mark.slow
 def test_continuing_state_equals_prefilling_concatenation(setup):
     cfg, params = setup
     g = generate(params, PROMPTS, cfg, SamplingParams(max_new_tokens=4, temperature=0.0), max_len=40)
@@ -108,6 +125,7 @@ def test_top_p_keeps_the_smallest_nucleus():
     np.testing.assert_allclose(np.exp(lp[:2]), [0.625, 0.375], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_unmerged_lora_equals_merged_weights(setup):
     cfg, params = setup
     q = params["layers"]["attention"]["mixer"]["q_proj"]["kernel"]  # [n, in, out]
@@ -129,6 +147,7 @@ def test_unmerged_lora_equals_merged_weights(setup):
         attach(params, {"layers": {"attention": {"mixer": {"qq_proj": {"lora_a": A}}}}})
 
 
+@pytest.mark.slow
 def test_generation_on_a_mesh(setup):
     from nemo_jax.model.spec import param_specs
     from nemo_jax.parallel.mesh import make_mesh
@@ -141,6 +160,7 @@ def test_generation_on_a_mesh(setup):
     assert generate(sharded, PROMPTS, cfg, sp).tokens == generate(params, PROMPTS, cfg, sp).tokens
 
 
+@pytest.mark.slow
 def test_generate_cli_streams_tokens(tmp_path, capsys):
     import os
 
@@ -173,6 +193,7 @@ def _two_turns(i, turns):
     return MORE if i % 2 == 0 and len(turns) == 1 else None
 
 
+@pytest.mark.slow
 def test_continuous_batching_equals_each_sequence_alone(setup, max_len=26):  # 26 positions per row: a first
     # turn that stops early (4 tokens) is continued in place, one of 6 tokens is re-prefilled whole
     """2 decode rows serving 6 two-turn or one-turn sequences (finished rows refilled in place, turns continued
@@ -196,6 +217,7 @@ def test_continuous_batching_equals_each_sequence_alone(setup, max_len=26):  # 2
     assert reasons == {"stop", "length"}  # rows finished at different times
 
 
+@pytest.mark.slow
 def test_continuous_batching_sampled_logprobs_equal_full_forward(setup):
     cfg, params = setup
     sp = SamplingParams(max_new_tokens=5, temperature=0.8)
@@ -229,6 +251,7 @@ def test_per_row_sampling_equals_the_static_reference():
     np.testing.assert_allclose(plain, got[:2], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_engine_rows_with_their_own_sampling_parameters(setup):
     """One engine batch serves sequences with different temperatures, top-k, top-p, budgets and stop ids: each
     turn's logprobs are those of its own distribution (a full forward), greedy rows equal `generate`, and a
@@ -272,6 +295,7 @@ def test_engine_rows_with_their_own_sampling_parameters(setup):
         eng.submit([1] * 36, SamplingParams(max_new_tokens=8))
 
 
+@pytest.mark.slow
 def test_engine_refills_most_rows_while_one_decodes(setup):
     """Sequences admitted into most rows at once (the chunk runs every row) while an earlier one is mid-turn in a
     row before them: each is prefilled into its own row (the mid-turn one is untouched), so every turn's logprobs
@@ -299,6 +323,7 @@ def test_engine_refills_most_rows_while_one_decodes(setup):
         np.testing.assert_allclose(ends[i].logprobs, [lp[j, t] for j, t in enumerate(ends[i].tokens)], atol=1e-4)
 
 
+@pytest.mark.slow
 def test_engine_parks_finished_turns_and_swaps_adapters(setup):
     """A parked sequence decodes nothing while the other row keeps decoding; fed, it continues in place with the
     adapters set meanwhile (its turn records their version) and equals `generate` on the whole conversation;

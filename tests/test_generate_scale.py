@@ -63,6 +63,7 @@ def test_prefill_temporaries_linear_and_bounded():
     assert ref > 8 * temps[2048], (ref, temps[2048])
 
 
+@pytest.mark.slow
 def test_blocked_last_and_positions_equal_reference():
     cfg = tiny_cfg("M*", chunk_size=16)
     params = M.init(cfg, jax.random.key(1))
@@ -97,6 +98,7 @@ def test_decode_step_writes_the_cache_in_place(small):
     assert not hits, hits[:4]
 
 
+@pytest.mark.slow
 def test_rows_keep_their_own_positions(small):
     """Rows append at their own positions: a row given nothing keeps its position and slots, a row refilled
     from position 0 beside others gives the logits of that row alone."""
@@ -157,6 +159,7 @@ def test_state_sharded_per_device_and_flops_split(small, fsdp8):
         assert a.sharding.is_equivalent_to(b.sharding, a.ndim)
 
 
+@pytest.mark.slow
 def test_generation_parity_on_a_mesh(small, fsdp8):
     cfg, params = small
     _, sharded = fsdp8
@@ -173,6 +176,7 @@ def test_generation_parity_on_a_mesh(small, fsdp8):
     assert s8.valid.sharding.spec[0] == "fsdp"
 
 
+@pytest.mark.slow
 def test_continuous_batching_on_a_mesh(small, fsdp8):
     """Continuous batching on sharded params (the state's rows and positions over `fsdp`; refills and
     continuations gathered, run and scattered back in place) gives the single-device turns."""

@@ -25,7 +25,7 @@ from nemo_jax.rl.learner import make_learner_step
 from nemo_jax.rl.producer import sample_rollouts, sample_rollouts_plain
 from nemo_jax.rl.rollout import learner_batch
 
-from helpers import FAST_COMPILE, tiny_cfg
+from helpers import FAST_COMPILE, micro_model, tiny_cfg
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -108,6 +108,7 @@ class TwoTurns:
         return Score(float(len(history)), False)
 
 
+@pytest.mark.slow
 def test_multi_turn_rollouts_are_the_rendered_conversation(tok, base):
     client = TrainingClient(CFG, base, LCFG)
     env = TwoTurns()
@@ -131,6 +132,7 @@ def test_multi_turn_rollouts_are_the_rendered_conversation(tok, base):
     np.testing.assert_allclose(lp[batch["loss_mask"]], batch["behaviour_logprobs"][batch["loss_mask"]], atol=2e-4)
 
 
+@pytest.mark.slow
 def test_client_primitives_match_the_fused_learner_step(base, tmp_path):
     from test_rl import _rl_batch
 
@@ -219,8 +221,11 @@ BANDIT = textwrap.dedent('''
 
 
 def _grpo_cmd(run_dir, steps):
+    """The bandit on a random tiny model cut to attention + MLP (the adapters are on lm_head alone)."""
+    model = micro_model(os.path.dirname(run_dir))
     return [sys.executable, "-m", "nemo_jax.cli", "grpo", "--config", os.path.join(ROOT, "configs/grpo/tiny-cpu.yaml"),
             f"run_dir={run_dir}", f"steps={steps}", "model.init=random", "model.init_sft_config=null",
+            f"model.config={model}",
             "rollout.env=bandit_env:Digits", "rollout.env_args={}", "rollout.group_size=6",
             "rollout.groups_per_step=4", "rollout.max_new_tokens=6", "rollout.seq_len=32", "optim.lr=0.03",
             "lora.targets=[lm_head]", "checkpoint.every=3", "logging.tensorboard=false", "eval_every=0"]
@@ -313,6 +318,7 @@ def test_inbox_tools_checks_and_guardrails():
                                                                                           "}</tool_call>"}]).reward == 0
 
 
+@pytest.mark.slow
 def test_streamed_rollouts_equal_the_turn_by_turn_sampler(tok, base, monkeypatch):
     """The engine-driven episodes (2 decode rows for 4 two-turn rollouts, conversations parked and continued in
     their rows) give, greedy, the rollouts the plain turn-by-turn sampler gives."""
@@ -423,6 +429,7 @@ def test_a_waiting_episode_never_stalls_the_other_rows(tok, base, monkeypatch):
     assert sorted(env.closed) == ["fast0", "fast1", "fast2", "hang", "slow"]
 
 
+@pytest.mark.slow
 def test_mcp_episode_round_trip_with_the_shipped_server(tok, base):
     """An MCP episode starts the shipped tiny server (stdio, the official client), lists its tools in the chat
     template's format, runs the tool calls of each turn (both call forms; an unknown tool and a tool error come

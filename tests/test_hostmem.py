@@ -89,6 +89,7 @@ def _xla_probe(mode: str, **env):
     return out[0], out[1], [float(v) for v in out[2:]]
 
 
+@pytest.mark.slow
 def test_xla_cpu_setting_applies_and_keeps_values():
     if not hostmem._jaxlib_knows(hostmem.YNN_FUSIONS):
         pytest.skip("this jaxlib has no YNNPACK fusion flag")
@@ -120,3 +121,79 @@ def test_gpu_flags_added_once_and_user_flags_win(monkeypatch):
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     monkeypatch.setenv("XLA_FLAGS", "")
     assert not hostmem.tune_xla_gpu() and os.environ["XLA_FLAGS"] == ""  # a CPU process is left alone
+
+
+# ----------------------------------------------------------------------------- quiet CPU hosts
+_NOISE = (b"WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\n"
+          b"I0000 00:00:1796459711.954112    7478 cudart_stub.cc:31] Could not find cuda drivers on your machine, "
+          b"GPU will not be used.\n")
+# a jax plugin (found in the `jax_plugins` namespace) whose registration writes the CUDA noise and real warnings
+_NOISY_PLUGIN = f"""
+import os, warnings
+def initialize():
+    os.write(2, {_NOISE!r})
+    os.write(2, b"W0000 00:00:1.0 1 plugin.cc:7] a real warning from a plugin library\\n")
+    warnings.warn("a real Python warning from a plugin")
+"""
+
+
+def _noise_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if hostmem.PLUGIN_NOISE.fullmatch(line)]
+
+
+_FILTER_PROBE = f"""
+import ctypes, os, sys
+from nemo_jax import hostmem
+with hostmem.stderr_filtered():
+    os.write(2, b"first real line\\n" + {_NOISE!r})
+    ctypes.CDLL(None).write(2, b"E0000 a native error line\\n", 26)
+    print("a Python line on sys.stderr", file=sys.stderr)
+    os.write(2, {_NOISE!r} + b"last real line, no newline")
+print("stdout untouched")
+"""
+
+
+def test_stderr_filter_drops_the_plugin_noise_and_keeps_everything_else():
+    r = subprocess.run([sys.executable, "-c", _FILTER_PROBE], capture_output=True, text=True, check=True)
+    assert r.stderr == ("first real line\nE0000 a native error line\na Python line on sys.stderr\n"
+                        "last real line, no newline")
+    assert r.stdout == "stdout untouched\n"
+    assert len(_noise_lines(_NOISE.decode())) == 2  # the pattern matches the real noise, line by line
+
+
+def _gpu_plugin_installed() -> bool:
+    import importlib.util
+
+    return any(importlib.util.find_spec(m) for m in hostmem._GPU_PLUGINS)
+
+
+@pytest.mark.skipif(not _gpu_plugin_installed(), reason="no GPU plugin installed (pip install '.[plan-gpu]')")
+def test_cpu_host_commands_print_no_plugin_noise_and_keep_real_warnings(tmp_path):
+    """With the CUDA plugin installed on a host without a GPU, `import jax` alone prints the driver lines three
+    times; a `nemo-jax` command (serve, which imports jax before it finds the checkpoint missing) prints none of
+    them, while a plugin's real warnings, written while jax registers its plugins, still reach stderr, in order,
+    and so does the command's error line. Its child processes are quiet too."""
+    env = {k: v for k, v in os.environ.items() if k != "NEMO_JAX_QUIET_PLUGINS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    plain = subprocess.run([sys.executable, "-c", "import jax"], env=env, capture_output=True, text=True)
+    if not _noise_lines(plain.stderr):
+        pytest.skip("the installed plugin logs nothing on this host (a GPU host?)")
+    assert len(_noise_lines(plain.stderr)) == 6  # the reproduction: three absl preambles, three driver lines
+
+    (tmp_path / "jax_plugins" / "nemo_jax_test_noisy").mkdir(parents=True)
+    (tmp_path / "jax_plugins" / "nemo_jax_test_noisy" / "__init__.py").write_text(_NOISY_PLUGIN)
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path)] + [p for p in [env.get("PYTHONPATH")] if p])
+    r = subprocess.run([sys.executable, "-m", "nemo_jax.cli", "serve", "--ckpt", str(tmp_path / "missing")],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr
+    assert not _noise_lines(r.stderr), r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert lines[0] == "W0000 00:00:1.0 1 plugin.cc:7] a real warning from a plugin library", r.stderr
+    assert "UserWarning: a real Python warning from a plugin" in lines[1]
+    assert lines[-1] == f"nemo-jax serve: error: {tmp_path / 'missing'}: no such model, checkpoint or run dir"
+
+    child = ("import subprocess, sys; from nemo_jax import hostmem; hostmem.quiet_plugin_noise(); "
+             "subprocess.run([sys.executable, '-c', 'import nemo_jax, jax'], check=True)")
+    r = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and not _noise_lines(r.stderr), r.stderr
+    assert "a real warning from a plugin library" in r.stderr

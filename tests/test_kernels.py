@@ -108,6 +108,7 @@ def _attn_params(cfg, seed=0):
     return jax.tree.unflatten(tree, [s.init(k, s.shape, s.dtype) for s, k in zip(leaves, keys)])
 
 
+@pytest.mark.slow
 def test_cached_attention_kernel_matches_reference(small_blocks):
     """Decode (a 3-token chunk over the cache as stored plus its own keys) and prefill (a 9-token chunk over
     the cache with the chunk written in) through `attention`: equal to the reference on every valid query, with

@@ -70,6 +70,7 @@ def test_rslora_scale():
     np.testing.assert_array_equal(a["layers"]["attention"]["mixer"]["q_proj"]["lora_scale"], 8.0)
 
 
+@pytest.mark.slow
 def test_fresh_adapters_leave_logits_unchanged(setup):
     params, toks = setup
     a = lora.init_adapters(CFG, ALL)
@@ -125,6 +126,7 @@ def test_gradients_reach_only_adapters(setup):
             assert float(jnp.max(jnp.abs(g))) > 0, jax.tree_util.keystr(p)
 
 
+@pytest.mark.slow
 def test_expert_parallel_and_tensor_parallel_match_one_device(setup):
     params, toks = setup
     a = _randomised(lora.init_adapters(CFG, ALL))

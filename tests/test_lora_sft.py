@@ -37,6 +37,7 @@ def trained(tmp_path_factory):
     return d, tr, base_before
 
 
+@pytest.mark.slow
 def test_only_adapters_train(trained):
     d, tr, base_before = trained
     flat = flatten_with_paths(tr.state.params)
@@ -58,6 +59,7 @@ def test_only_adapters_train(trained):
     assert not [k for k in flatten_with_paths(tr.state.opt_state) if "lora_scale" in k]
 
 
+@pytest.mark.slow
 def test_checkpoint_holds_adapters_and_resume_is_exact(trained, tmp_path):
     d, tr, _ = trained
     # the run checkpoint is small: adapters + their optimiser state, not the base
@@ -80,6 +82,7 @@ def test_checkpoint_holds_adapters_and_resume_is_exact(trained, tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow
 def test_bf16_base_and_sharded_adapters(tmp_path):
     tr = Trainer(cfg_for(tmp_path / "bf16", "steps=2", "lora.base_dtype=bfloat16", "mesh.fsdp=2", "mesh.tensor=2",
                          "mesh.expert=2", "data.batch_size=4"), quiet=True)

@@ -220,6 +220,7 @@ def test_qk_restore_recipe_takes_exactly_attention_qk(three, tmp_path):
     assert len(rows) == 1 + len(got) and sum("\ttake\t" in r for r in rows) == len(qk)
 
 
+@pytest.mark.slow
 def test_lora_delta_merge_equals_unmerged_forward(tmp_path):
     """Two PEFT adapters (dense attention, fused Mamba in_proj, per-expert) added at weights 1.0 and 0.5 by the
     shipped add-experts recipe: the merged model's forward equals the unmerged forward with both adapters

@@ -18,9 +18,14 @@ def _setup(pattern="MEM*E-", seed=0, **kw):
     return cfg, params
 
 
-# periodic: MEM*E-MEM*E- (two periods in one scan) covers MEM*E- alone, which the cond schedule runs
-@pytest.mark.parametrize("pattern,schedule", [(p, "periodic") for p in PATTERNS[1:]]
-                         + [("MEM*E-", "cond"), ("M-M*-MM-", "cond"), (RUNS, "runs")])
+SLOW = pytest.mark.slow
+
+
+# periodic: MEM*E-MEM*E- (two periods in one scan) covers MEM*E- alone, which the cond schedule runs; the fast
+# tier keeps the cheapest (the cond scan of the irregular pattern)
+@pytest.mark.parametrize("pattern,schedule", [pytest.param(p, "periodic", marks=SLOW) for p in PATTERNS[1:]]
+                         + [pytest.param("MEM*E-", "cond", marks=SLOW), ("M-M*-MM-", "cond"),
+                            pytest.param(RUNS, "runs", marks=SLOW)])
 def test_scan_matches_unrolled_reference(pattern, schedule, monkeypatch):
     """Both scan schedules (repeated periods unrolled in the body; one scan with lax.cond for kinds present in
     only some units) agree with the unrolled reference in values and gradients."""
@@ -93,7 +98,7 @@ def test_blocked_attention_matches_full(length):
 
 
 @pytest.mark.parametrize("schedule,pattern", [("periodic", "MEM*E-MEM*E-"), ("cond", "MEM*E-MEM*E-"),
-                                              ("runs", RUNS)])
+                                              pytest.param("runs", RUNS, marks=SLOW)])
 def test_cached_chunks_match_forward_on_a_repeating_pattern(schedule, pattern, monkeypatch):
     """Prefill + one-token steps through the decode state (caches carried through the scanned period)
     give the full forward's logits."""
@@ -129,6 +134,7 @@ def test_causality():
         assert not np.allclose(changed[:, t:], base[:, t:])
 
 
+@pytest.mark.slow
 def test_packing_equivalence():
     """Each document packed among others gets the logits it gets alone (every mixer)."""
     cfg, params = _setup(n_group=2, topk_group=1, chunk_size=4)
@@ -144,6 +150,7 @@ def test_packing_equivalence():
         off += n
 
 
+@pytest.mark.slow
 def test_jit_and_eager_agree():
     cfg, params = _setup()
     toks = jax.random.randint(jax.random.key(1), (2, 9), 0, cfg.vocab_size)
@@ -153,6 +160,7 @@ def test_jit_and_eager_agree():
     np.testing.assert_allclose(eager, jitted, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_bf16_close_to_fp32():
     cfg, params = _setup()
     toks = jax.random.randint(jax.random.key(1), (2, 33), 0, cfg.vocab_size)
@@ -164,6 +172,7 @@ def test_bf16_close_to_fp32():
     assert float(jnp.mean(jnp.argmax(f32, -1) == jnp.argmax(b16, -1))) > 0.9
 
 
+@pytest.mark.slow
 def test_mtp_forward_shapes_and_dependence():
     cfg, params = _setup(num_nextn_predict_layers=2)
     toks = jax.random.randint(jax.random.key(1), (2, 10), 0, cfg.vocab_size)

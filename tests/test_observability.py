@@ -66,6 +66,7 @@ def expected_scalars(recs) -> dict[str, dict[int, float]]:
 
 
 # ----------------------------------------------------------------------------------------------- TensorBoard
+@pytest.mark.slow
 def test_tensorboard_events_hold_every_logged_scalar_and_expert_load(runs):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -9,16 +9,19 @@ import sys
 import pytest
 import yaml
 
-from helpers import FAST_COMPILE
+from helpers import FAST_COMPILE, micro_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _small_recipe(path):
-    """configs/recipes/tiny-cpu.yaml with every stage cut to a few steps and a few eval tasks."""
+    """configs/recipes/tiny-cpu.yaml with every stage cut to a few steps and a few eval tasks, on the tiny model
+    cut to an attention and an MLP layer (every later stage inherits the base's config; the stages' plumbing,
+    not the layer kinds, is under test here)."""
     with open(os.path.join(ROOT, "configs/recipes/tiny-cpu.yaml")) as f:
         r = yaml.safe_load(f)
-    r["base"]["overrides"] = ["steps=4", "eval_every=0", "checkpoint.every=0", "data.seq_len=128"]
+    r["base"]["overrides"] = ["steps=4", "eval_every=0", "checkpoint.every=0", "data.seq_len=128",
+                              f"model.config={micro_model(os.path.dirname(path))}"]
     r["sft"]["overrides"] = ["steps=2", "lora.targets=[]", "eval_every=0", "checkpoint.every=0", "data.seq_len=128"]
     for e in r["experts"]:  # both experts with the same shapes: the second reuses the first's compiled programs
         keep = [o for o in e["overrides"] if not o.startswith(("steps=", "rollout.max_new_tokens=", "rollout.seq_len="))]

@@ -168,6 +168,7 @@ def reference():
     return _run(None, 1)
 
 
+@pytest.mark.slow
 def test_learner_micro_batches_and_devices_match_one_batch(reference):
     ref_m, ref_p = reference
     assert ref_m[0]["ratio_max"] > 1.0 or ref_m[0]["ratio_min"] < 1.0  # off-policy: the ratio is exercised

@@ -27,6 +27,7 @@ def _gpu():
     return get_topology("gpu", "h100", 1)[0]
 
 
+@pytest.mark.slow
 def test_blocked_attention_keeps_one_block_of_logits():
     """The reference attention's backward on the deviceless H100 target, 16 query blocks of a 4k-row layer:
     with each block checkpointed the temporaries stay under a third of every block's fp32 logits and
@@ -65,6 +66,7 @@ def _train_step_program(mesh_sizes, grad_accum=1, **over):
     return prog, state, prog.step.lower(state, batch, frozen).compile()
 
 
+@pytest.mark.slow
 def test_accumulation_copies_no_fp32_weights_and_one_micro_batch_has_no_loop():
     """Micro-batches run on compute-dtype copies of the weights: the accumulation loop carries one fp32
     accumulator per weight and no fp32 weights (the donated masters were copied into the loop before);
@@ -86,6 +88,7 @@ def test_accumulation_copies_no_fp32_weights_and_one_micro_batch_has_no_loop():
     assert not any(len(H._arrays(i.type)) > 100 for i in comps1[entry1] if i.opcode == "while")
 
 
+@pytest.mark.slow
 def test_head_gradient_is_reduce_scattered():
     """fsdp=4 x tensor=2: the lm_head is gathered once per micro-batch (in the compute dtype) and its gradient
     leaves by one reduce-scatter; no all-reduce moves an array of the head's tensor-local [D, V/2] shape (under
@@ -138,6 +141,7 @@ def test_expert_lora_saves_its_up_projection_in_the_compute_dtype():
     assert named and all(e.outvars[0].aval.dtype == jnp.bfloat16 for e in named)
 
 
+@pytest.mark.slow
 def test_gpu_all_to_all_moves_the_compute_dtype_both_ways():
     """On the deviceless XLA:GPU target (which keeps a collective's dtype, unlike XLA:CPU) a bf16 step's
     expert all-to-alls move bf16 both ways (the outputs came back in fp32), and no weight gradient is

@@ -145,6 +145,7 @@ def _learner_logprobs(cfg, params, prompt, completion, temperature, adapters=Non
 
 
 # ----------------------------------------------------------------------------- chat
+@pytest.mark.slow
 def test_chat_logprobs_token_ids_n_and_seeds(served):
     srv, _, cfg, params, _ = served
     c = srv.client
@@ -281,6 +282,7 @@ def test_completions_errors_and_metrics(served):
 
 
 # ----------------------------------------------------------------------------- images (the model is a VL one)
+@pytest.mark.slow
 def test_image_requests(served):
     from PIL import Image
 

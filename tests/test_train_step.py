@@ -30,6 +30,7 @@ def _state(cfg, o, steps=10):
     return TrainState(params, tx.init(params), z(), z(), z(), jax.random.key_data(jax.random.key(1))), tx, sched
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_is_exact():
     """The token-mean loss is exact under micro-batching (the MoE balance loss is per micro-batch, so off here)."""
     cfg = tiny_cfg("ME*")
@@ -58,6 +59,7 @@ def test_remat_policies_do_not_change_gradients(remat):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_mtp_loss_term():
     cfg = tiny_cfg("ME", num_nextn_predict_layers=1)
     params = init(cfg, jax.random.key(0))
@@ -159,6 +161,7 @@ def test_vocab_parallel_cross_entropy_matches_the_reference(mesh_sizes):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_compute_weights_cast_changes_nothing_but_the_bytes(monkeypatch):
     """Under bf16 the matmul weights are cast once up front (so FSDP gathers bf16): the loss and gradients of
     casting each at use (to bf16 rounding), and the router kernel stays fp32."""

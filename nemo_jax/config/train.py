@@ -46,6 +46,20 @@ def _one_of(section, name: str, choices: tuple):
 
 
 DTYPES = ("float32", "bfloat16")
+CAST_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32",
+               "fp16": "float16", "float16": "float16"}  # the names a --dtype flag accepts
+
+
+def cast_dtype(name: str | None):
+    """A `--dtype` value (`bf16`, `fp32`, `fp16` or their long names) -> that jnp dtype; None, "" or "keep" -> None
+    (keep each tensor's own dtype). An unknown name is a ValueError naming the flag."""
+    if name in (None, "", "keep"):
+        return None
+    if name not in CAST_DTYPES:
+        raise ValueError(f"--dtype: unknown dtype {name!r} (use one of {', '.join(sorted(CAST_DTYPES))})")
+    import jax.numpy as jnp
+
+    return getattr(jnp, CAST_DTYPES[name])
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ mean/std, and cut row-major patches, each laid out channel-major `(C, p, p)`.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 import math
 import os
@@ -120,12 +121,10 @@ def widen_image_tokens(v: VisionConfig, doc):
     mask off there."""
     if not doc.image_hw:
         return doc
-    from nemo_jax.data.chat import Document
-
     reps = np.ones(len(doc.ids), np.int64)
     reps[np.flatnonzero(doc.ids == v.image_token_id)] = [h * w // v.merge ** 2 for h, w in doc_grids(v, doc)]
     ids = np.repeat(doc.ids, reps)
-    return Document(ids, np.repeat(doc.mask, reps) & (ids != v.image_token_id), doc.source, doc.images, doc.image_hw)
+    return dataclasses.replace(doc, ids=ids, mask=np.repeat(doc.mask, reps) & (ids != v.image_token_id))
 
 
 class RowImages:
@@ -162,13 +161,9 @@ class RowImages:
         except ImageError as e:
             if self.on_error == "skip":
                 return None
-            from nemo_jax.data.chat import DataError
-
-            raise DataError(f"data: {e}") from None
+            raise ImageError(f"data: {e}") from None
         if [tuple(g) for g in grid.tolist()] != self.grids(doc):
-            from nemo_jax.data.chat import DataError
-
-            raise DataError(f"data: {doc.images[0][:80]}...: an image changed size since the data was prepared")
+            raise ImageError(f"data: {doc.images[0][:80]}...: an image changed size since the data was prepared")
         return pix, grid.tolist()
 
     def row(self, loaded: list) -> dict[str, np.ndarray]:

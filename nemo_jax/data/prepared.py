@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from nemo_jax import fsutil, runlock
 from nemo_jax.data.chat import DataError, Document, resolve
 from nemo_jax.fsutil import check_not_input, os_error_code
 
@@ -286,19 +287,23 @@ def prepare(sources: list[str], tokenizer: str, out: str, *, workers: int = 1, v
     previous run on the same inputs are kept (`overwrite`: an earlier prepared output in `out` is cleared
     first); the manifest is written last and atomically. `out` must be new, empty, or a prepared-data folder
     (`claim_output`): a folder holding anything else is refused before any work, and a prepare that fails before
-    finishing a shard leaves no folder behind that it made."""
+    finishing a shard leaves no folder behind that it made. The folder's write lock (`nemo_jax.runlock`) is held
+    throughout: a second writer of `out` stops at once, naming this one."""
     if on_error not in ("raise", "skip"):
         raise ValueError(f"data.on_error: {on_error!r} (expected raise or skip)")
     if not sources:
         raise ValueError("data prepare: no input files")
     check_not_input(out, [resolve(p) for p in sources], "--out")
-    made = claim_output(out, overwrite)
+    check_prepared_output(out)  # a file or a foreign folder is refused before anything is made
+    new, made = not os.path.lexists(out), None
     try:
-        return _prepare(sources, tokenizer, out, workers, vocab_size, on_error, chunk_bytes, quiet)
+        with runlock.hold(out, f"nemo-jax {fsutil.COMMAND or 'data prepare'}"):  # one writer per folder
+            made = claim_output(out, overwrite)
+            return _prepare(sources, tokenizer, out, workers, vocab_size, on_error, chunk_bytes, quiet)
     except BaseException:
         shards = os.path.join(out, "shards")
         if made and not any(n.endswith(".array_record") for n in (os.listdir(shards) if os.path.isdir(shards) else ())):
-            _unclaim(out, made)  # nothing finished: leave no empty skeleton behind
+            _unclaim(out, "new" if new else made)  # nothing finished: leave no empty skeleton behind (lock released)
         raise
 
 
@@ -343,17 +348,15 @@ def _prepare(sources, tokenizer, out, workers, vocab_size, on_error, chunk_bytes
 OWN_ENTRIES = (MANIFEST, "shards")  # what a prepared-data folder holds (besides its output marker)
 
 
-def claim_output(out: str, overwrite: bool = False) -> str | None:
-    """Make `out` a prepared-data folder: new or empty (marked now, so a killed run is recognised), or one
-    already (kept, to reuse its finished shards; with `overwrite` cleared). A folder holding anything else is
-    an OutputExistsError naming the entry: nothing in it is touched. -> "new" (this call made the folder),
-    "empty" (it marked an empty one) or None (it was prepared data already)."""
-    from nemo_jax.fsutil import OUTPUT_MARKER, OutputExistsError, read_marker, write_marker
+def check_prepared_output(out: str) -> dict | None:
+    """May `out` become a prepared-data folder (new, empty, or one already)? -> its output marker (None: none
+    yet); a file, or a folder holding anything else, is an OutputExistsError naming the entry."""
+    from nemo_jax.fsutil import OUTPUT_MARKER, OutputExistsError, read_marker
 
     out = os.path.abspath(out)
     if os.path.lexists(out) and (os.path.islink(out) or not os.path.isdir(out)):
         raise OutputExistsError(f"{out} exists and is not a folder: not touched (choose another --out)")
-    entries = sorted(os.listdir(out)) if os.path.isdir(out) else []
+    entries = [e for e in sorted(os.listdir(out)) if not runlock.is_lock_entry(e)] if os.path.isdir(out) else []
     marker = read_marker(out) if entries else None
     if marker is not None and marker.get("kind") != "prepared data":
         raise OutputExistsError(f"{out}: not touched: it holds a {marker.get('kind')} (written by "
@@ -363,6 +366,18 @@ def claim_output(out: str, overwrite: bool = False) -> str | None:
         more = f" (and {len(foreign) - 1} more)" if len(foreign) > 1 else ""
         raise OutputExistsError(f"{out}: not touched: {foreign[0]!r}{more} in it is not part of a prepared-data "
                                 "folder (choose an empty or new --out)")
+    return marker
+
+
+def claim_output(out: str, overwrite: bool = False) -> str | None:
+    """Make `out` a prepared-data folder: new or empty (marked now, so a killed run is recognised), or one
+    already (kept, to reuse its finished shards; with `overwrite` cleared). A folder holding anything else is
+    an OutputExistsError naming the entry: nothing in it is touched (`check_prepared_output`). -> "new" (this
+    call made the folder), "empty" (it marked an empty one) or None (it was prepared data already)."""
+    from nemo_jax.fsutil import write_marker
+
+    out = os.path.abspath(out)
+    marker = check_prepared_output(out)
     made = None if marker is not None else "empty" if os.path.isdir(out) else "new"
     os.makedirs(out, exist_ok=True)
     if overwrite:

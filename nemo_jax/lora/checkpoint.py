@@ -18,7 +18,7 @@ import numpy as np
 
 from nemo_jax.config.model import NemotronHConfig
 from nemo_jax.fsutil import atomic_dir
-from nemo_jax.lora import LoraConfig, adapter_specs
+from nemo_jax.lora.adapters import LoraConfig, adapter_specs
 from nemo_jax.model.spec import PARAM_LAYOUT, ParamSpec, check_param_layout, path_str
 
 META = "lora.json"

@@ -219,7 +219,7 @@ def unservable(cfg, adapted_paths, format: str) -> dict[str, str]:
 
 def check_servable(cfg, lora_config, format: str, what: str = "rollout.publish_format") -> None:
     """Refuse (one ValueError naming them) LoRA targets that adapter directories in `format` cannot hold."""
-    from nemo_jax.lora import selected_paths
+    from nemo_jax.lora.adapters import selected_paths
 
     bad = unservable(cfg, selected_paths(cfg, lora_config), format)
     if bad:
@@ -513,7 +513,7 @@ def load_peft(path, cfg, *, dtype=None) -> dict:
 
 def lora_config_of(path, adapters):
     """A `nemo_jax.lora.LoraConfig` describing an imported PEFT adapter (exact path regexes as targets)."""
-    from nemo_jax.lora import LoraConfig
+    from nemo_jax.lora.adapters import LoraConfig
 
     conf = read_peft_config(path)
     if conf.get("rank_pattern"):
@@ -583,7 +583,7 @@ def load_adapters_any(src, cfg) -> dict:
     src = os.fspath(src)
     if os.path.exists(os.path.join(src, ADAPTER_CONFIG)):
         return load_peft(src, cfg)
-    from nemo_jax.lora import load_adapter_checkpoint
+    from nemo_jax.lora.checkpoint import load_adapter_checkpoint
 
     acfg, _, adapters = load_adapter_checkpoint(src)
     check_adapters_fit(acfg, cfg, src)

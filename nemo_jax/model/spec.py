@@ -19,7 +19,8 @@ layer order, so `layers/moe/mixer/experts/up_proj/kernel` is `[n_moe, E, in, I]`
                                       fc1_latent_proj [D, Din], fc2_latent_proj [Din, D]  (latent only)
     norm_f/scale [D], lm_head/kernel [D, V]
     mtp/...                           enorm, hnorm, eh_proj [2D, D], layers/{kind}/..., final_layernorm
-    vision/..., projector/...         the RADIO tower and projector of omni models (`nemo_jax.model.vision`)
+    vision/..., projector/...         the RADIO tower and projector of omni models (`vision_specs` below; the
+                                      forward is `nemo_jax.model.vision`)
 """
 
 from __future__ import annotations
@@ -151,8 +152,6 @@ def param_specs(cfg: NemotronHConfig) -> dict:
     if cfg.num_nextn_predict_layers:
         specs["mtp"] = [mtp_specs(cfg) for _ in range(cfg.num_nextn_predict_layers)]
     if cfg.vision is not None:
-        from nemo_jax.model.vision import vision_specs
-
         specs.update(vision_specs(cfg))
     return specs
 
@@ -166,6 +165,59 @@ def mtp_specs(cfg: NemotronHConfig) -> dict:
         "layers": layer_stack_specs(cfg, cfg.mtp_layer_kinds),
         "final_layernorm": norm(D),
     }
+
+
+def vision_specs(cfg: NemotronHConfig) -> dict:
+    """ParamSpecs of the vision tower and projector of `cfg` (a NemotronHConfig with `.vision`):
+    {"vision": ..., "projector": ...} (the leaf paths are listed in `nemo_jax.model.vision`'s docstring)."""
+    v = cfg.vision
+    Dv, std = v.hidden_size, 0.02
+    zeros, ones = _const(0.0), _const(1.0)
+
+    def affine(d_in, d_out, in_axis, out_axis, bias=True):
+        out = {"kernel": ParamSpec((d_in, d_out), (in_axis, out_axis), _normal(std))}
+        if bias:
+            out["bias"] = ParamSpec((d_out,), (out_axis,), zeros)
+        return out
+
+    def layer_norm():
+        return {"scale": ParamSpec((Dv,), ("vision_norm",), ones), "bias": ParamSpec((Dv,), ("vision_norm",), zeros)}
+
+    qkv = affine(Dv, 3 * Dv, "vision_embed", "vision_qkv", bias=v.qkv_bias)
+    if v.use_swiglu_ffn:
+        mlp = {"gate_proj": affine(Dv, v.mlp_size, "vision_embed", "vision_mlp"),
+               "up_proj": affine(Dv, v.mlp_size, "vision_embed", "vision_mlp"),
+               "down_proj": affine(v.mlp_size, Dv, "vision_mlp", "vision_embed")}
+    else:
+        mlp = {"fc1": affine(Dv, v.mlp_size, "vision_embed", "vision_mlp"),
+               "fc2": affine(v.mlp_size, Dv, "vision_mlp", "vision_embed")}
+    layer = {
+        "norm1": layer_norm(),
+        "attn": {"qkv": qkv, "proj": affine(Dv, Dv, "vision_qkv", "vision_embed")},
+        "layer_scale1": {"lambda1": ParamSpec((Dv,), ("vision_norm",), _const(v.layerscale_value))},
+        "norm2": layer_norm(),
+        "mlp": mlp,
+        "layer_scale2": {"lambda1": ParamSpec((Dv,), ("vision_norm",), _const(v.layerscale_value))},
+    }
+    emb = {
+        "patch_projection": affine(v.patch_dim, Dv, "vision_patch", "vision_embed", bias=False),
+        "position_embedding": ParamSpec((1, v.max_grid ** 2, Dv), (None, "vision_positions", "vision_embed"),
+                                        _normal(std)),
+        "cls_register_token": ParamSpec((v.n_prefix, Dv), (None, "vision_embed"), _normal(std)),
+    }
+    if v.video_temporal_patch_size:
+        emb["video_patch_projection"] = affine(v.video_temporal_patch_size * v.patch_dim, Dv, "vision_patch",
+                                               "vision_embed", bias=False)
+    tower = {"embeddings": emb, "layers": _stack_tree(layer, v.num_hidden_layers)}
+    if cfg.num_nextn_predict_layers:
+        tower["final_layernorm"] = layer_norm()
+    merged = v.merge ** 2 * Dv
+    projector = {
+        "norm": {"scale": ParamSpec((merged,), ("vision_merged",), ones)},
+        "linear_1": affine(merged, v.projector_hidden_size, "vision_merged", "projector", bias=False),
+        "linear_2": affine(v.projector_hidden_size, cfg.hidden_size, "projector", "embed", bias=False),
+    }
+    return {"vision": tower, "projector": projector}
 
 
 # The storage layout of the parameter tree, recorded in what nemo_jax writes (native models, adapter and run

@@ -13,7 +13,7 @@ computed on the host by `layout` into fixed-size index arrays, so a jitted step 
 of image sizes within a row's patch budget. Rows are independent: `encode` takes [B, ...] arrays and each
 row's images become that row's tokens, so images shard with their rows over the batch axes.
 
-Parameter tree (leaf paths read like the HF names, see `nemo_jax.hf.mapping`):
+Parameter tree (`nemo_jax.model.spec.vision_specs`; leaf paths read like the HF names, see `nemo_jax.hf.mapping`):
 
     vision/embeddings/patch_projection/kernel    [C*p*p, Dv]
     vision/embeddings/video_patch_projection/kernel [T*C*p*p, Dv]   (carried for the round trip; unused)
@@ -41,62 +41,6 @@ from nemo_jax.vision_layout import (LAYOUT_KEYS, batch_layout, bilinear_taps, la
                                     position_taps, tokens_per_image)
 
 PROJECTOR_EPS = 1e-5  # the projector's RMSNorm (transformers' default; not in config.json)
-
-
-# --------------------------------------------------------------------------- parameters
-def vision_specs(cfg) -> dict:
-    """ParamSpecs of the vision tower and projector of `cfg` (a NemotronHConfig with `.vision`):
-    {"vision": ..., "projector": ...}."""
-    from nemo_jax.model.spec import ParamSpec, _const, _normal, _stack_tree
-
-    v: VisionConfig = cfg.vision
-    Dv, std = v.hidden_size, 0.02
-    zeros, ones = _const(0.0), _const(1.0)
-
-    def dense(d_in, d_out, in_axis, out_axis, bias=True):
-        out = {"kernel": ParamSpec((d_in, d_out), (in_axis, out_axis), _normal(std))}
-        if bias:
-            out["bias"] = ParamSpec((d_out,), (out_axis,), zeros)
-        return out
-
-    def layer_norm():
-        return {"scale": ParamSpec((Dv,), ("vision_norm",), ones), "bias": ParamSpec((Dv,), ("vision_norm",), zeros)}
-
-    qkv = dense(Dv, 3 * Dv, "vision_embed", "vision_qkv", bias=v.qkv_bias)
-    if v.use_swiglu_ffn:
-        mlp = {"gate_proj": dense(Dv, v.mlp_size, "vision_embed", "vision_mlp"),
-               "up_proj": dense(Dv, v.mlp_size, "vision_embed", "vision_mlp"),
-               "down_proj": dense(v.mlp_size, Dv, "vision_mlp", "vision_embed")}
-    else:
-        mlp = {"fc1": dense(Dv, v.mlp_size, "vision_embed", "vision_mlp"),
-               "fc2": dense(v.mlp_size, Dv, "vision_mlp", "vision_embed")}
-    layer = {
-        "norm1": layer_norm(),
-        "attn": {"qkv": qkv, "proj": dense(Dv, Dv, "vision_qkv", "vision_embed")},
-        "layer_scale1": {"lambda1": ParamSpec((Dv,), ("vision_norm",), _const(v.layerscale_value))},
-        "norm2": layer_norm(),
-        "mlp": mlp,
-        "layer_scale2": {"lambda1": ParamSpec((Dv,), ("vision_norm",), _const(v.layerscale_value))},
-    }
-    emb = {
-        "patch_projection": dense(v.patch_dim, Dv, "vision_patch", "vision_embed", bias=False),
-        "position_embedding": ParamSpec((1, v.max_grid ** 2, Dv), (None, "vision_positions", "vision_embed"),
-                                        _normal(std)),
-        "cls_register_token": ParamSpec((v.n_prefix, Dv), (None, "vision_embed"), _normal(std)),
-    }
-    if v.video_temporal_patch_size:
-        emb["video_patch_projection"] = dense(v.video_temporal_patch_size * v.patch_dim, Dv, "vision_patch",
-                                              "vision_embed", bias=False)
-    tower = {"embeddings": emb, "layers": _stack_tree(layer, v.num_hidden_layers)}
-    if cfg.num_nextn_predict_layers:
-        tower["final_layernorm"] = layer_norm()
-    merged = v.merge ** 2 * Dv
-    projector = {
-        "norm": {"scale": ParamSpec((merged,), ("vision_merged",), ones)},
-        "linear_1": dense(merged, v.projector_hidden_size, "vision_merged", "projector", bias=False),
-        "linear_2": dense(v.projector_hidden_size, cfg.hidden_size, "projector", "embed", bias=False),
-    }
-    return {"vision": tower, "projector": projector}
 
 
 # --------------------------------------------------------------------------- the tower

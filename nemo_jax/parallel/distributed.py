@@ -402,6 +402,40 @@ def shared_atomic_dir(path: str, tag: str, kind: str, *, overwrite: bool = False
     barrier(f"{tag}:published", timeout_s)
 
 
+@contextlib.contextmanager
+def writer_lock(path: str, command: str, timeout_s: float = 300.0):
+    """Hold the write lock of output folder `path` (`nemo_jax.runlock`) for the block, once per run: in one
+    process, that process takes it; in a multi-process run, process 0 alone takes it and every process learns
+    the outcome (a folder another run is writing is the same `LockHeld` on all of them, at once). Yields the
+    `runlock.Holder` on the process that holds it, else None."""
+    from nemo_jax import runlock
+
+    if not _multi():
+        with runlock.hold(path, command) as holder:
+            yield holder
+        return
+    from jax._src import distributed as _dist
+
+    client = _dist.global_state.client
+    _STATE["locks"] = _STATE.get("locks", 0) + 1  # every process takes its locks in the same order
+    key = f"nemo-jax write lock #{_STATE['locks']}"
+    if process()[0] != 0:
+        answer = client.blocking_key_value_get(key, int(timeout_s * 1000))
+        if answer != "ok":
+            raise runlock.LockHeld(answer.partition(":")[2]) if answer.startswith("held:") else RuntimeError(
+                f"process 0 could not take the write lock of {path}: {answer.partition(':')[2]}")
+        yield None
+        return
+    with contextlib.ExitStack() as stack:
+        try:
+            holder = stack.enter_context(runlock.hold(path, command))
+        except BaseException as e:
+            client.key_value_set(key, f"{'held' if isinstance(e, runlock.LockHeld) else 'error'}:{e}")
+            raise
+        client.key_value_set(key, "ok")
+        yield holder
+
+
 def _leave(command: str, timeout_s: float = 300.0):
     """Every process done: meet at a barrier, then processes 1..n-1 disconnect and process 0, which hosts the
     coordination service, shuts down only after they have (a service gone first fails their disconnect)."""

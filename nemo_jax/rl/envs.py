@@ -1,25 +1,6 @@
-"""RL environments: the episode protocol, built-in task sets, and user environments.
-
-An environment hands out `Task`s (`tasks(split)`) and runs one EPISODE per rollout (`episode()` -> an object with):
-
-    start(task, rollout_id) -> Observation      the opening messages (and tool definitions); allocate what the
-                                                rollout needs (a VM, a tool server) here
-    step(assistant_message) -> Observation      messages to append (tool results, the next user turn), the reward
-                                                of the conversation so far, done, success, info
-    close()                                     ALWAYS called once the rollout ends (done, cut, timed out, failed)
-
-Each method may be a plain function or `async def`. The sampler runs them on a worker pool (plain ones on
-threads, async ones on an event loop) while it keeps decoding the other rollouts; an episode may end at any step
-(`done`, `max_turns`, a cut turn, a full context, its time limit): the last observation's `reward` and `success`
-are the rollout's. Rewards are binary or partial credit in [0, 1]. A timed-out episode scores 0.
-
-Messages are chat dicts; `content` is a string or a list of parts: {"type": "text", "text"} and image parts
-({"type": "image", "image": PIL image | path | data URL}, or "path" / "url" keys, or OpenAI's "image_url"), the
-format SFT chat data uses.
-
-The earlier synchronous form still works for user environments: `tasks(split)`, `respond(task, history)` -> the
-messages to append or None when the episode is over, and `score(task, history)` -> Score(reward, success)
-(`HistoryEpisode` runs it as an episode).
+"""RL environments: the built-in task sets, user environments and the registry (`make_env`). The episode protocol
+(`tasks(split)` and `episode()` with `start` / `step` / `close`, or the synchronous `tasks` / `respond` / `score`)
+and its types are in `nemo_jax.rl.episode`, re-exported here.
 
 Built in (`make_env(name, **args)`):
   arithmetic    single turn, "What is A plus B?" (plus / minus / times), exact integer answer
@@ -40,106 +21,12 @@ import importlib
 import json
 import math
 import re
-from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
 
 from nemo_jax.data.chat import tool_calls
-
-
-@dataclass(frozen=True)
-class Task:
-    id: str
-    messages: tuple  # the opening conversation (dicts with role / content)
-    data: dict = field(default_factory=dict, hash=False, compare=False)  # what the verifier needs
-    family: str = "default"  # rewards are also logged per family (reward_mean/<family>)
-
-
-@dataclass(frozen=True)
-class Score:
-    reward: float
-    success: bool
-
-
-@dataclass
-class Observation:
-    """What an episode answers: `start` -> the opening conversation; `step` -> what follows the assistant's turn."""
-    messages: list = field(default_factory=list)  # messages to append (roles user / tool / system)
-    reward: float = 0.0  # the conversation's reward so far: the rollout's if the episode ends here
-    done: bool = False  # the episode is over (the assistant's last turn was its final answer)
-    success: bool = False  # full success (logged; pass@k and consistency in evals)
-    info: dict = field(default_factory=dict)  # anything to log with the rollout (JSON values)
-    tools: list | None = None  # (from start) tool definitions for the chat template (OpenAI function format)
-
-
-class Episode(Protocol):
-    def start(self, task: Task, rollout_id: str) -> Observation: ...
-
-    def step(self, message: dict) -> Observation: ...
-
-    def close(self) -> None: ...
-
-
-class Environment(Protocol):
-    name: str
-    max_turns: int  # assistant turns per episode at most
-
-    def tasks(self, split: str) -> list[Task]: ...
-
-    def episode(self) -> Episode: ...
-
-
-class HistoryEpisode:
-    """The synchronous form (`respond` / `score` over the whole history) as an episode: each step appends the
-    assistant's message, asks `respond` what follows (None: done) and scores the conversation so far."""
-
-    def __init__(self, env):
-        self.env = env
-
-    def start(self, task: Task, rollout_id: str) -> Observation:
-        self.task, self.history = task, list(task.messages)
-        return Observation(list(task.messages))
-
-    def step(self, message: dict) -> Observation:
-        self.history.append(message)
-        follow = self.env.respond(self.task, self.history)
-        s = self.env.score(self.task, self.history)
-        self.history += list(follow or [])
-        return Observation(list(follow or []), float(s.reward), not follow, bool(s.success))
-
-    def close(self) -> None:
-        self.history = []
-
-
-class HistoryEnv:
-    """Base of environments written in the synchronous form: `episode()` runs them through `HistoryEpisode`."""
-    max_turns = 1
-
-    def episode(self) -> HistoryEpisode:
-        return HistoryEpisode(self)
-
-
-class SyncForm:
-    """A user environment of the synchronous form (tasks / respond / score) as a protocol environment."""
-
-    def __init__(self, env):
-        self.env = env
-        self.name = getattr(env, "name", type(env).__name__)
-        self.max_turns = int(getattr(env, "max_turns", 1))
-        self.timeout_s = float(getattr(env, "timeout_s", 0) or 0)
-
-    def tasks(self, split: str) -> list[Task]:
-        return self.env.tasks(split)
-
-    def episode(self) -> HistoryEpisode:
-        return HistoryEpisode(self.env)
-
-    def score(self, task: Task, history: list[dict]) -> Score:
-        return self.env.score(task, history)
-
-    def respond(self, task: Task, history: list[dict]):
-        return self.env.respond(task, history)
+from nemo_jax.rl.episode import (Environment, Episode, HistoryEnv, HistoryEpisode, Observation, Score,  # noqa: F401
+                                  SyncForm, Task, as_environment)
 
 
 def last_assistant(history: list[dict]) -> str:
@@ -435,17 +322,6 @@ class JsonlTasks(SingleTurn):
             x = last_number(text)
             ok = x is not None and math.isclose(x, float(d["answer"]), rel_tol=0, abs_tol=d["tolerance"])
         return Score(float(ok), ok)
-
-
-def as_environment(env) -> Environment:
-    """An environment object of either form -> one with `tasks` and `episode` (the synchronous form wrapped)."""
-    if callable(getattr(env, "episode", None)):
-        return env
-    for attr in ("tasks", "respond", "score"):
-        if not callable(getattr(env, attr, None)):
-            raise ValueError(f"environment {type(env).__name__}: neither episode() nor {attr}() (give tasks() and "
-                             "episode(), or tasks(), respond() and score())")
-    return SyncForm(env)
 
 
 def make_env(spec: str, **args) -> Environment:

@@ -39,6 +39,7 @@ from nemo_jax.config.train import (GRPOConfig, load_grpo_config,  # noqa: F401 (
 from nemo_jax.data.chat import ChatTokenizer
 from nemo_jax.lora import LoraConfig, save_adapter_checkpoint
 from nemo_jax.lora.peft import check_servable
+from nemo_jax.parallel import distributed
 from nemo_jax.parallel.mesh import batch_shards, make_mesh
 from nemo_jax.parallel.rules import Rules
 from nemo_jax.rl.client import TrainingClient
@@ -468,14 +469,16 @@ def main(path: str | None = None, overrides=(), *, config: GRPOConfig | None = N
     run_dir = os.path.abspath(c.run_dir or os.path.join("runs", c.name))
     start_run(run_dir, c, "grpo", new_run)
     new_dir = not os.path.exists(run_dir)
-    try:
-        runner = GRPORunner(c)
-    except Exception:  # a run dir this call made holds nothing of value yet
-        if new_dir and jax.process_index() == 0 and os.path.isdir(run_dir):
-            shutil.rmtree(run_dir, ignore_errors=True)
-        raise
-    if jax.process_index() == 0:
-        from nemo_jax.fsutil import atomic_write_text
+    with distributed.writer_lock(run_dir, "nemo-jax grpo") as lock:  # one writer per run dir
+        try:
+            runner = GRPORunner(c)
+        except Exception:  # a run dir this call made holds nothing of value yet
+            if new_dir and jax.process_index() == 0 and os.path.isdir(run_dir):
+                lock.release()
+                shutil.rmtree(run_dir, ignore_errors=True)
+            raise
+        if jax.process_index() == 0:
+            from nemo_jax.fsutil import atomic_write_text
 
-        atomic_write_text(os.path.join(run_dir, "config.yaml"), dump_yaml(c))
-    return runner.run()
+            atomic_write_text(os.path.join(run_dir, "config.yaml"), dump_yaml(c))
+        return runner.run()

@@ -25,7 +25,7 @@ import re
 
 import numpy as np
 
-from nemo_jax.rl.envs import HistoryEnv, Observation, Task
+from nemo_jax.rl.episode import HistoryEnv, Observation, Task
 
 COLORS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (50, 80, 230), "yellow": (235, 210, 40),
           "black": (20, 20, 20), "purple": (150, 60, 190)}

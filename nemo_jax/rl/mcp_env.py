@@ -25,7 +25,7 @@ import importlib
 import sys
 
 from nemo_jax.data.chat import tool_calls
-from nemo_jax.rl.envs import Observation, Score, Task
+from nemo_jax.rl.episode import Observation, Score, Task
 
 
 def _function(spec: str, what: str):

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 from nemo_jax.data.chat import content_text
 from nemo_jax.generate import Engine, SamplingParams, chunk_images, widen_images
-from nemo_jax.rl.envs import Observation, Task, as_environment
+from nemo_jax.rl.episode import Observation, Task, as_environment
 from nemo_jax.rl.rollout import ImageStore, Rollout
 
 

@@ -661,7 +661,7 @@ def cli_serve(a, adapters: dict[str, str]) -> None:
     require("uvicorn", "serve", "nemo-jax serve")
     import jax
 
-    from nemo_jax.cli import _dtype
+    from nemo_jax.config.train import cast_dtype
     from nemo_jax.data.chat import ChatTokenizer
     from nemo_jax.generate import Engine, SamplingParams, load_for_generation
 
@@ -671,7 +671,7 @@ def cli_serve(a, adapters: dict[str, str]) -> None:
 
         sizes = read_mesh_sizes(a.mesh)
         mesh = make_mesh(sizes, devices_per_node=sizes.pop("devices_per_node", 0))
-    cfg, params, tok_dir = load_for_generation(a.ckpt, mesh=mesh, dtype=_dtype(a.dtype))
+    cfg, params, tok_dir = load_for_generation(a.ckpt, mesh=mesh, dtype=cast_dtype(a.dtype))
     tok = ChatTokenizer.load(a.tokenizer or tok_dir)
     vocab = token_bytes(tok.tokenizer)
     engine = Engine(params, cfg, batch=a.max_num_seqs, max_len=a.max_model_len, bucket=a.bucket,

@@ -473,7 +473,9 @@ def main(path: str | None = None, overrides=(), *, config: SFTConfig | None = No
     is written; the run dir gets its config.yaml once the trainer is built (model, data and mesh checked), and a
     run dir this call created is removed again when building the trainer fails. A run dir holding checkpoints
     of a run with other settings is refused (`check_rerun`), or with `new_run` moved aside to RUN.prev first.
-    The resolved config is printed in full with `verbose` only (it is always in RUN/config.yaml)."""
+    The run dir's write lock is held throughout (`distributed.writer_lock`): a second writer of it stops at once,
+    naming this one. The resolved config is printed in full with `verbose` only (it is always in
+    RUN/config.yaml)."""
     c = config or load_sft_config(path, overrides)
     distributed.initialize(c.distributed)  # before any device use
     resolve_mesh_sizes(c.mesh.sizes(), jax.device_count())  # the mesh fits the devices, before anything is said
@@ -481,20 +483,22 @@ def main(path: str | None = None, overrides=(), *, config: SFTConfig | None = No
     options_from(c.model)  # the model's own choices (remat, attention, ...) before anything is written
     start_run(run_dir, c, "sft", new_run)
     text = dump_yaml(c)
-    if jax.process_index() == 0:
-        if verbose:
-            print(f"# resolved config ({path or 'embedded default: tiny CPU SFT'})\n{text}")
-        print(f"sft: run {c.name!r} from {path or 'the embedded tiny CPU config'}, {c.steps} steps of "
-              f"{c.data.batch_size} x {c.data.seq_len} tokens, into {run_dir}"
-              + ("" if verbose else " (--verbose prints the resolved config)"), flush=True)
     new_dir = not os.path.exists(run_dir)
-    with distributed.failure_guard("sft"):  # a lost peer: name it, exit non-zero at once
+    with (distributed.failure_guard("sft"),  # a lost peer: name it, exit non-zero at once
+          distributed.writer_lock(run_dir, "nemo-jax sft") as lock):  # one writer per run dir
+        if jax.process_index() == 0:
+            if verbose:
+                print(f"# resolved config ({path or 'embedded default: tiny CPU SFT'})\n{text}")
+            print(f"sft: run {c.name!r} from {path or 'the embedded tiny CPU config'}, {c.steps} steps of "
+                  f"{c.data.batch_size} x {c.data.seq_len} tokens, into {run_dir}"
+                  + ("" if verbose else " (--verbose prints the resolved config)"), flush=True)
         try:
             tr = Trainer(c)
         except Exception:  # (an interrupt keeps what was prepared, for the rerun)
             if new_dir and jax.process_index() == 0 and os.path.isdir(run_dir):
                 import shutil
 
+                lock.release()
                 shutil.rmtree(run_dir, ignore_errors=True)  # made by this call, holding nothing of value
             raise
         if jax.process_index() == 0:
