@@ -366,7 +366,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-len", type=POSITIVE, default=1024, help="positions per row: a whole conversation")
     s.add_argument("--tokenizer", default=None, help="dir with tokenizer.json/tokenizer_config.json")
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--json", default=None, help="also write the figures as JSON to this file")
+    s.add_argument("--images", choices=("real", "blank", "shuffle"), default="real",
+                   help="what the policy sees: the real pictures, each one blanked (its mean colour), or another "
+                        "task's (does success depend on the screen?)")
+    s.add_argument("--json", default=None, help="also write the figures (and each task's mean reward) as JSON")
     s.set_defaults(fn=cmd_eval)
 
     s = sub.add_parser("plan", help="per-device memory, FLOPs, collectives and step time of a config on N "

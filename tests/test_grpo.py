@@ -487,7 +487,7 @@ def test_gui_env_actions_screens_and_partial_credit():
     assert parse_action("click 12, 40") == ("click", (12, 40)) and parse_action("key Enter") == ("key", "Enter")
     assert parse_action("I will do it.\ntype hello world") == ("type", "hello world") and parse_action("ok") is None
     env = make_env("gui", n_train=12, n_eval=6, seed=3)
-    assert isinstance(env, GUIEnv) and {t.family for t in env.tasks("train")} == {"click", "form"}
+    assert isinstance(env, GUIEnv) and {t.family for t in env.tasks("train")} == {"click4", "form"}
     assert all(a.data != b.data for a in env.tasks("train") for b in env.tasks("eval"))  # other screens
     for task in env.tasks("train"):
         ep = env.episode()
@@ -504,7 +504,7 @@ def test_gui_env_actions_screens_and_partial_credit():
         d = task.data
         ep = env.episode()
         ep.start(task, task.id)
-        if task.family == "click":
+        if d["family"] == "click":
             x0, y0, x1, y1 = d["buttons"][d["target"]]
             near = ep.step({"role": "assistant", "content": f"click {x1 + 4},{(y0 + y1) // 2}"})
             assert 0 < near.reward < 0.5 and near.done and not near.success

@@ -76,7 +76,7 @@ def test_extreme_logprob_gaps_stay_finite():
     mu = np.array([[-60.0, -0.01, -55.5, -0.4]], np.float32)  # gaps ~ +-50 and beyond
     mask = np.ones_like(lp, bool)
     for a in (1.0, -1.0):
-        for kind in ("dppo", "importance_sampling", "ppo"):
+        for kind in ("dppo", "importance_sampling", "ppo", "tis", "icepop"):
             f = lambda x: policy_loss(x, mu, np.array([a], np.float32), mask, kind=kind, kl_coef=0.1,  # noqa: E731
                                       ref_logprobs=mu, ref_kl_coef=0.1)
             (val, m), g = jax.value_and_grad(f, has_aux=True)(jnp.asarray(lp))
@@ -103,6 +103,50 @@ def test_reductions_against_numpy(reduction):
         expect = np.sum(per * m) / (N * 32)
     got, _ = policy_loss(lp, mu, adv, mask, reduction=reduction, kl_coef=0.05, max_len=32)
     np.testing.assert_allclose(float(got), expect, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["tis", "icepop"])
+def test_importance_corrections_against_numpy(kind):
+    """TIS: weight min(rho, C); IcePop / MIS: weight rho inside [lo, hi], 0 outside; both held constant, so the
+    gradient is -w A d(lp) and the value -w A (weighted sums over the mask)."""
+    lp, mu, adv, mask = _arrays(2, N=8, T=11)
+    mu = (lp + np.random.default_rng(3).normal(0, 0.8, lp.shape)).astype(np.float32)  # ratios 0.1 .. 10
+    cap, lo, hi = 1.5, 0.6, 1.8
+    rho = np.exp(lp.astype(np.float64) - mu)
+    w_is = np.minimum(rho, cap) if kind == "tis" else np.where((rho < lo) | (rho > hi), 0.0, rho)
+    w = loss_weights(mask)
+    f = lambda x: policy_loss(x, mu, adv, mask, weights=w, kind=kind, is_cap=cap, is_low=lo, is_high=hi)  # noqa
+    (val, m), g = jax.value_and_grad(f, has_aux=True)(jnp.asarray(lp))
+    expect_g = np.where(mask, -w * w_is * adv[:, None], 0.0)
+    np.testing.assert_allclose(np.asarray(g), expect_g, rtol=1e-5, atol=1e-9)
+    np.testing.assert_allclose(float(val), np.sum(expect_g), rtol=1e-5)
+    n = mask.sum()
+    if kind == "tis":
+        assert float(m["is_truncated_frac"]) == pytest.approx(np.sum(mask & (rho > cap)) / n)
+        assert 0 < float(m["is_truncated_frac"]) < 1
+    else:
+        assert float(m["is_masked_frac"]) == pytest.approx(np.sum(mask & ((rho < lo) | (rho > hi))) / n)
+        assert 0 < float(m["is_masked_frac"]) < 1
+
+
+@pytest.mark.parametrize("kind", ["dppo", "tis"])
+def test_rollouts_beyond_the_mismatch_bound_are_dropped_and_counted(kind):
+    lp, mu, adv, mask = _arrays(4, N=6, T=10)
+    mask[0] = True
+    shift = np.array([0.0, 0.05, -0.05, 0.5, -0.5, 0.2], np.float32)  # per-rollout sampler offsets
+    mu = (lp - shift[:, None]).astype(np.float32)  # mean log-ratio of rollout i = shift[i]
+    bound = 0.3
+    w = loss_weights(mask)
+    seq = np.array([np.mean((lp - mu)[i][mask[i]]) for i in range(6)])
+    drop = np.abs(seq) > bound
+    assert drop.tolist() == [False, False, False, True, True, False]
+    f = lambda x, b: policy_loss(x, mu, adv, mask, weights=w, kind=kind, seq_mismatch_max=b)  # noqa: E731
+    (val, m), g = jax.value_and_grad(f, has_aux=True)(jnp.asarray(lp), bound)
+    (val0, _), g0 = jax.value_and_grad(f, has_aux=True)(jnp.asarray(lp), 0.0)  # off: every rollout trains
+    np.testing.assert_array_equal(np.asarray(g)[drop], 0.0)
+    np.testing.assert_allclose(np.asarray(g)[~drop], np.asarray(g0)[~drop], rtol=1e-6)
+    assert np.abs(np.asarray(g0)[drop]).sum() > 0
+    assert float(m["mismatch_dropped"]) == 2 and float(m["mismatch_dropped_frac"]) == pytest.approx(2 / 6)
 
 
 def test_group_advantages():

@@ -2,8 +2,9 @@
 demonstrations on the two tiny agent environments:
 
   gui  screenshots of generated windows -> `click X,Y` / `type TEXT` / `key NAME` actions, each answered by the
-       next screenshot (nemo_jax.rl.gui_env; other screens than the RL tasks: seed 100; pictures as PNG data URLs
-       inside the JSONL)
+       next screenshot (nemo_jax.rl.gui_env; other screens than the RL tasks: seeds 100 and 101; pictures as PNG
+       data URLs inside the JSONL): 3,072 one-button `click` screens (the grounding the GUI expert's RL starts
+       from) and 1,024 `form` episodes (click the box, type the word, press Enter)
   mcp  "How much do N ITEMs cost?" with the tiny MCP shop's tools (their definitions listed from the running
        server, as the `mcp` environment lists them): lookup, multiply, then the answer (the RL train split's tasks
        only: the held-out tasks stay unseen)
@@ -14,6 +15,7 @@ demonstrations on the two tiny agent environments:
 import asyncio
 import json
 import os
+import random
 import sys
 
 from nemo_jax.rl.gui_env import GUIEnv
@@ -51,11 +53,14 @@ def mcp_demo(task, tools) -> dict:
 def main():
     os.makedirs(OUT, exist_ok=True)
     tools = asyncio.run(listed_tools())
-    gui = GUIEnv(n_train=1536, n_eval=32, seed=100)
+    click = GUIEnv(families=("click",), n_train=3072, n_eval=32, seed=100, n_buttons=1)
+    form = GUIEnv(families=("form",), n_train=1024, n_eval=16, seed=101, n_buttons=2)
     for split in ("train", "eval"):
-        recs = gui.demonstrations(split)
+        recs = click.demonstrations(split) + form.demonstrations(split)
         shop = [mcp_demo(t, tools) for t in tasks("train")]
         recs += shop * 2 if split == "train" else shop[:8]
+        if split == "train":
+            random.Random(0).shuffle(recs)
         with open(os.path.join(OUT, f"{split}.jsonl"), "w") as f:
             for r in recs:
                 f.write(json.dumps(r) + "\n")

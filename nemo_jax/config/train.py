@@ -10,6 +10,7 @@ checked by `nemo_jax.model.Options`, also before the run dir is made.)
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 MODEL_KERNELS = ("auto", "reference")  # model.kernels (nemo_jax.kernels)
@@ -62,6 +63,9 @@ def cast_dtype(name: str | None):
     return getattr(jnp, CAST_DTYPES[name])
 
 
+FREEZE_PARTS = {"vision": r"^vision/", "projector": r"^projector/"}  # model.freeze names -> parameter-path regexes
+
+
 @dataclass(frozen=True)
 class ModelSection:
     SECTION = "model"  # where it sits in a run config (named in errors)
@@ -85,14 +89,33 @@ class ModelSection:
     # and Pallas grouped-matmul experts on GPU, splash attention and megablox experts on TPU; the reference on CPU) |
     # reference (plain jnp everywhere)
     kernels: str = "auto"
-    freeze_vision: bool = False  # vision-language models: the vision tower gets no gradient or update (projector trains)
+    # full fine-tuning: parts that get no gradient, no update and no optimiser state: `vision` (the vision tower),
+    # `projector` (vision-language models), or parameter-path regexes (e.g. "^lm_head/")
+    freeze: list[str] = field(default_factory=list)
+    freeze_vision: bool = False  # the same as `vision` in `freeze` (kept for existing configs)
     seed: int = 0
 
     def __post_init__(self):
         _one_of(self, "dtype", DTYPES)
+        if isinstance(self.freeze, str):
+            object.__setattr__(self, "freeze", [self.freeze])
+        for f in self.freeze:
+            if not isinstance(f, str) or not f:
+                raise SettingError(self, "freeze", f"{f!r}: give part names ({', '.join(FREEZE_PARTS)}) or "
+                                                   "parameter-path regexes")
+            try:
+                re.compile(FREEZE_PARTS.get(f, f))
+            except re.error as e:
+                raise SettingError(self, "freeze", f"{f!r} is neither a part ({', '.join(FREEZE_PARTS)}) nor a "
+                                                   f"valid regex: {e}") from None
         _within(self, "capacity_factor", 0, float("inf"), lo_open=True)
         _at_least(self, 0, "ep_capacity", "moe_chunk_tokens")
         _one_of(self, "kernels", MODEL_KERNELS)
+
+    def frozen_pattern(self) -> str | None:
+        """One regex over parameter paths for every frozen part (None: nothing frozen)."""
+        parts = list(self.freeze) + (["vision"] if self.freeze_vision and "vision" not in self.freeze else [])
+        return "|".join(f"(?:{FREEZE_PARTS.get(f, f)})" for f in parts) or None
 
 
 @dataclass(frozen=True)
@@ -286,7 +309,7 @@ class SFTConfig:
 
 
 # ----------------------------------------------------------------------------- GRPO (nemo_jax.rl)
-POLICY_LOSS_KINDS = ("dppo", "importance_sampling", "ppo", "cross_entropy")
+POLICY_LOSS_KINDS = ("dppo", "tis", "icepop", "importance_sampling", "ppo", "cross_entropy")
 REDUCTIONS = ("rollout", "token", "constant")
 
 
@@ -294,7 +317,7 @@ REDUCTIONS = ("rollout", "token", "constant")
 class PolicyLossConfig:
     """The learner's loss (nemo_jax.rl.loss)."""
     SECTION = "loss"  # where it sits in a run config (named in errors)
-    kind: str = "dppo"  # dppo | importance_sampling | ppo | cross_entropy
+    kind: str = "dppo"  # dppo | tis | icepop | importance_sampling | ppo | cross_entropy
     reduction: str = "rollout"  # rollout | token | constant (Dr. GRPO)
     delta_low: float = 0.2  # DPPO: drop a token with A < 0 when p - p_mu < -delta_low (ppo: ratio clip 1 - delta_low)
     delta_high: float = 0.2  # DPPO: drop a token with A > 0 when p - p_mu > delta_high
@@ -302,9 +325,18 @@ class PolicyLossConfig:
     ref_kl_coef: float = 0.0  # k3 KL to the base policy (the model with its adapters off)
     temperature: float = 1.0  # the sampler's temperature: both logprobs come from the same distribution
     advantage_scale: str = "none"  # none (Dr. GRPO: r - mean) | std (divide by the group's std)
+    is_cap: float = 2.0  # tis: importance weights truncated at this ratio
+    is_low: float = 0.5  # icepop: tokens whose ratio lies outside [is_low, is_high] are masked out
+    is_high: float = 5.0
+    # any kind: drop a rollout whose mean log-ratio learner/sampler over its loss tokens is beyond +- this (0: off)
+    seq_mismatch_max: float = 0.0
 
     def __post_init__(self):
         _one_of(self, "kind", POLICY_LOSS_KINDS)
+        _within(self, "is_cap", 0, float("inf"), lo_open=True)
+        _within(self, "is_low", 0, 1)
+        _within(self, "is_high", 1, float("inf"))
+        _at_least(self, 0, "seq_mismatch_max")
         _one_of(self, "reduction", REDUCTIONS)
         _within(self, "temperature", 0, float("inf"), lo_open=True)
         _one_of(self, "advantage_scale", ("none", "std"))

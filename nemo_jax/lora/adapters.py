@@ -39,8 +39,12 @@ PRESETS = {
     "mlp": r"^layers/(mlp/mixer|moe/mixer/shared_experts)/(up|down)_proj/kernel$",
     "experts": r"^layers/moe/mixer/(experts/(up|down)_proj|fc[12]_latent_proj/kernel)$",
     "lm_head": r"^lm_head/kernel$",
+    # vision-language models: the projector (mlp1) and the vision tower's attention and MLP
+    "projector": r"^projector/linear_[12]/kernel$",
+    "vision": r"^vision/layers/(attn/(qkv|proj)|mlp/(fc1|fc2|gate_proj|up_proj|down_proj))/kernel$",
 }
-PRESETS["all"] = "|".join(f"({v})" for k, v in PRESETS.items() if k != "lm_head")
+# `all`: every language-model preset (the vision side is opt-in: name `projector` / `vision` beside it)
+PRESETS["all"] = "|".join(f"({v})" for k, v in PRESETS.items() if k not in ("lm_head", "projector", "vision"))
 
 # Adapter leaves that are constants: never differentiated, never updated, no optimiser state (a regex over paths).
 CONSTANT_LEAVES = r"(^|/)lora_scale$"

@@ -44,6 +44,7 @@ from nemo_jax.parallel.mesh import batch_shards, make_mesh
 from nemo_jax.parallel.rules import Rules
 from nemo_jax.rl.client import TrainingClient
 from nemo_jax.rl.curriculum import Curriculum
+from nemo_jax.rl.ablation import ablate
 from nemo_jax.rl.envs import make_env
 from nemo_jax.rl.pool import RolloutPool
 from nemo_jax.rl.producer import ThreadProducer, as_text, sample_rollouts
@@ -111,6 +112,7 @@ class GRPORunner:
         self.eval_tasks = eval_tasks[:c.eval_tasks] if c.eval_tasks else eval_tasks
         self._eval_engine = None
         self.truncated = 0  # rollouts truncated to rollout.seq_len so far
+        self.mismatch_dropped = 0  # rollouts dropped by loss.seq_mismatch_max so far (this process)
         self.stop_requested = False
         self.step = 0
         self.saved_step = None
@@ -231,10 +233,11 @@ class GRPORunner:
 
     def _log_eval(self, logger, bar) -> dict:
         ev = self.evaluate()
-        rec = {"step": self.step, **{f"eval_{k}": v for k, v in ev.items() if k not in ("tasks", "attempts")}}
+        rec = {"step": self.step, **{f"eval_{k}": v for k, v in ev.items()
+                                     if k not in ("tasks", "attempts", "task_rewards")}}
         logger.log(rec)
         k = self.c.eval_attempts
-        bar.write(f"step {self.step}: held-out eval on {ev['tasks']} tasks x {k}: reward {ev['reward_mean']:.3f}  "
+        bar.write(f"step {self.step}: held-out eval on {ev['tasks']} tasks x {k}: reward {ev['reward_mean']:.3f} (se {ev['reward_se']:.3f})  "
                   f"pass@1 {ev['pass@1']:.3f}  pass@{k} {ev[f'pass@{k}']:.3f}  consistency {ev['consistency']:.3f}")
         return rec
 
@@ -342,6 +345,8 @@ class GRPORunner:
             fb = self.client.forward_backward(batch)
             rec.update(self.client.optim_step())
             rec["learner_loss"] = fb["loss"]
+            self.mismatch_dropped += int(rec.get("mismatch_dropped", 0))
+            rec["rollouts_mismatch_dropped"] = self.mismatch_dropped
         else:  # nothing to learn from in MAX_DRAWS x groups_per_step groups: the step takes no update
             rec["skipped_no_signal"] = 1
         self.step += 1
@@ -418,8 +423,17 @@ def evaluate_env(engine, tok, cfg, env, attempts: int, max_new_tokens: int, temp
     rew = np.array([x.reward for x in got]).reshape(len(tasks), attempts)
     succ = np.array([x.success for x in got]).reshape(len(tasks), attempts)
     return {"tasks": len(tasks), "attempts": attempts, "reward_mean": float(rew.mean()),
-            "success_rate": float(succ.mean()), "pass@1": float(succ.mean()),
-            f"pass@{attempts}": float(succ.any(axis=1).mean()), "consistency": float(succ.all(axis=1).mean())}
+            "reward_se": standard_error(rew), "success_rate": float(succ.mean()), "success_se": standard_error(succ),
+            "pass@1": float(succ.mean()), f"pass@{attempts}": float(succ.any(axis=1).mean()),
+            "consistency": float(succ.all(axis=1).mean()), "task_rewards": rew.mean(axis=1).round(6).tolist()}
+
+
+def standard_error(x) -> float:
+    """The standard error of the mean of a [tasks, attempts] table, tasks as the unit (each task's mean over its
+    attempts, then their spread / sqrt(tasks)): it covers both the draw of the held-out tasks and the sampling
+    noise of the attempts. 0 for a single task."""
+    per_task = np.asarray(x, np.float64).mean(axis=1)
+    return float(per_task.std(ddof=1) / np.sqrt(len(per_task))) if len(per_task) > 1 else 0.0
 
 
 def eval_engine(params, cfg, adapters=None, *, rows: int = 32, max_len: int = 1024, seed: int = 0):
@@ -444,16 +458,17 @@ def cli_eval(a) -> dict:
 
         adapters = jax.tree.map(jnp.asarray, load_adapters(a.adapters, cfg))
     tok = ChatTokenizer.load(a.tokenizer or tok_dir)
-    env = make_env(a.env, **(json.loads(a.env_args) if a.env_args else {}))
+    env = ablate(make_env(a.env, **(json.loads(a.env_args) if a.env_args else {})), a.images, a.seed)
     engine = eval_engine(params, cfg, adapters, rows=a.rows, max_len=a.max_len, seed=a.seed)
     say(f"{a.env}: {len(env.tasks(a.split))} {a.split} tasks x {a.attempts} attempts on {a.rows} sampler rows "
         "(the first attempts finish after the sampler compiles)")
     out = evaluate_env(engine, tok, cfg, env, a.attempts, a.max_new_tokens, a.temperature, split=a.split,
                        progress=True)
-    out.update(env=a.env, ckpt=a.ckpt, adapters=a.adapters)
+    out.update(env=a.env, images=a.images, ckpt=a.ckpt, adapters=a.adapters)
     width = max(len(k) for k in out)
     for k, v in out.items():
-        print(f"{k:<{width}}  {v:.4f}" if isinstance(v, float) else f"{k:<{width}}  {v}")
+        if k != "task_rewards":  # (per task: in --json only)
+            print(f"{k:<{width}}  {v:.4f}" if isinstance(v, float) else f"{k:<{width}}  {v}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -8,10 +8,13 @@ buttons and a text box) and an instruction; the agent sees screenshots and acts 
 After each action the next observation is a tool message with the new screenshot. Task families:
 
   click   "Click the COLOR button." - one click; reward 1 inside the button, partial credit for a click near it
-          (1/2 x (1 - distance / radius) beyond its edge), 0 for anything else
+          (1/2 x (1 - distance / radius) beyond its edge), 0 for anything else. `n_buttons` coloured buttons on the
+          screen: the target and n_buttons - 1 distractors; a range [lo, hi] draws the count per task (a ladder of
+          difficulty the curriculum climbs; rewards are logged per count: family `click1`, `click2`, ...)
   form    "Type WORD in the box and press Enter." - click the box (it gets a blue border), type the word, press
           Enter; reward = thirds for the box focused, the word typed, Enter pressed after it (a wrong word earns the
-          share of its letters that match); success = all three
+          share of its letters that match); success = all three. Typing while no box has focus types nothing, and
+          the answer says so
 
 An answer that is not an action ends the episode with the reward earned so far. Screens are `size` pixels square
 (64: the tiny VL model's whole patch budget, one language token per 16 x 16 pixels); train and eval screens come
@@ -52,6 +55,15 @@ def _distance(box, x: int, y: int) -> float:
     return float(np.hypot(max(x0 - x, 0, x - x1), max(y0 - y, 0, y - y1)))
 
 
+def _count_range(n) -> tuple[int, int]:
+    """n_buttons: a count or [lo, hi] -> (lo, hi); (0, 0) for anything else (refused by the caller)."""
+    if isinstance(n, int) and not isinstance(n, bool):
+        return n, n
+    if isinstance(n, (list, tuple)) and len(n) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in n):
+        return int(n[0]), int(n[1])
+    return 0, 0
+
+
 class Screen:
     """A window with buttons and (form tasks) a text box; renders itself and takes actions."""
 
@@ -79,16 +91,20 @@ class Screen:
                 d.rectangle([x1 - 4, y0 + 2, x1 - 2, y0 + 4], fill=(40, 180, 60))
         return img
 
-    def act(self, action) -> None:
+    def act(self, action) -> str:
+        """Apply an action -> the text of the answer ("ok", or what went wrong where a screen would not show it)."""
         kind, arg = action
         if kind == "click":
             self.clicks.append(arg)
             if "box" in self.layout:
                 self.focused = _distance(self.layout["box"], *arg) == 0
-        elif kind == "type" and self.focused:
+        elif kind == "type":
+            if not self.focused:
+                return "nothing typed: no text box has focus"
             self.typed += arg
         elif kind == "key" and arg.lower() in ("enter", "return") and self.typed:
             self.entered = True
+        return "ok"
 
 
 class GUIEpisode:
@@ -118,11 +134,11 @@ class GUIEpisode:
         if action is None:  # not an action: the episode ends here
             reward, success = self._score()
             return Observation([], reward, True, success, {"invalid_action": 1})
-        self.screen.act(action)
+        said = self.screen.act(action)
         reward, success = self._score()
         done = success or self.task.data["family"] == "click"
         shot = [{"role": "tool", "content": [{"type": "image", "image": self.screen.render()},
-                                             {"type": "text", "text": "ok"}]}]
+                                             {"type": "text", "text": said}]}]
         return Observation([] if done else shot, reward, done, success)
 
     def close(self) -> None:
@@ -134,13 +150,15 @@ class GUIEnv(HistoryEnv):
     name = "gui"
 
     def __init__(self, families=("click", "form"), n_train: int = 256, n_eval: int = 64, seed: int = 0,
-                 size: int = 64, n_buttons: int = 4, max_turns: int = 4, radius: float = 16.0):
+                 size: int = 64, n_buttons=4, max_turns: int = 4, radius: float = 16.0):
         unknown = set(families) - {"click", "form"}
         if unknown or not families:
             raise ValueError(f"gui env: families {sorted(unknown) or '[]'} (known: click, form)")
-        if size < 32 or size % 4 or not 1 <= n_buttons <= len(COLORS):
-            raise ValueError(f"gui env: size >= 32 (a multiple of 4) and 1 <= n_buttons <= {len(COLORS)}")
-        self.families, self.size, self.n_buttons = tuple(families), size, n_buttons
+        lo, hi = _count_range(n_buttons)
+        if size < 32 or size % 4 or not 1 <= lo <= hi <= len(COLORS):
+            raise ValueError(f"gui env: size >= 32 (a multiple of 4) and n_buttons a count or a range [lo, hi] "
+                             f"within 1..{len(COLORS)} (got size {size}, n_buttons {n_buttons!r})")
+        self.families, self.size, self.n_buttons = tuple(families), size, (lo, hi)
         self.max_turns, self.radius = max_turns, radius
         self._split = {s: [self._make(f"{s}-{i}", np.random.default_rng([seed, k, i])) for i in range(n)]
                        for k, (s, n) in enumerate((("train", n_train), ("eval", n_eval)))}
@@ -149,7 +167,9 @@ class GUIEnv(HistoryEnv):
         cell = self.size // 4
         family = self.families[int(rng.integers(len(self.families)))]
         cells = rng.permutation(np.arange(4, 16))  # the top row holds the title bar
-        names = rng.choice(sorted(COLORS), self.n_buttons, replace=False).tolist()
+        lo, hi = self.n_buttons
+        n = lo if lo == hi else int(rng.integers(lo, hi + 1))
+        names = rng.choice(sorted(COLORS), n, replace=False).tolist()
         pad = cell // 6
         boxes = {}
         for name, c in zip(names, cells):
@@ -159,6 +179,7 @@ class GUIEnv(HistoryEnv):
         if family == "click":
             layout["target"] = names[int(rng.integers(len(names)))]
             layout["instruction"] = f"Click the {layout['target']} button."
+            family = f"click{n}"
         else:
             r = int(rng.integers(1, 4))
             free = [b for b in boxes if boxes[b][1] // cell == r]

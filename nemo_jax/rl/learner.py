@@ -16,7 +16,7 @@ import jax
 
 from nemo_jax.model.model import Options
 from nemo_jax.config.train import PolicyLossConfig  # noqa: F401 (re-exported)
-from nemo_jax.rl.loss import policy_terms, summarise
+from nemo_jax.rl.loss import loss_options, policy_terms, summarise
 from nemo_jax.train.step import TrainState, model_params_of, accumulate, apply_update, token_nll
 
 def token_logprobs(params, batch, cfg, opts: Options, temperature: float = 1.0) -> jax.Array:
@@ -40,8 +40,7 @@ def make_learner_grads(cfg, opts: Options, loss_cfg: PolicyLossConfig, grad_accu
         if c.ref_kl_coef:
             ref = jax.lax.stop_gradient(token_logprobs(frozen, mb, cfg, opts, c.temperature))
         return policy_terms(lp, mb["behaviour_logprobs"], mb["advantages"], mb["loss_weights"], mb["loss_mask"],
-                            kind=c.kind, delta_low=c.delta_low, delta_high=c.delta_high, kl_coef=c.kl_coef,
-                            ref_logprobs=ref, ref_kl_coef=c.ref_kl_coef)
+                            ref_logprobs=ref, ref_kl_coef=c.ref_kl_coef, **loss_options(c))
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
     return lambda params, frozen, batch: accumulate(grad_fn, params, frozen, batch, grad_accum, opts.dtype)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +23,7 @@ from nemo_jax.data.prepared import open_sources
 from nemo_jax.fsutil import atomic_write_text, move_aside
 from nemo_jax.kernels import resolve as resolve_kernels
 from nemo_jax.model import model as M
-from nemo_jax.model.spec import abstract_params, count_params, init as init_params, param_specs
+from nemo_jax.model.spec import abstract_params, count_params, init as init_params, param_specs, path_str
 from nemo_jax.parallel import distributed
 from nemo_jax.parallel.mesh import batch_shards, batch_sharding, make_mesh
 from nemo_jax.parallel.rules import Rules, param_shardings
@@ -162,17 +163,30 @@ def step_program(c: SFTConfig, cfg, mesh, rules) -> StepProgram:
     trainable = (abstract_params(cfg) if lora_cfg is None
                  else jax.eval_shape(lambda: init_adapters(cfg, lora_cfg)))
     frozen = None if lora_cfg is None else CONSTANT_LEAVES  # the LoRA scale is a constant, never trained
-    if c.model.freeze_vision and lora_cfg is None:
-        if cfg.vision is None:
-            raise ValueError("model.freeze_vision: the model has no vision tower")
-        frozen = "^vision/"  # no update, no Adam moments; and no gradient computed through the tower:
-        combine = lambda params, _: {**params, "vision": jax.lax.stop_gradient(params["vision"])}  # noqa: E731
+    if c.model.frozen_pattern() and lora_cfg is None:
+        frozen = c.model.frozen_pattern()  # no update, no Adam moments; and no gradient computed through them:
+        combine = _stop_gradient_where(trainable, frozen)
     tx, sched = make_optimizer(o, trainable, c.steps, frozen)
     state_sh = train_state_shardings(tx, trainable, trainable_sh, mesh)  # Adam moments sharded like params
     step = make_train_step(cfg, opts, tx, sched, o, o.grad_accum, combine)
     return StepProgram(cfg, mesh, opts, lora_cfg, base_dtype, model_sh, trainable_sh, tx, sched, state_sh,
                        batch_sharding(mesh), jax.jit(step, donate_argnums=0, out_shardings=(state_sh, None)),
                        jax.jit(make_eval_step(cfg, opts, combine, o.grad_accum)), combine, c.data)
+
+
+def _stop_gradient_where(params, pattern: str):
+    """combine(params, _) -> params with `stop_gradient` on every leaf whose path matches `pattern`
+    (`model.freeze`); a pattern that matches no parameter is an error naming it."""
+    rx = re.compile(pattern)
+    hit = [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0] if rx.search(path_str(p))]
+    if not hit:
+        raise ValueError(f"model.freeze: {pattern!r} matches no parameter of this model (a text model has no "
+                         "vision tower or projector)")
+
+    def combine(params, _):
+        return jax.tree_util.tree_map_with_path(
+            lambda p, x: jax.lax.stop_gradient(x) if rx.search(path_str(p)) else x, params)
+    return combine
 
 
 class Trainer:
