@@ -509,7 +509,7 @@ class _Seq:
     sampled: int = 0  # tokens drawn so far (every turn)
     turn_t: list[int] = field(default_factory=list)
     turn_l: list[float] = field(default_factory=list)
-    turn_v: set = field(default_factory=set)
+    turn_v: set = field(default_factory=set)  # policy versions of this turn: the prefill's (first token) and each decode step's
     turn_top: list = field(default_factory=list)
     turn_stop: bool = False  # the turn ended at a stop token or stop string
 
@@ -847,7 +847,7 @@ class Engine:
         chunk = {**feed, **fresh}
         if not chunk and not stopped:
             return
-        mesh, p = self.mesh, self._p
+        mesh, p, version = self.mesh, self._p, self.version
         onb = lambda rows: _rows_on(jnp.asarray(np.isin(np.arange(b), list(rows))), mesh)  # noqa: E731
         new_logits = self._logits
         if fresh:
@@ -874,7 +874,7 @@ class Engine:
             for r, s in chunk.items():
                 s.held, s.pics = s.held + s.new, s.pics + s.new_pics
                 s.new, s.new_pics = None, []
-                s.turn_t, s.turn_l, s.turn_v, s.turn_top, s.turn_stop = [], [], set(), [], False
+                s.turn_t, s.turn_l, s.turn_v, s.turn_top, s.turn_stop = [], [], {version}, [], False
                 self._pos[r] += width
                 self._decoding.add(r)
         max_new = np.zeros(b, np.int32)

@@ -324,6 +324,29 @@ def test_engine_refills_most_rows_while_one_decodes(setup):
 
 
 @pytest.mark.slow
+def test_a_turn_records_the_version_of_its_prefill(setup):
+    """The first token of a turn is sampled from the prefill's logits: adapters swapped between the prefill and
+    the first decode step (the learner publishing meanwhile) leave the turn with both versions, the oldest first,
+    so staleness counts from the version that really sampled its first token."""
+    from nemo_jax.generate import Engine
+    from nemo_jax.lora import LoraConfig, init_adapters
+
+    cfg, params = setup
+    eng = Engine(params, cfg, batch=1, max_len=32, bucket=8, check_every=4)
+    ad = init_adapters(cfg, LoraConfig(("attention",), 2, 4.0), jax.random.key(3))
+    eng.set_adapters(ad, 3)
+    admit = eng._admit
+
+    def admit_then_publish():  # the prefill runs with version 3; version 4 lands before the first decode step
+        admit()
+        eng.set_adapters(ad, 4)
+    eng._admit = admit_then_publish
+    eng.submit(PROMPTS[0], SamplingParams(max_new_tokens=3, temperature=0.0))
+    ends = eng.step()
+    assert len(ends) == 1 and ends[0].versions == (3, 4) and ends[0].version == 3
+
+
+@pytest.mark.slow
 def test_engine_parks_finished_turns_and_swaps_adapters(setup):
     """A parked sequence decodes nothing while the other row keeps decoding; fed, it continues in place with the
     adapters set meanwhile (its turn records their version) and equals `generate` on the whole conversation;

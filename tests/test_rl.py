@@ -330,6 +330,30 @@ def test_pool_groups_become_ready_and_stale_groups_are_dropped():
     assert p2.counts == pool.counts
 
 
+@pytest.mark.parametrize("bound", [0, 1, 3])
+def test_no_rollout_older_than_max_off_policy_steps_trains(bound):
+    """Whatever mix of versions sampled a rollout's turns and however long its group waits in the pool, every
+    rollout the learner takes at version v has its oldest token from v - max_off_policy_steps or later; groups at
+    exactly the bound still train (the bound is inclusive), older ones are dropped and counted."""
+    from nemo_jax.rl.pool import RolloutPool
+
+    rng = np.random.default_rng(bound)
+    pool = RolloutPool(group_size=3, max_off_policy_steps=bound)
+    ages = Counter()
+    for version in range(40):
+        for i in range(3):
+            g = pool.open_group(f"t{version}-{i}")
+            for _ in range(3):
+                oldest = max(0, version - int(rng.integers(0, bound + 3)))
+                newer = rng.integers(oldest, version + 1, size=2).tolist()
+                pool.add(_rollout(g, f"t{version}-{i}", policy_versions=sorted({oldest, *newer})))
+        for rs in pool.take(int(rng.integers(1, 5)), version):
+            for r in rs:
+                ages[version - min(r.policy_versions)] += 1
+    assert max(ages) == bound and sum(ages.values()) > 0
+    assert pool.counts["groups_stale_dropped"] > 0
+
+
 def test_spool_round_trip_and_rejections(tmp_path):
     from nemo_jax.rl.pool import RolloutPool
     from nemo_jax.rl.rollout import learner_batch
