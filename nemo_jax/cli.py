@@ -201,6 +201,7 @@ def _check_run(c, new_run: bool):
     from nemo_jax.config.train import check_rerun, resolve_mesh_sizes
     from nemo_jax.hostmem import known_device_count
     from nemo_jax.parallel.distributed import resolve as process_layout
+    from nemo_jax.runlock import check_free
 
     n = known_device_count()
     if n is not None and not process_layout(getattr(c, "distributed", None)).multi:
@@ -209,8 +210,10 @@ def _check_run(c, new_run: bool):
         except ValueError as e:
             raise ValueError(f"{e} of this CPU host (XLA_FLAGS=--xla_force_host_platform_device_count=N or "
                              "JAX_NUM_CPU_DEVICES=N simulates N)") from None
+    run_dir = os.path.abspath(c.run_dir or os.path.join("runs", c.name))
+    check_free(run_dir)  # a run dir another process is writing is named as such, before its settings are judged
     if not new_run:
-        check_rerun(c, os.path.abspath(c.run_dir or os.path.join("runs", c.name)))
+        check_rerun(c, run_dir)
 
 
 def cmd_sft(a):

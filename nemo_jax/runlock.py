@@ -257,6 +257,25 @@ class Holder:
         _HELD_TOKENS.discard(self.record["token"])
 
 
+def _held(folder: str, holder: dict | None, age: float) -> LockHeld:
+    return LockHeld(f"{folder} is being written by {_describe(holder, age)}: one writer at a time; wait for it to "
+                    f"end or stop it (a holder that died is detected and its lock reclaimed)")
+
+
+def check_free(folder: str) -> None:
+    """LockHeld when a live process other than this one holds the write lock of `folder`: what a command asks
+    before it judges or moves what is in the folder (a stale lock passes: `acquire` reclaims it)."""
+    folder = os.path.abspath(folder)
+    found = read(folder) if os.path.isdir(folder) else None
+    if found is None:
+        return
+    holder, age = found
+    if holder is not None and holder.get("token") in _HELD_TOKENS:
+        return
+    if judge(holder, age) is None:
+        raise _held(folder, holder, age)
+
+
 def acquire(folder: str, command: str) -> Holder:
     """Take the write lock of `folder` (made if missing) for `command` (e.g. "nemo-jax sft"), reclaiming a stale
     one with a line on stderr; LockHeld when a live process holds it. Release with `Holder.release`."""
@@ -283,8 +302,7 @@ def acquire(folder: str, command: str) -> Holder:
                 found = read(folder)
                 if found is not None and found[0] is not None:
                     continue
-            raise LockHeld(f"{folder} is being written by {_describe(holder, age)}: one writer at a time; wait "
-                           f"for it to end or stop it (a holder that died is detected and its lock reclaimed)")
+            raise _held(folder, holder, age)
         if _reclaim(path, holder, token):
             print(f"{command}: {folder}: reclaimed the write lock of {_describe(holder, age)}: {why}",
                   file=sys.stderr, flush=True)

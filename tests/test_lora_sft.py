@@ -77,9 +77,12 @@ def test_checkpoint_holds_adapters_and_resume_is_exact(trained, tmp_path):
     Trainer(cfg_for(r, "steps=2", "checkpoint.every=2"), quiet=True, devices=jax.devices()[:1]).run()
     t2 = Trainer(cfg_for(r, "steps=4", "checkpoint.every=2"), quiet=True, devices=jax.devices()[:1])
     t2.run()
+    # to float rounding: the test processes' older XLA:CPU emitters (helpers.FAST_COMPILE) round a recompiled step
+    # differently by an ulp or so (under XLA's default emitters the two are bit-equal); a resume that lost any
+    # state (step count, optimiser moments, data position) is off by orders of magnitude more
     np.testing.assert_allclose(losses(r), losses(d), rtol=1e-6)
     for a, b in zip(jax.tree.leaves(t2.state.params), jax.tree.leaves(tr.state.params)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.slow

@@ -86,6 +86,23 @@ def test_a_second_writer_of_each_command_stops_at_once_naming_the_holder(tmp_pat
     assert holder.returncode == 0 and os.listdir(run) == []  # released on the way out
 
 
+def test_a_held_run_dir_is_neither_judged_nor_moved_aside(tmp_path):
+    """A writer's run dir that holds checkpoints: a second `sft` with other settings, or with --new-run, is
+    refused naming the live holder, and nothing in the folder moves."""
+    run = tmp_path / "run"
+    (run / "checkpoints" / "5").mkdir(parents=True)
+    (run / "config.yaml").write_text("name: other\nsteps: 5\n")
+    holder = _holder(run)
+    try:
+        for extra in ([], ["--new-run"]):
+            r, _ = _cli("sft", *extra, f"run_dir={run}", "steps=3")
+            assert r.returncode == 2 and f"is being written by nemo-jax sft (pid {holder.pid} " in r.stderr, r.stderr
+            assert sorted(os.listdir(tmp_path)) == ["run"] and (run / "checkpoints" / "5").is_dir()
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+
+
 def test_a_holder_that_died_on_this_host_is_reclaimed_with_a_line(tmp_path):
     run = tmp_path / "out"
     holder = _holder(run, "nemo-jax data prepare")

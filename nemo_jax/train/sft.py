@@ -27,6 +27,7 @@ from nemo_jax.model.spec import abstract_params, count_params, init as init_para
 from nemo_jax.parallel import distributed
 from nemo_jax.parallel.mesh import batch_shards, batch_sharding, make_mesh
 from nemo_jax.parallel.rules import Rules, param_shardings
+from nemo_jax.runlock import check_free
 from nemo_jax.train.checkpoint import RunCheckpointer, abstract_like, catch_stop_signals
 from nemo_jax.train.metrics import MetricsLogger, check_logging, device_peak_flops, model_flops_per_token
 from nemo_jax.lora import (CONSTANT_LEAVES, LoraConfig, adapter_shardings, attach, init_adapters,
@@ -442,7 +443,10 @@ class Trainer:
 def start_run(run_dir: str, c, command: str, new_run: bool = False) -> None:
     """Before a training command builds anything in `run_dir`: with `new_run`, an earlier run there is moved
     aside to RUN.prev (never deleted; process 0 moves it, every process waits for that); else a run there with
-    other settings is refused (`config.train.check_rerun`)."""
+    other settings is refused (`config.train.check_rerun`). A run dir another process is writing is refused
+    first, naming that process (`runlock.check_free`): it is neither judged nor moved."""
+    if jax.process_index() == 0:
+        check_free(run_dir)
     if not new_run:
         check_rerun(c, run_dir)
         return
