@@ -233,7 +233,7 @@ class Recipe:
             tok = ChatTokenizer.load(tokenizer_dir(model))
             for name, env in envs:
                 engine = eval_engine(params, cfg, ad, rows=ev.rows, max_len=ev.max_len, seed=ev.seed)
-                r = evaluate_env(engine, tok, cfg, env, ev.attempts, ev.max_new_tokens, ev.temperature)
+                r = evaluate_env(engine, tok, cfg, env, ev.attempts, ev.max_new_tokens, ev.temperature, seed=ev.seed)
                 k = ev.attempts
                 table.setdefault(stage, {})[name] = {"reward_mean": r["reward_mean"],
                                                      "success_rate": r["success_rate"], "pass@1": r["pass@1"],

@@ -12,6 +12,9 @@ from nemo_jax.hostmem import GPU_XLA_FLAGS  # noqa: E402  (no jax import)
 
 os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {FAST_COMPILE} {' '.join(GPU_XLA_FLAGS)}")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+from nemo_jax.hostmem import quiet_plugin_noise  # noqa: E402
+
+quiet_plugin_noise()  # no CUDA driver lines from the optional plugins on this CPU host, as the CLI
 # One persistent compilation cache for the session, shared by every test and the subprocesses they start (they
 # inherit the environment): the suite builds the same tiny programs many times (each Trainer jits its own step).
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:

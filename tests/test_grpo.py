@@ -342,6 +342,26 @@ def test_streamed_rollouts_equal_the_turn_by_turn_sampler(tok, base, monkeypatch
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
 
 
+@pytest.mark.slow
+def test_seeded_rollouts_do_not_depend_on_rows_or_finishing_order(tok, base):
+    """`sample_rollouts(seed=...)` (what `nemo-jax eval --seed` uses): each rollout's draws come from (seed, its
+    id), so two engines with other row counts, given the tasks in another order, sample the same tokens at
+    temperature 1; another seed samples others."""
+    client = TrainingClient(CFG, base, LCFG)
+    env = Arithmetic(n_train=6, n_eval=2, seed=3)
+    tasks = [(t, f"g{i}") for i, t in enumerate(env.tasks("train"))]
+
+    def run(rows, order, seed):
+        engine = client.engine(batch=rows, max_len=128)
+        engine.set_adapters(client.adapters, 0)
+        rs = sample_rollouts(engine, tok, CFG, env, order, 2, 6, 1.0, seed=seed)
+        return {r.rollout_id: r.tokens for r in rs}
+
+    a, b = run(2, tasks, 5), run(5, tasks[::-1], 5)
+    assert a == b and len(a) == 12
+    assert run(2, tasks, 6) != a
+
+
 class Gated:
     """Episodes on the TwoTurns prompt with async steps: a "slow" task's first step waits for `gate`, a "hang"
     task's never returns; every step asks once more, then ends. Closes are recorded."""

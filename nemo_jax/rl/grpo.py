@@ -229,7 +229,7 @@ class GRPORunner:
         else:
             self._eval_engine.set_adapters(jax.tree.map(jnp.copy, self.client.adapters), self.client.version)
         return evaluate_env(self._eval_engine, self.tok, self.cfg, self.env, c.eval_attempts, r.max_new_tokens,
-                            c.loss.temperature, tasks=self.eval_tasks, timeout_s=r.episode_timeout_s)
+                            c.loss.temperature, tasks=self.eval_tasks, timeout_s=r.episode_timeout_s, seed=c.seed)
 
     def _log_eval(self, logger, bar) -> dict:
         ev = self.evaluate()
@@ -404,11 +404,13 @@ class GRPORunner:
 
 # ----------------------------------------------------------------------------- eval
 def evaluate_env(engine, tok, cfg, env, attempts: int, max_new_tokens: int, temperature: float, *,
-                 split: str = "eval", tasks=None, timeout_s: float = 0.0, progress: bool = False) -> dict:
+                 split: str = "eval", tasks=None, timeout_s: float = 0.0, progress: bool = False,
+                 seed: int | None = None) -> dict:
     """Every `split` task (or the given `tasks`) attempted `attempts` times through `engine` (its adapters) ->
     tasks, attempts, reward_mean (each task weighted equally), success_rate, pass@1 (the mean success of single
     attempts), pass@k (solved at least once in k = attempts), consistency (solved in all k attempts).
-    `progress`: a progress bar of finished attempts on stderr (its first update waits for the sampler's compile)."""
+    `progress`: a progress bar of finished attempts on stderr (its first update waits for the sampler's compile).
+    `seed`: every attempt's draws from (seed, task, attempt) alone: the same figures on a rerun."""
     from tqdm import tqdm
 
     tasks = list(env.tasks(split) if tasks is None else tasks)
@@ -417,7 +419,7 @@ def evaluate_env(engine, tok, cfg, env, attempts: int, max_new_tokens: int, temp
     bar = tqdm(total=len(tasks) * attempts, desc="eval", unit="attempt", dynamic_ncols=True, disable=not progress)
     try:
         got = sample_rollouts(engine, tok, cfg, env, [(t, f"eval{i}") for i, t in enumerate(tasks)], attempts,
-                              max_new_tokens, temperature, timeout_s=timeout_s, progress=bar.update)
+                              max_new_tokens, temperature, timeout_s=timeout_s, progress=bar.update, seed=seed)
     finally:
         bar.close()
     rew = np.array([x.reward for x in got]).reshape(len(tasks), attempts)
@@ -463,15 +465,16 @@ def cli_eval(a) -> dict:
     say(f"{a.env}: {len(env.tasks(a.split))} {a.split} tasks x {a.attempts} attempts on {a.rows} sampler rows "
         "(the first attempts finish after the sampler compiles)")
     out = evaluate_env(engine, tok, cfg, env, a.attempts, a.max_new_tokens, a.temperature, split=a.split,
-                       progress=True)
+                       progress=True, seed=a.seed)
     out.update(env=a.env, images=a.images, ckpt=a.ckpt, adapters=a.adapters)
     width = max(len(k) for k in out)
     for k, v in out.items():
         if k != "task_rewards":  # (per task: in --json only)
             print(f"{k:<{width}}  {v:.4f}" if isinstance(v, float) else f"{k:<{width}}  {v}")
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=1)
+        from nemo_jax.fsutil import atomic_write_text
+
+        atomic_write_text(a.json, json.dumps(out, indent=1))
     return out
 
 

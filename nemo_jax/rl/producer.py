@@ -26,8 +26,9 @@ import queue
 import tempfile
 import threading
 import time
+import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import jax
 import jax.numpy as jnp
@@ -367,11 +368,13 @@ def sampling_params(cfg, tok, max_new_tokens: int, temperature: float, top_p: fl
 def sample_rollouts(engine: Engine, tok, cfg, env, tasks: list[tuple[Task, str]], group_size: int,
                     max_new_tokens: int, temperature: float, *, images: ImageStore | None = None,
                     timeout_s: float = 0.0, workers: int = 16, top_p: float = 1.0, top_k: int = 0,
-                    progress=None) -> list[Rollout]:
+                    progress=None, seed: int | None = None) -> list[Rollout]:
     """tasks: (task, group id) pairs -> group_size scored rollouts per task (task-major order), sampled through
     `engine` (continuous batching over its rows; its adapters and version). Pictures go to `images` (default: a
     temporary store, removed afterwards: the rollouts' image records then point nowhere). `progress(n)` is
-    called as n more rollouts finish (e.g. a progress bar's update)."""
+    called as n more rollouts finish (e.g. a progress bar's update). `seed`: each rollout's draws come from
+    (seed, its rollout id) alone, so a rerun samples the same tokens whatever order episodes finish in
+    (default: the engine's generator, in submission order)."""
     sp = sampling_params(cfg, tok, max_new_tokens, temperature, top_p, top_k)
     tmp = None
     if images is None and cfg.vision is not None:
@@ -382,7 +385,8 @@ def sample_rollouts(engine: Engine, tok, cfg, env, tasks: list[tuple[Task, str]]
     ids = [f"{gid}/{j}" for task, gid in tasks for j in range(group_size)]
     try:
         for (task, gid), j in ((t, j) for t in tasks for j in range(group_size)):
-            d.add(task, gid, f"{gid}/{j}")
+            rid = f"{gid}/{j}"
+            d.add(task, gid, rid, None if seed is None else replace(sp, seed=zlib.crc32(f"{seed}/{rid}".encode())))
         while d.running:
             done = d.pump()
             for x in done:
@@ -498,7 +502,8 @@ class ThreadProducer:
             d.engine.set_adapters(policy[1], policy[0])
         for task, gid in opened:
             for j in range(self.r.group_size):
-                d.add(task, gid, f"{gid}/{j}")
+                rid = f"{gid}/{j}"
+            d.add(task, gid, rid, None if seed is None else replace(sp, seed=zlib.crc32(f"{seed}/{rid}".encode())))
         t0 = time.perf_counter()
         rollouts = d.pump()
         self.busy_s += time.perf_counter() - t0
