@@ -502,8 +502,7 @@ class ThreadProducer:
             d.engine.set_adapters(policy[1], policy[0])
         for task, gid in opened:
             for j in range(self.r.group_size):
-                rid = f"{gid}/{j}"
-            d.add(task, gid, rid, None if seed is None else replace(sp, seed=zlib.crc32(f"{seed}/{rid}".encode())))
+                d.add(task, gid, f"{gid}/{j}")
         t0 = time.perf_counter()
         rollouts = d.pump()
         self.busy_s += time.perf_counter() - t0
