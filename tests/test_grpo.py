@@ -497,6 +497,30 @@ def test_mcp_episode_round_trip_with_the_shipped_server(tok, base):
     assert all(0.0 <= r.reward <= 1.0 for r in rs)
 
 
+@pytest.mark.slow
+def test_mcp_episode_whose_start_was_cancelled_closes_cleanly():
+    """A run that ends while an episode's server is still coming up cancels its start (the driver's close); the
+    server session then comes up with no one waiting for its tools, and closing the episode stops it without an
+    error (it used to fail the whole run at its last step)."""
+    import asyncio
+
+    pytest.importorskip("mcp")
+    env = make_env("mcp", task_args={"n_train": 2, "n_eval": 1})
+
+    async def cancelled_start():
+        ep = env.episode()
+        starting = asyncio.create_task(ep.start(env.tasks("train")[0], "r0"))
+        await asyncio.sleep(0.05)  # inside start(): waiting for the server's tools
+        starting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await starting
+        await asyncio.sleep(3.0)  # the server comes up and lists its tools meanwhile
+        await ep.close()
+        assert ep._runner.done() and ep._runner.exception() is None
+
+    asyncio.run(cancelled_start())
+
+
 def test_gui_env_actions_screens_and_partial_credit():
     """The GUI environment: actions parsed, the expert succeeds, a near miss earns partial credit, a non-action
     ends the episode, each form action is answered by a new screenshot, and the demonstrations are SFT records

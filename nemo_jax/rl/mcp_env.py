@@ -87,7 +87,8 @@ class MCPEpisode:
         try:
             async with Client(StdioServerParameters(command=cmd[0], args=list(cmd[1:])), mode="legacy") as client:
                 listed = await client.list_tools()
-                self._ready.set_result([tool_definition(t) for t in listed.tools])
+                if not self._ready.done():  # (a start cancelled while the server came up: no one waits for it)
+                    self._ready.set_result([tool_definition(t) for t in listed.tools])
                 while (item := await self._requests.get()) is not None:
                     name, args, fut = item
                     try:
