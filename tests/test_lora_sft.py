@@ -78,11 +78,14 @@ def test_checkpoint_holds_adapters_and_resume_is_exact(trained, tmp_path):
     t2 = Trainer(cfg_for(r, "steps=4", "checkpoint.every=2"), quiet=True, devices=jax.devices()[:1])
     t2.run()
     # to float rounding: the test processes' older XLA:CPU emitters (helpers.FAST_COMPILE) round a recompiled step
-    # differently by an ulp or so (under XLA's default emitters the two are bit-equal); a resume that lost any
-    # state (step count, optimiser moments, data position) is off by orders of magnitude more
+    # differently by an ulp or so (under XLA's default emitters the two are bit-equal), and Adam's normalised
+    # update can grow an ulp in a near-zero gradient to ~1e-5 in one element; so each adapter is compared as a
+    # whole (relative norm of the difference). A resume that lost any state (step count, optimiser moments, data
+    # position) is off by orders of magnitude more
     np.testing.assert_allclose(losses(r), losses(d), rtol=1e-6)
     for a, b in zip(jax.tree.leaves(t2.state.params), jax.tree.leaves(tr.state.params)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(b) + 1e-7, np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
 @pytest.mark.slow
