@@ -382,10 +382,9 @@ def sample_rollouts(engine: Engine, tok, cfg, env, tasks: list[tuple[Task, str]]
         images = ImageStore(tmp.name)
     d = EpisodeDriver(engine, tok, cfg, env, sp, images=images, timeout_s=timeout_s, workers=workers)
     got: dict[str, Rollout] = {}
-    ids = [f"{gid}/{j}" for task, gid in tasks for j in range(group_size)]
+    todo = [(task, gid, f"{gid}/{j}") for task, gid in tasks for j in range(group_size)]
     try:
-        for (task, gid), j in ((t, j) for t in tasks for j in range(group_size)):
-            rid = f"{gid}/{j}"
+        for task, gid, rid in todo:
             d.add(task, gid, rid, None if seed is None else replace(sp, seed=zlib.crc32(f"{seed}/{rid}".encode())))
         while d.running:
             done = d.pump()
@@ -397,7 +396,7 @@ def sample_rollouts(engine: Engine, tok, cfg, env, tasks: list[tuple[Task, str]]
         d.close()
         if tmp is not None:
             tmp.cleanup()
-    return [got[i] for i in ids]
+    return [got[rid] for _, _, rid in todo]
 
 
 def _call(fn, *args):
