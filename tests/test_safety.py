@@ -509,6 +509,17 @@ def test_rerun_with_other_settings_is_refused(tmp_path, capsys):
     (tmp_path / "g" / "config.yaml").write_text(dump_yaml(g))
     with pytest.raises(ValueError, match=r"rollout.group_size 8 -> 4"):
         check_rerun(dataclasses.replace(g, rollout=dataclasses.replace(g.rollout, group_size=4)), str(tmp_path / "g"))
+    # raising `steps` extends the run (sft and grpo), saying how the schedule changes; lowering it, or raising it
+    # together with a setting that changes what is trained, is refused
+    note = check_rerun(load_sft_config(None, [f"run_dir={run}", "steps=400"]), str(run))
+    assert "steps raised from 300 to 400" in note and "decay now ends at step 400" in note, note
+    assert check_rerun(load_sft_config(None, [f"run_dir={run}"]), str(run)) is None
+    with pytest.raises(ValueError, match=r"optim.lr 0.003 -> 0.001") as e:
+        check_rerun(load_sft_config(None, [f"run_dir={run}", "steps=400", "optim.lr=1e-3"]), str(run))
+    assert "steps" not in str(e.value).split("(")[1].split(")")[0]
+    assert "steps raised from" in check_rerun(dataclasses.replace(g, steps=g.steps + 10), str(tmp_path / "g"))
+    with pytest.raises(ValueError, match=rf"steps {g.steps} -> {g.steps - 1}"):
+        check_rerun(dataclasses.replace(g, steps=g.steps - 1), str(tmp_path / "g"))
     c = load_sft_config(None, [f"run_dir={run}", "steps=60"])
     start_run(str(run), c, "sft", new_run=True)
     assert "moved aside to" in capsys.readouterr().out

@@ -562,12 +562,29 @@ def rerun_conflicts(saved: dict, config) -> list[tuple[str, object, object]]:
     ours = _flat(json.loads(json.dumps(dataclasses.asdict(config))))
     theirs = _flat(json.loads(json.dumps(saved)))
     return [(k, theirs[k], v) for k, v in ours.items()
-            if k in theirs and theirs[k] != v and not any(fnmatch.fnmatchcase(k, p) for p in RESUMABLE_KEYS)]
+            if k in theirs and theirs[k] != v and not any(fnmatch.fnmatchcase(k, p) for p in RESUMABLE_KEYS)
+            and not (k == "steps" and _raised(theirs[k], v))]
 
 
-def check_rerun(config, run_dir: str) -> None:
+def _raised(before, after) -> bool:
+    return isinstance(before, int) and isinstance(after, int) and after > before
+
+
+def extension_note(saved: dict, config) -> str | None:
+    """The line a rerun that raises `steps` says (None when it does not): it resumes from the run's latest good
+    checkpoint, and the learning-rate schedule is rebuilt for the new total, so its decay now ends at the new
+    last step (a finished cosine / linear decay steps back up to the rebuilt schedule's value there)."""
+    before, after = saved.get("steps"), getattr(config, "steps", None)
+    if not _raised(before, after):
+        return None
+    return (f"steps raised from {before} to {after}: resuming from the run's latest good checkpoint; the learning-"
+            f"rate schedule is rebuilt for {after} steps (warmup unchanged, the decay now ends at step {after})")
+
+
+def check_rerun(config, run_dir: str) -> str | None:
     """Refuse (ValueError, one line naming the differing keys) to resume a run dir that holds checkpoints of a
-    run with other settings (`rerun_conflicts` against RUN/config.yaml). Nothing is read but that file."""
+    run with other settings (`rerun_conflicts` against RUN/config.yaml). Nothing is read but that file. A rerun
+    may raise `steps` (the run is extended) -> the line that says so (`extension_note`), else None."""
     import os
 
     import yaml
@@ -575,7 +592,7 @@ def check_rerun(config, run_dir: str) -> None:
     ckpts = os.path.join(run_dir, "checkpoints")
     path = os.path.join(run_dir, "config.yaml")
     if not (os.path.isdir(ckpts) and any(n.isdigit() for n in os.listdir(ckpts))) or not os.path.isfile(path):
-        return
+        return None
     try:
         with open(path) as f:
             saved = yaml.safe_load(f)
@@ -589,6 +606,7 @@ def check_rerun(config, run_dir: str) -> None:
         raise ValueError(f"{run_dir} holds a run with other settings ({shown}): its checkpoints were trained with "
                          f"its own ({path}); rerun with those to continue it, give another run_dir, or pass --new-run "
                          "to move it aside and start afresh")
+    return extension_note(saved if isinstance(saved, dict) else {}, config)
 
 
 def read_mesh_sizes(spec: str) -> dict:

@@ -448,7 +448,9 @@ def start_run(run_dir: str, c, command: str, new_run: bool = False) -> None:
     if jax.process_index() == 0:
         check_free(run_dir)
     if not new_run:
-        check_rerun(c, run_dir)
+        note = check_rerun(c, run_dir)
+        if note and jax.process_index() == 0:
+            print(f"{command}: {note}", flush=True)
         return
     if jax.process_index() == 0 and os.path.lexists(run_dir) and os.listdir(run_dir):
         print(f"{command}: --new-run: the earlier run in {run_dir} moved aside to {move_aside(run_dir, 'prev')}",
