@@ -449,6 +449,95 @@ def test_a_waiting_episode_never_stalls_the_other_rows(tok, base, monkeypatch):
     assert sorted(env.closed) == ["fast0", "fast1", "fast2", "hang", "slow"]
 
 
+class HangsOneInFour:
+    """A plug-in environment whose plain (threaded) start() hangs on one task in four until `release` is set."""
+    name, max_turns = "hangs", 1
+
+    def __init__(self):
+        import threading
+
+        self.release, self.closed = threading.Event(), []
+
+    def tasks(self, split):
+        return [Task(f"t{i}", ({"role": "user", "content": "What is 1 plus 1?"},)) for i in range(8)]
+
+    def episode(self):
+        env = self
+
+        class Ep:
+            def start(self, task, rollout_id):
+                self.id = rollout_id
+                if task.id in ("t0", "t4"):
+                    env.release.wait()
+                return Observation(list(task.messages))
+
+            def step(self, message):
+                return Observation([], 1.0, True, True)
+
+            def close(self):
+                env.closed.append(getattr(self, "id", None))
+
+        return Ep()
+
+
+@pytest.mark.slow
+def test_a_hanging_start_costs_one_worker_not_the_pool(tok, base, capsys):
+    """Two workers, a start() that hangs on 1 task in 4: the two hanging episodes time out (each costs its own
+    thread, replaced with a line) and every episode started after them finishes with its reward; before the fix
+    the hung calls held both workers and every later episode timed out too."""
+    from nemo_jax.rl.producer import EpisodeDriver, sampling_params
+
+    client = TrainingClient(CFG, base, LCFG)
+    env = HangsOneInFour()
+    d = EpisodeDriver(client.engine(batch=4, max_len=128), tok, CFG, env, sampling_params(CFG, tok, 3, 0.0),
+                      timeout_s=1.0, workers=2)
+    tasks = env.tasks("train")
+    done, t0 = [], time.monotonic()
+    try:
+        for t in (tasks[0], tasks[4]):
+            d.add(t, t.id, f"{t.id}/0")
+        while d.running and time.monotonic() - t0 < 120:
+            done += d.pump()
+        d.timeout_s = 60.0  # (room for the sampler's compile; before the fix these waited out this limit)
+        for t in tasks[1:4] + tasks[5:]:
+            d.add(t, t.id, f"{t.id}/0")
+        while d.running and time.monotonic() - t0 < 120:
+            done += d.pump()
+    finally:
+        env.release.set()
+        d.close()
+    out = {r.task_id: r for r in done}
+    assert sorted(t for t, r in out.items() if r.timed_out) == ["t0", "t4"] and d.counts["timed_out"] == 2
+    assert all(r.reward == 1.0 for t, r in out.items() if t not in ("t0", "t4")) and len(out) == 8
+    said = [x for x in capsys.readouterr().out.splitlines() if "still running past the episode's time limit" in x]
+    assert len(said) == 2 and "start()" in said[0] and "at most 8" in said[0], said
+
+
+def test_env_calls_replace_abandoned_workers_up_to_a_bound_and_never_keep_the_process_alive():
+    code = textwrap.dedent("""
+        import threading, time
+        from nemo_jax.rl.producer import EnvCalls
+        calls = EnvCalls(1, "environment hangs")
+        forever = threading.Event()
+        hung = [calls.call(("h", i), forever.wait) for i in range(5)]
+        for i, f in enumerate(hung):  # each abandoned in turn: a new thread takes the next (4 at most)
+            while not f.running():
+                time.sleep(0.01)
+            calls.abandon(f, f"episode h{i}: start()")
+        quick = calls.call("q", lambda: 42)
+        time.sleep(0.3)
+        print("quick", "waits" if not quick.done() else quick.result())  # (past the bound: no free thread)
+        print("done")  # the hung daemon threads do not keep the interpreter alive
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    lines = out.stdout.splitlines()
+    assert out.returncode == 0 and lines[-1] == "done", out.stdout + out.stderr
+    replaced = [x for x in lines if "a new one takes its place" in x]
+    assert len(replaced) == 4 and "(4 replaced so far, at most 4)" in replaced[-1]
+    assert sum("(the bound)" in x for x in lines) == 1 and "quick waits" in lines
+
+
 @pytest.mark.slow
 def test_mcp_episode_round_trip_with_the_shipped_server(tok, base):
     """An MCP episode starts the shipped tiny server (stdio, the official client), lists its tools in the chat

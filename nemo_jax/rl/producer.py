@@ -27,7 +27,7 @@ import tempfile
 import threading
 import time
 import zlib
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
 import jax
@@ -91,6 +91,7 @@ class _Live:
     cut: bool = False  # its last turn hit max_new_tokens
     seq: int | None = None  # its engine sequence
     pending: Future | None = None
+    pending_what: str = ""  # the episode method `pending` runs
     obs: Observation | None = None
     timed_out: bool = False
     ended: bool = False
@@ -150,12 +151,24 @@ class Conversation:
 
 
 class EnvCalls:
-    """Runs episode methods off the decode loop: plain ones on a thread pool, coroutines on one event-loop thread.
-    Each finished call is put on `done` as (token, future)."""
+    """Runs episode methods off the decode loop: plain ones on worker threads, coroutines on one event-loop thread.
+    Each finished call is put on `done` as (token, future).
 
-    def __init__(self, workers: int):
-        self.pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="episode")
+    `workers` threads serve the plain calls. A call its episode's time limit abandoned while it still runs (a
+    `start()` that hangs) keeps its thread, so `abandon` starts a new thread in its place: a hung episode costs one
+    thread, never the pool, up to `workers * ABANDONED_PER_WORKER` replacements (each said in one line, the bound
+    too); past the bound, later calls wait for a free thread. The threads are daemons: a process whose run is done
+    exits even while a hung call still holds one."""
+
+    ABANDONED_PER_WORKER = 4
+
+    def __init__(self, workers: int, name: str = "environment"):
+        self.workers, self.name = max(1, workers), name
+        self.bound = self.workers * self.ABANDONED_PER_WORKER
         self.done: queue.Queue = queue.Queue()
+        self.replaced = 0  # threads started in place of abandoned ones
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads, self._idle, self._closed, self._said_bound = 0, 0, False, False
         self._loop = None
         self._lock = threading.Lock()
 
@@ -172,16 +185,76 @@ class EnvCalls:
             out = asyncio.run_coroutine_threadsafe(_awaited(out), self.loop()).result()
         return out
 
+    def _work(self):
+        while True:
+            with self._lock:
+                self._idle += 1
+            item = self._calls.get()
+            with self._lock:
+                self._idle -= 1
+            if item is None:
+                return
+            fut, fn, args = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(self._sync(fn, args))
+            except BaseException as e:  # the caller reads it from the future
+                fut.set_exception(e)
+
+    def _spawn(self):  # (under the lock)
+        self._threads += 1
+        threading.Thread(target=self._work, name=f"episode-{self._threads}", daemon=True).start()
+
     def call(self, token, fn, *args) -> Future:
         if inspect.iscoroutinefunction(fn):
             fut = asyncio.run_coroutine_threadsafe(fn(*args), self.loop())
         else:
-            fut = self.pool.submit(self._sync, fn, args)
+            fut = Future()
+            with self._lock:
+                if self._closed:
+                    fut.cancel()  # (after close: never runs)
+                else:
+                    self._calls.put((fut, fn, args))
+                    if self._idle == 0 and self._threads < self.workers + self.replaced:
+                        self._spawn()
         fut.add_done_callback(lambda f: self.done.put((token, f)))
         return fut
 
+    def abandon(self, fut: Future, what: str) -> None:
+        """`fut`'s call outlived its episode (timed out): cancelled if it has not started, else its thread is
+        left to it and a new one takes its place (up to the bound)."""
+        if fut.cancel() or fut.done():  # (a coroutine's call: cancelled on its loop)
+            return
+        with self._lock:
+            if self.replaced < self.bound:
+                self.replaced += 1
+                self._spawn()
+                n = self.replaced
+            else:
+                n = None
+        if n is not None:
+            print(f"{self.name}: {what} is still running past the episode's time limit (rollout.episode_timeout_s); "
+                  f"its worker thread is left to it and a new one takes its place ({n} replaced so far, at most "
+                  f"{self.bound})", flush=True)
+        elif not self._said_bound:
+            self._said_bound = True
+            print(f"{self.name}: {self.bound} worker threads were replaced after hung calls (the bound): calls "
+                  "that hang from now on hold a worker each, and the others wait for a free one", flush=True)
+
     def close(self):
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            self._closed = True
+            n = self._threads
+        while True:  # calls not started: cancelled
+            try:
+                item = self._calls.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[0].cancel()
+        for _ in range(n):
+            self._calls.put(None)
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
 
@@ -210,7 +283,7 @@ class EpisodeDriver:
         self.conv = Conversation(tok, cfg, images)
         self.max_turns = max(1, int(getattr(env, "max_turns", 1)))
         self.timeout_s = float(timeout_s or getattr(env, "timeout_s", 0) or 0)
-        self.calls = EnvCalls(workers)
+        self.calls = EnvCalls(workers, f"environment {getattr(env, 'name', type(env).__name__)}")
         self.live: dict[str, _Live] = {}
         self.closing: set = set()  # close() calls not finished yet
         self.report_failures = report_failures
@@ -224,7 +297,7 @@ class EpisodeDriver:
         ep = self.env.episode()
         r = _Live(task, group_id, rollout_id, ep, time.monotonic() + self.timeout_s if self.timeout_s else 0.0, sp=sp)
         self.live[rollout_id] = r
-        r.pending = self.calls.call((r, "start"), ep.start, task, rollout_id)
+        r.pending, r.pending_what = self.calls.call((r, "start"), ep.start, task, rollout_id), "start"
 
     @property
     def running(self) -> int:
@@ -258,6 +331,8 @@ class EpisodeDriver:
         for r in [r for r in self.live.values() if r.deadline and now > r.deadline]:
             r.timed_out = True
             self.counts["timed_out"] += 1
+            if r.pending is not None:  # a hung call costs its own thread, not the pool's
+                self.calls.abandon(r.pending, f"episode {r.rollout_id}: {r.pending_what}()")
             self._finish(r, out)  # (its pending call: an async one is cancelled, a thread's result ignored)
         if self.engine.busy or self.engine.queued:
             for end in self.engine.step():
@@ -265,7 +340,7 @@ class EpisodeDriver:
                 if r.ended:  # (ended while its turn was sampled)
                     continue
                 msg = self.conv.sampled(r, end.tokens, end.logprobs, end.finish_reason, end.versions)
-                r.pending = self.calls.call((r, "step"), r.episode.step, msg)
+                r.pending, r.pending_what = self.calls.call((r, "step"), r.episode.step, msg), "step"
         elif self.live or self.closing:
             try:
                 self._handle(*self.calls.done.get(timeout=wait_s), out)
@@ -357,6 +432,11 @@ class EpisodeDriver:
                 self._handle(*self.calls.done.get(timeout=0.05), [])
             except queue.Empty:
                 pass
+        if self.closing:
+            ids = sorted(r.rollout_id for r, _ in self.closing)
+            print(f"{self.calls.name}: gave up waiting {wait_s:g} s for close() of {len(ids)} episode(s) "
+                  f"({', '.join(ids[:5])}{', ...' if len(ids) > 5 else ''}); they are left to finish on their own",
+                  flush=True)
         self.calls.close()
 
 
