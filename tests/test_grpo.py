@@ -58,7 +58,7 @@ def test_jsonl_tasks_and_user_classes(tmp_path):
             {"id": "b", "prompt": "name?", "answer": "^bob$", "verifier": "regex", "split": "eval"},
             {"id": "c", "messages": [{"role": "user", "content": "pi?"}], "answer": 3.14, "verifier": "numeric",
              "tolerance": 0.01, "family": "math"}]
-    p.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    p.write_text("\ufeff" + "\n".join(json.dumps(r) for r in rows) + "\n", encoding="utf-8")  # (a BOM: read)
     env = make_env(f"jsonl:{p}")
     tr = {t.id: t for t in env.tasks("train")}
     say = lambda s: [{"role": "assistant", "content": s}]  # noqa: E731

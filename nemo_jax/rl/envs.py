@@ -278,7 +278,7 @@ class JsonlTasks(SingleTurn):
     def __init__(self, path: str):
         self.name = f"jsonl:{path}"
         self._split = {"train": [], "eval": []}
-        with open(path) as f:
+        with open(path, encoding="utf-8-sig") as f:  # (a UTF-8 BOM at the start is not data)
             for n, line in enumerate(f, 1):
                 if not line.strip():
                     continue

@@ -37,6 +37,7 @@ from nemo_jax.data.chat import content_text
 from nemo_jax.generate import Engine, SamplingParams, chunk_images, widen_images
 from nemo_jax.rl.episode import Observation, Task, as_environment
 from nemo_jax.rl.rollout import ImageStore, Rollout
+from nemo_jax.threads import DaemonPool
 
 
 def stop_ids(cfg, tok) -> tuple[int, ...]:
@@ -154,21 +155,21 @@ class EnvCalls:
     """Runs episode methods off the decode loop: plain ones on worker threads, coroutines on one event-loop thread.
     Each finished call is put on `done` as (token, future).
 
-    `workers` threads serve the plain calls. A call its episode's time limit abandoned while it still runs (a
-    `start()` that hangs) keeps its thread, so `abandon` starts a new thread in its place: a hung episode costs one
-    thread, never the pool, up to `workers * ABANDONED_PER_WORKER` replacements (each said in one line, the bound
-    too); past the bound, later calls wait for a free thread. The threads are daemons: a process whose run is done
-    exits even while a hung call still holds one."""
+    `workers` daemon threads (nemo_jax.threads.DaemonPool: they never keep a finished process alive) serve the
+    plain calls. A call its episode's time limit abandoned while it still runs (a `start()` that hangs) keeps its
+    thread, so `abandon` adds a thread in its place: a hung episode costs one thread, never the pool, up to
+    `workers * ABANDONED_PER_WORKER` replacements (each said in one line, the bound too); past the bound, later
+    calls wait for a free thread."""
 
     ABANDONED_PER_WORKER = 4
 
     def __init__(self, workers: int, name: str = "environment"):
-        self.workers, self.name = max(1, workers), name
-        self.bound = self.workers * self.ABANDONED_PER_WORKER
+        self.name = name
+        self.pool = DaemonPool(workers, "episode")
+        self.bound = self.pool.limit * self.ABANDONED_PER_WORKER
         self.done: queue.Queue = queue.Queue()
-        self.replaced = 0  # threads started in place of abandoned ones
-        self._calls: queue.SimpleQueue = queue.SimpleQueue()
-        self._threads, self._idle, self._closed, self._said_bound = 0, 0, False, False
+        self.replaced = 0  # threads added in place of abandoned ones
+        self._said_bound = False
         self._loop = None
         self._lock = threading.Lock()
 
@@ -185,76 +186,36 @@ class EnvCalls:
             out = asyncio.run_coroutine_threadsafe(_awaited(out), self.loop()).result()
         return out
 
-    def _work(self):
-        while True:
-            with self._lock:
-                self._idle += 1
-            item = self._calls.get()
-            with self._lock:
-                self._idle -= 1
-            if item is None:
-                return
-            fut, fn, args = item
-            if not fut.set_running_or_notify_cancel():
-                continue
-            try:
-                fut.set_result(self._sync(fn, args))
-            except BaseException as e:  # the caller reads it from the future
-                fut.set_exception(e)
-
-    def _spawn(self):  # (under the lock)
-        self._threads += 1
-        threading.Thread(target=self._work, name=f"episode-{self._threads}", daemon=True).start()
-
     def call(self, token, fn, *args) -> Future:
         if inspect.iscoroutinefunction(fn):
             fut = asyncio.run_coroutine_threadsafe(fn(*args), self.loop())
         else:
-            fut = Future()
-            with self._lock:
-                if self._closed:
-                    fut.cancel()  # (after close: never runs)
-                else:
-                    self._calls.put((fut, fn, args))
-                    if self._idle == 0 and self._threads < self.workers + self.replaced:
-                        self._spawn()
+            fut = self.pool.submit(self._sync, fn, args)
         fut.add_done_callback(lambda f: self.done.put((token, f)))
         return fut
 
     def abandon(self, fut: Future, what: str) -> None:
-        """`fut`'s call outlived its episode (timed out): cancelled if it has not started, else its thread is
-        left to it and a new one takes its place (up to the bound)."""
-        if fut.cancel() or fut.done():  # (a coroutine's call: cancelled on its loop)
+        """`fut`'s call outlived its episode (timed out): cancelled if it has not started (a coroutine's: on its
+        loop), else its thread is left to it and a new one takes its place (up to the bound)."""
+        if fut.cancel() or fut.done():
             return
         with self._lock:
+            n = None
             if self.replaced < self.bound:
                 self.replaced += 1
-                self._spawn()
                 n = self.replaced
-            else:
-                n = None
+            said, self._said_bound = self._said_bound, self._said_bound or n is None
         if n is not None:
+            self.pool.add_thread()
             print(f"{self.name}: {what} is still running past the episode's time limit (rollout.episode_timeout_s); "
                   f"its worker thread is left to it and a new one takes its place ({n} replaced so far, at most "
                   f"{self.bound})", flush=True)
-        elif not self._said_bound:
-            self._said_bound = True
+        elif not said:
             print(f"{self.name}: {self.bound} worker threads were replaced after hung calls (the bound): calls "
                   "that hang from now on hold a worker each, and the others wait for a free one", flush=True)
 
     def close(self):
-        with self._lock:
-            self._closed = True
-            n = self._threads
-        while True:  # calls not started: cancelled
-            try:
-                item = self._calls.get_nowait()
-            except queue.Empty:
-                break
-            if item is not None:
-                item[0].cancel()
-        for _ in range(n):
-            self._calls.put(None)
+        self.pool.shutdown()
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
 
