@@ -654,3 +654,28 @@ def test_gui_env_actions_screens_and_partial_credit():
         doc = parse_record(rec, tok, 512)
         assert len(doc.images) == sum(m["role"] != "assistant" for m in rec["messages"])
         assert all(x.startswith("data:image/png;base64,") for x in doc.images) and doc.mask.any()
+
+
+def test_the_progress_rate_counts_from_the_end_of_the_compiling_step():
+    """A first step of 1000 s (the compiles) then steps of 2 s: after `rate_from_here` the bar's rate is 0.5
+    steps/s and its ETA that of the steps left (the old reset of start_t alone kept the compile in tqdm's
+    smoothed rate: an ETA hours too long)."""
+    import io
+
+    from tqdm import tqdm
+
+    from nemo_jax.rl.grpo import rate_from_here
+
+    now = [0.0]
+    bar = tqdm(total=100, file=io.StringIO(), mininterval=0, miniters=1)
+    bar._time = lambda: now[0]
+    bar.start_t = bar.last_print_t = 0.0
+    now[0] = 1000.0
+    bar.update(1)
+    rate_from_here(bar)
+    for _ in range(5):
+        now[0] += 2.0
+        bar.update(1)
+    d = bar.format_dict
+    assert d["n"] == 6 and d["rate"] == pytest.approx(0.5) and d["elapsed"] == pytest.approx(10.0)
+    bar.close()

@@ -285,7 +285,8 @@ class GRPORunner:
                 last.update(self._one_step(producer, logger, bar) or {})
                 bar.update(1)
                 if first:  # rate and ETA from here on (the first step compiled the learner and sampler)
-                    bar.initial, bar.start_t, first = bar.n, bar._time(), False
+                    rate_from_here(bar)
+                    first = False
                 if c.eval_every and self.step % c.eval_every == 0:
                     last.update(self._log_eval(logger, bar))
                 if c.checkpoint.every and self.step % c.checkpoint.every == 0:
@@ -400,6 +401,15 @@ class GRPORunner:
             print(f"step {rec['step']}: reward_mean {rec['reward_mean']:.3f}  wait {waited:.1f}s  "
                   f"learner {rec['learner_s']:.1f}s  version {self.client.version}", flush=True)
         return rec
+
+
+def rate_from_here(bar) -> None:
+    """A tqdm bar's rate and ETA count from now on: its start time, last print and smoothed rate are reset at its
+    current count (after the step that compiled: its minutes must not enter the steps' rate)."""
+    n = bar.n
+    bar.reset(total=bar.total)  # (clears the exponential moving averages of tqdm's rate, and the start time)
+    bar.n = bar.last_print_n = bar.initial = n
+    bar.refresh()
 
 
 # ----------------------------------------------------------------------------- eval

@@ -367,7 +367,7 @@ class Trainer:
         show = not self.quiet and jax.process_index() == 0
         say = print if show else (lambda *a, **k: None)
         last = {}
-        if start == 0 and self.eval_docs:
+        if start == 0 and self.eval_docs and c.eval_every:  # (eval_every=0: no eval at all, nor its compile)
             t = time.perf_counter()
             ev = self.evaluate()
             logger.log({"step": 0, "eval_loss": ev})
