@@ -330,6 +330,12 @@ NEW_RUN_HELP = ("start afresh in the run dir: an earlier run there is moved asid
                 "without it a run dir holding checkpoints resumes, and is refused if its settings differ")
 
 
+def _env_forms() -> str:
+    from nemo_jax.rl.episode import env_forms  # (names only: no environment is imported)
+
+    return env_forms()
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="nemo-jax", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
@@ -359,7 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "pass@1, pass@K, consistency")
     s.add_argument("--ckpt", required=True, help="native model dir, HF dir, or SFT run dir")
     s.add_argument("--adapters", default=None, help="PEFT dir, adapter checkpoint, or LoRA / GRPO run dir")
-    s.add_argument("--env", required=True, help="arithmetic | constraints | jsonl:PATH | package.module:Class")
+    s.add_argument("--env", required=True, help=_env_forms())
     s.add_argument("--env-args", default=None, help="JSON object of the environment's arguments")
     s.add_argument("--attempts", type=POSITIVE, default=1)
     s.add_argument("--split", default="eval", help="task split (default eval)")

@@ -30,6 +30,18 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 
+# The built-in environments by name (`rollout.env`, `nemo-jax eval --env`): where each class lives, imported only
+# when one is made (`nemo_jax.rl.envs.make_env`); the CLI's help lists them from here.
+BUILTIN_ENVS = {"arithmetic": "nemo_jax.rl.envs:Arithmetic", "constraints": "nemo_jax.rl.envs:Constraints",
+                "inbox": "nemo_jax.rl.envs:Inbox", "mcp": "nemo_jax.rl.mcp_env:MCPEnv",
+                "gui": "nemo_jax.rl.gui_env:GUIEnv"}
+
+
+def env_forms(sep: str = " | ") -> str:
+    """Every form an environment name may take (the built-in names, jsonl:PATH, package.module:Class)."""
+    return sep.join([*BUILTIN_ENVS, "jsonl:PATH", "package.module:Class"])
+
+
 @dataclass(frozen=True)
 class Task:
     id: str

@@ -476,6 +476,10 @@ def cli_eval(a) -> dict:
         "(the first attempts finish after the sampler compiles)")
     out = evaluate_env(engine, tok, cfg, env, a.attempts, a.max_new_tokens, a.temperature, split=a.split,
                        progress=True, seed=a.seed)
+    from nemo_jax.rl.ablation import ablation_note
+
+    if ablation_note(env):
+        say(ablation_note(env))
     out.update(env=a.env, images=a.images, ckpt=a.ckpt, adapters=a.adapters)
     width = max(len(k) for k in out)
     for k, v in out.items():
