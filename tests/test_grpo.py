@@ -449,6 +449,56 @@ def test_a_waiting_episode_never_stalls_the_other_rows(tok, base, monkeypatch):
     assert sorted(env.closed) == ["fast0", "fast1", "fast2", "hang", "slow"]
 
 
+def test_a_plugin_environment_that_raises_in_start_is_shown_by_its_own_file_and_line(tok, base, tmp_path,
+                                                                                      monkeypatch, capsys):
+    """A plug-in environment whose start() raises: the error names the author's file and line first, and the
+    CLI prints only the author's frames and one line (no traceback of the sampler's internals)."""
+    import nemo_jax.cli as cli
+    from nemo_jax.rl.episode import EnvironmentFailed
+    from nemo_jax.rl.producer import EpisodeDriver, sampling_params
+
+    (tmp_path / "my_env.py").write_text(textwrap.dedent("""
+        from nemo_jax.rl.envs import Task
+
+        class Env:
+            name = "mine"
+
+            def tasks(self, split):
+                return [Task("t", ({"role": "user", "content": "hi"},))]
+
+            def episode(self):
+                return self
+
+            def start(self, task, rollout_id):
+                return self.connect()
+
+            def connect(self):
+                raise ConnectionError("the VM did not answer")  # line 17
+
+            def close(self):
+                pass
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    env = make_env("my_env:Env")
+    client = TrainingClient(CFG, base, LCFG)
+    d = EpisodeDriver(client.engine(batch=2, max_len=64), tok, CFG, env, sampling_params(CFG, tok, 3, 0.0))
+    d.add(env.tasks("train")[0], "g", "g/0")
+    with pytest.raises(EnvironmentFailed) as e:
+        for _ in range(1000):
+            d.pump()
+    d.close()
+    where = f"{tmp_path / 'my_env.py'}:17"
+    assert e.value.where == where and f"start() failed at {where} (in connect): ConnectionError: the VM did not " \
+        "answer" in str(e.value)
+    monkeypatch.setattr(cli, "cmd_eval", lambda a: (_ for _ in ()).throw(e.value))
+    with pytest.raises(SystemExit) as code:
+        cli.main(["eval", "--ckpt", "x", "--env", "my_env:Env"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code.value.code == 1 and err[0].startswith("Traceback of the environment's code")
+    assert err[-1].startswith("nemo-jax eval: error: environment mine: episode g/0: start() failed at " + where)
+    assert "my_env.py" in err[1] and not any("nemo_jax" in x for x in err[1:-1]), err
+
+
 class HangsOneInFour:
     """A plug-in environment whose plain (threaded) start() hangs on one task in four until `release` is set."""
     name, max_turns = "hangs", 1

@@ -974,3 +974,13 @@ def test_grpo_killed_in_its_first_compile_and_in_a_save_then_stopped_then_rerun(
     p, out, err = _nemo(argv, tmp_path)
     assert p.wait(timeout=300) == 0, open(err).read()[-3000:]
     assert "done at step 3" in open(out).read() and (run / "adapters").is_dir()
+
+
+def test_the_mesh_error_is_two_sentences_properly_joined(tmp_path, capsys):
+    """A mesh that does not fit this CPU host's devices: one line, the mesh's reason, then how many devices the
+    host has (it used to splice "of this CPU host" after the reason's closing parenthesis)."""
+    for mesh, reason in (("mesh.fsdp=16", "mesh: fsdp=16 uses 16 devices, 8 are available (set one axis to -1 to "
+                                          "take the devices left over); this CPU host has 8 devices ("),
+                         ("mesh.tensor=3", "does not divide the 8 devices; this CPU host has 8 devices (")):
+        code, err = _cli(capsys, "sft", mesh, f"run_dir={tmp_path / 'r'}")
+        assert code == 2 and len(err.strip().splitlines()) == 1 and reason in err and ") of this" not in err, err

@@ -71,7 +71,8 @@ class ModelSection:
     SECTION = "model"  # where it sits in a run config (named in errors)
     config: str = "tiny"  # name in configs/model, a model config JSON path
     init: str = "random"  # "random" | path to a native model dir | an HF dir | an SFT run dir
-    init_sft_config: str | None = None  # when `init` does not exist yet: an SFT config that trains it first
+    init_sft_config: str | None = None  # when `init` does not exist yet: an SFT config that trains it first (a
+    # relative path: from the config file's folder or one above it, else the working directory)
     dtype: str = "float32"  # compute dtype: float32 | bfloat16
     remat: str = "none"  # none | layer | save_matmuls
     moe_dispatch: str = "sorted"
@@ -462,7 +463,31 @@ def load_sft_config(path: str | None, overrides=()) -> SFTConfig:
     c = load_config(SFTConfig, path, list(overrides))
     if path and c.name == "sft":
         c = dataclasses.replace(c, name=os.path.splitext(os.path.basename(path))[0])
-    return c
+    return _init_config_from(c, path, overrides)
+
+
+def _init_config_from(c, path: str | None, overrides):
+    """`model.init_sft_config` as written in the config file at `path`: a relative path is looked up from that
+    file's folder and then each folder above it (the shipped configs name `configs/sft/...` from the repository
+    root), the working directory last; made absolute, so the run finds it from any directory. Given as an
+    override, it is the working directory's."""
+    import dataclasses
+    import os
+
+    rel = c.model.init_sft_config
+    if not (path and rel) or os.path.isabs(rel) or any(str(o).startswith("model.init_sft_config=")
+                                                       for o in overrides):
+        return c
+    d = os.path.dirname(os.path.abspath(path))
+    while True:
+        if os.path.isfile(os.path.join(d, rel)):
+            found = os.path.join(d, rel)
+            break
+        if os.path.dirname(d) == d:
+            found = os.path.abspath(rel)
+            break
+        d = os.path.dirname(d)
+    return dataclasses.replace(c, model=dataclasses.replace(c.model, init_sft_config=found))
 
 
 def load_grpo_config(path: str | None, overrides=()) -> GRPOConfig:
@@ -475,7 +500,7 @@ def load_grpo_config(path: str | None, overrides=()) -> GRPOConfig:
     c = load_config(GRPOConfig, path, list(overrides))
     if path and c.name == "grpo":  # runs/<config name> by default
         c = dataclasses.replace(c, name=os.path.splitext(os.path.basename(path))[0])
-    return c
+    return _init_config_from(c, path, overrides)
 
 
 def load_plan_config(path: str | None, overrides=()):

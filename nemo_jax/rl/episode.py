@@ -42,6 +42,42 @@ def env_forms(sep: str = " | ") -> str:
     return sep.join([*BUILTIN_ENVS, "jsonl:PATH", "package.module:Class"])
 
 
+class EnvironmentFailed(RuntimeError):
+    """An environment's method raised: the message names the environment, the episode, the method and the
+    environment author's own file and line (`where`); `author_traceback` holds only the author's frames (what
+    the CLI prints, instead of the sampler's internals)."""
+
+    def __init__(self, message: str, where: str | None = None, author_traceback: str = ""):
+        super().__init__(message)
+        self.where, self.author_traceback = where, author_traceback
+
+
+def author_frames(e: BaseException) -> list:
+    """The frames of `e`'s traceback outside nemo_jax and the standard library (the environment author's code),
+    innermost last."""
+    import os
+    import sysconfig
+    import traceback
+
+    pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    stdlib = tuple(os.path.realpath(sysconfig.get_paths()[k]) + os.sep for k in ("stdlib", "platstdlib"))
+    return [f for f in traceback.extract_tb(e.__traceback__)
+            if not os.path.realpath(f.filename).startswith((pkg, *stdlib)) and not f.filename.startswith("<frozen")]
+
+
+def environment_failed(env_name: str, rollout_id: str, method: str, e: BaseException) -> EnvironmentFailed:
+    """The EnvironmentFailed for `e` raised by an episode's `method`: its message opens with the author's file and
+    line where there is one."""
+    import traceback
+
+    frames = author_frames(e)
+    where = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else None
+    at = f" at {where} (in {frames[-1].name})" if frames else ""
+    tb = "".join(traceback.format_list(frames)) if frames else ""
+    return EnvironmentFailed(f"environment {env_name}: episode {rollout_id}: {method}() failed{at}: "
+                             f"{type(e).__name__}: {e}", where, tb)
+
+
 @dataclass(frozen=True)
 class Task:
     id: str

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 
 from nemo_jax.data.chat import content_text
 from nemo_jax.generate import Engine, SamplingParams, chunk_images, widen_images
-from nemo_jax.rl.episode import Observation, Task, as_environment
+from nemo_jax.rl.episode import EnvironmentFailed, Observation, Task, as_environment, environment_failed
 from nemo_jax.rl.rollout import ImageStore, Rollout
 from nemo_jax.threads import DaemonPool
 
@@ -325,11 +325,10 @@ class EpisodeDriver:
         r.pending = None
         e = fut.exception()
         if e is not None:
-            msg = f"environment {getattr(self.env, 'name', '?')}: episode {r.rollout_id}: {what}() failed: " \
-                  f"{type(e).__name__}: {e}"
+            err = environment_failed(getattr(self.env, "name", "?"), r.rollout_id, what, e)
             if not self.report_failures:
-                raise RuntimeError(msg) from e
-            return self._end(r, msg)
+                raise err from e
+            return self._end(r, str(err))
         obs = fut.result()
         if not isinstance(obs, Observation):
             msg = (f"environment {getattr(self.env, 'name', '?')}: {what}() returned {type(obs).__name__}, not an "
@@ -564,6 +563,8 @@ class ThreadProducer:
         self.thread.start()
 
     def check(self):
+        if isinstance(self.error, EnvironmentFailed):  # (already names the environment and its author's line)
+            raise self.error
         if self.error is not None:
             raise RuntimeError(f"rollout producer failed: {type(self.error).__name__}: {self.error}") from self.error
 
