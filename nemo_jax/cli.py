@@ -281,7 +281,12 @@ def cmd_plan(a):
         print(f"note: {e}", file=sys.stderr)
     from nemo_jax.plan import cli_plan
 
-    cli_plan(a, _mesh_overrides(a.mesh) + list(a.overrides))
+    if a.target == "gpu":  # XLA:GPU's compile logs come out before the answer, not inside it
+        from nemo_jax.hostmem import answer_after_logs
+
+        answer_after_logs(cli_plan, a, _mesh_overrides(a.mesh) + list(a.overrides))
+    else:
+        cli_plan(a, _mesh_overrides(a.mesh) + list(a.overrides))
 
 
 def cmd_plot(a):
