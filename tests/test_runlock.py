@@ -152,7 +152,7 @@ def test_a_holder_elsewhere_is_gone_once_its_heartbeat_is_stale(tmp_path):
 _CONTENDER = """
 import sys, time
 from nemo_jax import runlock
-time.sleep(float(sys.argv[2]) - time.time())  # all start together
+time.sleep(max(0.0, float(sys.argv[2]) - time.time()))  # all start together (late ones at once)
 try:
     with runlock.hold(sys.argv[1], "contender"):
         print("won", flush=True)

@@ -139,12 +139,12 @@ class Running:
             up.set()
         self.thread = threading.Thread(target=run, daemon=True)
         self.thread.start()
-        assert up.wait(30), "the server did not start"
+        assert up.wait(120), "the server did not start"
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=api_key or "none", max_retries=0, timeout=30)
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=api_key or "none", max_retries=0, timeout=120)
 
     def post(self, path, body, **kw):
-        kw.setdefault("timeout", 30)
+        kw.setdefault("timeout", 120)
         return httpx.post(self.url + path, json=body, headers={**self.headers, **kw.pop("headers", {})}, **kw)
 
     def close(self):

@@ -74,7 +74,7 @@ def _spawn(run_dir, steps, *extra):
     return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _wait_for(pred, proc, timeout=240):
+def _wait_for(pred, proc, timeout=900):
     t0 = time.time()
     while not pred():
         if proc.poll() is not None or time.time() - t0 > timeout:
