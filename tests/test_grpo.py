@@ -232,6 +232,28 @@ def _grpo_cmd(run_dir, steps):
 
 
 @pytest.mark.slow
+def test_two_inline_runs_with_the_same_seed_are_equal(tmp_path):
+    """`rollout.producer: inline`, the same config and seed, more groups in flight than a step takes: two runs
+    log the same rollouts' figures and the same losses at every step (each rollout's draws from (seed, its id);
+    every in-flight group finished before a step, so none is part-sampled when the policy changes; groups taken
+    oldest first, rollouts in id order)."""
+    (tmp_path / "bandit_env.py").write_text(BANDIT)
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}", XLA_FLAGS=FAST_COMPILE, JAX_PLATFORMS="cpu")
+    recs = []
+    for name in ("a", "b"):
+        cmd = _grpo_cmd(tmp_path / name, 3) + ["rollout.producer=inline", "rollout.in_flight_groups=6",
+                                              "checkpoint.every=0", "seed=5"]
+        out = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=1800)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        recs.append([json.loads(x) for x in open(tmp_path / name / "metrics.jsonl")])
+    timing = ("_s", "_frac", "tokens_per_sec", "time")
+    same = lambda r: {k: v for k, v in r.items() if not any(t in k for t in timing)}  # noqa: E731
+    assert len(recs[0]) == len(recs[1]) and [r["step"] for r in recs[0] if "reward_mean" in r] == [1, 2, 3]
+    for a, b in zip(*recs):
+        assert same(a) == same(b), (a, b)
+
+
+@pytest.mark.slow
 def test_grpo_reward_rises_and_a_killed_run_resumes(tmp_path):
     (tmp_path / "bandit_env.py").write_text(BANDIT)
     env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}", XLA_FLAGS=FAST_COMPILE, JAX_PLATFORMS="cpu")

@@ -156,7 +156,10 @@ class GRPORunner:
                 if self.board is not None:
                     for gid, why in self.pool.drain_dropped():
                         self.board.cancel(gid, why)
-                if len(self.pool.ready) >= need:
+                inline = producer is not None and self.c.rollout.producer == "inline"
+                if len(self.pool.ready) >= need and not (inline and producer.pending()):
+                    # (inline: every group in flight is finished first, so no group is part-sampled when the
+                    # policy changes: the run repeats exactly, docs/grpo.md#reproducibility)
                     return time.perf_counter() - t0
             if self.stop_requested:
                 return time.perf_counter() - t0

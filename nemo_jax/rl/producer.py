@@ -495,7 +495,7 @@ class ThreadProducer:
         self.client, self.tok, self.env, self.pool, self.cur = client, tok, env, pool, curriculum
         self.r, self.temperature, self.lock = rcfg, temperature, lock
         self.by_id = {t.id: t for t in env.tasks("train")}
-        self.key = jax.random.key(seed)
+        self.key, self.seed = jax.random.key(seed), seed
         self.images = ImageStore(image_dir) if image_dir else None
         self.draw_p = draw_p if draw_p is not None else {}  # group id -> the curriculum's probability of its task
         self.mine: set = set()  # ids of the groups this producer opened
@@ -539,9 +539,10 @@ class ThreadProducer:
                 opened.append((self.by_id[t], gid))
         if policy is not None:
             d.engine.set_adapters(policy[1], policy[0])
-        for task, gid in opened:
-            for j in range(self.r.group_size):
-                d.add(task, gid, f"{gid}/{j}")
+        for task, gid in opened:  # each rollout's draws from (seed, its id) alone: not from the order rollouts
+            for j in range(self.r.group_size):  # reach the sampler (environment threads), so runs can repeat
+                rid = f"{gid}/{j}"
+                d.add(task, gid, rid, replace(d.sp, seed=zlib.crc32(f"{self.seed}/{rid}".encode())))
         t0 = time.perf_counter()
         rollouts = d.pump()
         self.busy_s += time.perf_counter() - t0
@@ -551,6 +552,10 @@ class ThreadProducer:
                     if self.pool.add(x) not in (None, "unknown_group"):  # a finished group: curriculum statistics
                         self.cur.update(x.task_id, [y.reward for y in self.pool.ready[x.group_id]])
         return len(rollouts)
+
+    def pending(self) -> bool:
+        """Whether groups this producer opened are still being sampled (call under `lock`)."""
+        return bool(self.mine & set(self.pool.in_flight)) or (self.driver is not None and self.driver.running > 0)
 
     def _run(self):
         try:
