@@ -226,15 +226,19 @@ def test_init_from_native_and_hf_checkpoints(tmp_path):
 @pytest.mark.slow
 def test_a_finished_run_extended_by_raising_steps_resumes_and_rebuilds_the_schedule(tmp_path, micro, capsys):
     """`steps=2` run to the end, then rerun with `steps=3`: it resumes at step 2 (one line says how the schedule
-    changes) and trains step 3 only, at the rate of the schedule rebuilt for 3 steps."""
+    changes) and trains step 3 only, at the rate of the schedule rebuilt for 3 steps. With eval data and
+    `eval_every=0` no eval runs (not even at step 0) and `done` reports no eval_loss."""
     from nemo_jax.train.optimizer import schedule
     from nemo_jax.train.sft import main
 
-    args = BASE + [micro, f"run_dir={tmp_path}", "optim.decay=cosine", "optim.min_lr_ratio=0.0"]
-    main(None, args + ["steps=2"])
+    args = BASE + [micro, f"run_dir={tmp_path}", "optim.decay=cosine", "optim.min_lr_ratio=0.0",
+                   "data.eval=builtin:tiny_chat/eval.jsonl", "eval_every=0"]
+    first = main(None, args + ["steps=2"])
+    assert "eval_loss" not in first
     main(None, args + ["steps=3"])
     out = capsys.readouterr().out
     assert "sft: steps raised from 2 to 3: resuming" in out and "decay now ends at step 3" in out, out
+    assert "eval at step 0" not in out and "eval_loss" not in out
     with open(tmp_path / "metrics.jsonl") as f:
         recs = [r for r in map(json.loads, f) if "loss" in r]
     assert [r["step"] for r in recs] == [1, 2, 3]
