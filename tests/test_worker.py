@@ -250,6 +250,10 @@ def test_killed_worker_loses_its_lease_and_a_restarted_learner_keeps_its_groups(
         held = _wait(a_mid_episode, "worker a mid-episode", procs=[a])
         a.kill()
         a.wait()
+        # b starts once a's claims have expired (the learner reposts them): started at once, b could finish every
+        # step the run needs before a's leases ran out on a fast machine, and no lease would ever expire
+        _wait(lambda: not any(n.startswith("wa--") for n in os.listdir(claimed)), "a's claims to expire",
+              procs=[learner])
         b = _worker(srv, tmp, run, "wb", "--concurrency", "3", "--api", "chat")
         _wait(lambda: any(r.get("leases_expired", 0) >= 1 for r in _records(run)), "an expired lease", procs=[b])
 
