@@ -216,6 +216,52 @@ def test_lora_flags_and_checkpoint_paths(tmp_path):
     assert not os.path.exists(tmp_path / "root" / "abcd_train_0" / "weights" / "s1")
 
 
+@pytest.mark.slow
+def test_image_chunks_reach_the_vision_tower():
+    """An image chunk becomes as many placeholders as the processor makes of it (expected_tokens checked), and its
+    pixels reach the model: another picture changes the logprobs of the text after it."""
+    import io
+
+    from PIL import Image
+
+    from nemo_jax.data.images import picture_tokens
+    from nemo_jax.lora import LoraConfig, init_adapters
+    from nemo_jax.model import init
+    from nemo_jax.tinker.learner import Learner
+    from nemo_jax.tinker.service import flatten
+
+    with open(os.path.join(ROOT, "nemo_jax", "assets", "models", "tiny-vl.json")) as f:
+        hf = json.load(f)
+    hf["text_config"].update(layers_block_type=["full_attention"], num_hidden_layers=1)
+    cfg = NemotronHConfig.from_hf_dict(hf)
+    params = init(cfg, jax.random.key(0))
+
+    def png(color):
+        buf = io.BytesIO()
+        Image.new("RGB", (40, 24), color).save(buf, "png")
+        return buf.getvalue()
+    n = picture_tokens(cfg.vision, Image.new("RGB", (40, 24)))
+    chunks = lambda img, exp=None: [np.asarray([5, 6]), wire.Image(img, "png", exp), np.asarray([7, 8, 9])]  # noqa
+    tokens, pics = flatten(cfg, chunks(png("red"), n), "datum 0")
+    assert len(tokens) == 5 + n and int((tokens == cfg.vision.image_token_id).sum()) == n and len(pics) == 1
+    with pytest.raises(wire.UserError, match=f"makes {n} tokens here, not expected_tokens={n + 1}"):
+        flatten(cfg, chunks(png("red"), n + 1), "datum 0")
+    with pytest.raises(wire.UserError, match="no vision tower"):
+        flatten(_tiny_cfg(("mlp",)), chunks(png("red")), "datum 0")
+    learner = Learner(cfg, params)
+    ad = init_adapters(cfg, LoraConfig(("attention",), 4, 32.0))
+
+    def logprobs(color):
+        t, p = flatten(cfg, chunks(png(color)), "datum 0")
+        row = {"tokens": t[:-1], "targets": t[1:], "weights": np.ones(len(t) - 1), "pics": [x for _, x in p]}
+        lp, _, grads = learner.run(ad, [row], "cross_entropy", {}, backward=True)
+        assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
+        return lp[0]
+    red, blue = logprobs("red"), logprobs("blue")
+    np.testing.assert_allclose(red[:2], blue[:2], atol=1e-6)  # before the picture: the same
+    assert np.abs(red[2 + n:] - blue[2 + n:]).max() > 1e-4  # after it: the pixels count
+
+
 # ============================================================================= a real server, the official SDK
 def _free_port() -> int:
     with socket.socket() as s:

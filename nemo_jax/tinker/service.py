@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import os
+import re
 import threading
 import time
 import traceback
@@ -34,7 +35,7 @@ from nemo_jax.tinker import wire
 from nemo_jax.tinker.futures import FutureStore
 from nemo_jax.tinker.learner import Learner, adamw, zeros_like_trained
 from nemo_jax.tinker.losses import LOSSES
-from nemo_jax.tinker.store import Store, check_name, parse_path
+from nemo_jax.tinker.store import Store, check_name, check_run_id, iso_time, parse_path
 from nemo_jax.tinker.wire import UserError
 
 LORA_ALPHA = 32.0  # Tinker's (scale alpha / rank): a cookbook's learning rates mean the same here
@@ -51,9 +52,43 @@ def lora_targets(cfg, train_mlp: bool, train_attn: bool, train_unembed: bool) ->
     want = (["attention", "mamba"] if train_attn else []) + (["mlp", "experts"] if train_mlp else []) \
         + (["lm_head"] if train_unembed else [])
     have = list(adaptable_paths(cfg))
-    import re
-
     return tuple(t for t in want if any(re.search(PRESETS[t], p) for p in have))
+
+
+def flatten(cfg, chunks: list, what: str) -> tuple[np.ndarray, list]:
+    """Chunks -> (token ids, pictures [(PIL image, (patches, grid))]): an image chunk becomes the vision model's
+    placeholder tokens, as many as its processor makes of the image alone (the client's expected_tokens must
+    agree); token ids are checked against the vocabulary."""
+    toks, pics = [], []
+    V, v = cfg.vocab_size, cfg.vision
+    for j, c in enumerate(chunks):
+        if isinstance(c, wire.Image):
+            if v is None:
+                raise UserError(f"{what}: chunk {j} is an image, but this model has no vision tower")
+            from nemo_jax.data.images import ImageError, load_image, picture
+
+            if c.format not in ("png", "jpeg"):
+                raise UserError(f"{what}: chunk {j}: image format {c.format[:20]!r} (png or jpeg)")
+            try:
+                img = load_image(f"data:image/{c.format};base64," + base64.b64encode(c.data).decode())
+                pix, grid = picture(v, img)
+            except (ImageError, ValueError, OSError) as e:
+                raise UserError(f"{what}: chunk {j}: not a readable image ({e})"[:400]) from None
+            n = grid[0] * grid[1] // v.merge ** 2
+            if c.expected_tokens is not None and c.expected_tokens != n:
+                raise UserError(f"{what}: chunk {j}: the image makes {n} tokens here, not expected_tokens="
+                                f"{c.expected_tokens}")
+            toks.append(np.full(n, v.image_token_id, np.int64))
+            pics.append((img, (pix, grid)))
+        else:
+            bad = np.flatnonzero((c < 0) | (c >= V))
+            if len(bad):
+                raise UserError(f"{what}: chunk {j}: token id {c[bad[0]]} is outside the vocabulary [0, {V})")
+            if v is not None and np.any(c == v.image_token_id):
+                raise UserError(f"{what}: chunk {j}: token id {v.image_token_id} is the image placeholder: send "
+                                "pictures as image chunks")
+            toks.append(c)
+    return (np.concatenate(toks) if toks else np.zeros(0, np.int64)), pics
 
 
 @dataclass(eq=False)
@@ -127,7 +162,7 @@ class TinkerService:
         self._lock = threading.RLock()  # sessions, models, samplers, queues
         self._cv = threading.Condition(self._lock)
         self._work: deque[Item] = deque()
-        self._creating: dict[str, str] = {}  # model id -> request id of its create / load
+        self._creating: dict[str, str] = {}  # model id -> request id of its create / load (a retry gets it)
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="tinker-learner", daemon=True)
         self._thread.start()
@@ -236,8 +271,6 @@ class TinkerService:
         with self._lock:
             if mid in self._creating:  # a retried submission
                 return {"request_id": self._creating[mid], "model_id": mid}
-            if mid in self.models:
-                raise UserError(f"model {mid} exists")
             rec = self.futures.create(kind, mid)
             self._creating[mid] = rec.id
             self._work.append(Item(kind, rec.id, args=dict(args, model_id=mid)))
@@ -324,7 +357,12 @@ class TinkerService:
             self._work.append(m.pending.pop(m.next_seq))
             m.next_seq += 1
             moved = True
-        m.blocked_since = (m.blocked_since or time.time()) if m.pending else None
+        if not m.pending:
+            m.blocked_since = None
+        elif moved or m.blocked_since is None:  # waiting (again) for the request at next_seq
+            m.blocked_since = time.time()
+        if len(m.seen) > 4096:  # (retries come soon after the original: old ids are dropped)
+            m.seen = {k: v for k, v in m.seen.items() if k >= m.next_seq - 1024}
         if moved:
             self._cv.notify_all()
 
@@ -350,12 +388,14 @@ class TinkerService:
         last_sweep = time.time()
         while True:
             with self._cv:
-                while not self._work and not self._closed:
-                    self._cv.wait(timeout=10.0)
-                    if time.time() - last_sweep > 10.0:
+                while True:
+                    if time.time() - last_sweep > 10.0:  # (busy or not: gaps and idle sessions every 10 s)
                         self._gaps_locked()
                         self._sessions_locked()
                         last_sweep = time.time()
+                    if self._work or self._closed:
+                        break
+                    self._cv.wait(timeout=10.0)
                 if self._closed:
                     return
                 group = [self._work.popleft()]
@@ -391,10 +431,6 @@ class TinkerService:
             for it in group:
                 if it.rid is not None:
                     self.futures.fail(it.rid, f"{type(e).__name__}: {e}"[:2000], "server")
-        finally:
-            if kind in ("create", "load_create"):
-                with self._lock:
-                    self._creating.pop(group[0].args["model_id"], None)
 
     def close(self) -> None:
         with self._cv:
@@ -451,7 +487,7 @@ class TinkerService:
         V = self.cfg.vocab_size
         out = []
         for i, d in enumerate(data):
-            tokens, pics = self.flatten(d.chunks, f"datum {i}")
+            tokens, pics = flatten(self.cfg, d.chunks, f"datum {i}")
             L = len(tokens)
             if not 1 <= L <= self.max_len:
                 raise UserError(f"datum {i}: the model input has {L} tokens (1 to {self.max_len}, the server's "
@@ -477,39 +513,6 @@ class TinkerService:
                     row[k] = x.astype(np.float32)
             out.append(row)
         return out
-
-    def flatten(self, chunks: list, what: str) -> tuple[np.ndarray, list]:
-        """Chunks -> (token ids, pictures [(PIL image, (patches, grid))]): an image chunk becomes the vision model's
-        placeholder tokens, as many as its processor makes of the image alone (the client's expected_tokens must
-        agree)."""
-        toks, pics = [], []
-        V = self.cfg.vocab_size
-        for j, c in enumerate(chunks):
-            if isinstance(c, wire.Image):
-                v = self.cfg.vision
-                if v is None:
-                    raise UserError(f"{what}: chunk {j} is an image, but this model has no vision tower")
-                from nemo_jax.data.images import ImageError, load_image, picture
-
-                if c.format not in ("png", "jpeg"):
-                    raise UserError(f"{what}: chunk {j}: image format {c.format[:20]!r} (png or jpeg)")
-                try:
-                    img = load_image(f"data:image/{c.format};base64," + base64.b64encode(c.data).decode())
-                    pix, grid = picture(v, img)
-                except (ImageError, ValueError, OSError) as e:
-                    raise UserError(f"{what}: chunk {j}: not a readable image ({e})"[:400]) from None
-                n = grid[0] * grid[1] // v.merge ** 2
-                if c.expected_tokens is not None and c.expected_tokens != n:
-                    raise UserError(f"{what}: chunk {j}: the image makes {n} tokens here, not expected_tokens="
-                                    f"{c.expected_tokens}")
-                toks.append(np.full(n, v.image_token_id, np.int64))
-                pics.append((img, (pix, grid)))
-            else:
-                bad = np.flatnonzero((c < 0) | (c >= V))
-                if len(bad):
-                    raise UserError(f"{what}: chunk {j}: token id {c[bad[0]]} is outside the vocabulary [0, {V})")
-                toks.append(c)
-        return (np.concatenate(toks) if toks else np.zeros(0, np.int64)), pics
 
     def _fwdbwd(self, group: list[Item]) -> None:
         head = group[0]
@@ -644,7 +647,7 @@ class TinkerService:
                 raise UserError(f"{key}: {why} are not supported by nemo-jax serve")
         if body.get("target_prompt_logprobs") is not None:
             raise UserError("target_prompt_logprobs is not supported by nemo-jax serve (use prompt_logprobs)")
-        tokens, pics = self.flatten(wire.model_input(body.get("prompt")), "prompt")
+        tokens, pics = flatten(self.cfg, wire.model_input(body.get("prompt")), "prompt")
         if not len(tokens):
             raise UserError("the prompt is empty")
         n = body.get("num_samples", 1)
@@ -758,8 +761,6 @@ class TinkerService:
 
     # ------------------------------------------------------------------ the REST lookups
     def training_run(self, run_id) -> dict:
-        from nemo_jax.tinker.store import _iso, check_run_id
-
         check_run_id(run_id)
         with self._lock:
             m = self.models.get(run_id)
@@ -768,7 +769,7 @@ class TinkerService:
         last = lambda t: next((c for c in reversed(ck) if c["checkpoint_type"] == t), None)  # noqa: E731
         return {"training_run_id": r["training_run_id"], "base_model": r["base_model"],
                 "model_owner": r.get("model_owner", "nemo-jax"), "is_lora": True, "corrupted": False,
-                "lora_rank": r.get("lora_rank"), "last_request_time": _iso(r.get("last_request_time", 0)),
+                "lora_rank": r.get("lora_rank"), "last_request_time": iso_time(r.get("last_request_time", 0)),
                 "last_checkpoint": last("training"), "last_sampler_checkpoint": last("sampler"),
                 "user_metadata": r.get("user_metadata") or None}
 

@@ -64,7 +64,7 @@ def tinker_path(run_id: str, kind: str, name: str) -> str:
     return f"tinker://{run_id}/{kind}/{name}"
 
 
-def _iso(t: float) -> str:
+def iso_time(t: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
 
 
@@ -168,7 +168,7 @@ class Store:
                 with safe_open(fp, "numpy") as f:  # (the step rides in the header's metadata)
                     step = int(f.metadata()["step"])
                     flat = {k: f.get_tensor(k) for k in f.keys()}
-            except (OSError, ValueError, KeyError, SafetensorError) as e:
+            except (OSError, ValueError, KeyError, TypeError, SafetensorError) as e:
                 raise UserError(f"{path}: its optimiser state is unreadable ({type(e).__name__})") from None
 
             def moments(tag):
@@ -200,9 +200,9 @@ class Store:
                     continue
                 size = sum(os.path.getsize(os.path.join(base, name, x)) for x in os.listdir(os.path.join(base, name)))
                 out.append({"checkpoint_id": f"{kind}/{name}", "checkpoint_type": KINDS[kind],
-                            "time": _iso(meta.get("created", 0)), "tinker_path": tinker_path(run_id, kind, name),
+                            "time": iso_time(meta.get("created", 0)), "tinker_path": tinker_path(run_id, kind, name),
                             "size_bytes": size, "public": False, "user_metadata": meta.get("user_metadata") or None,
-                            "expires_at": _iso(meta["expires_at"]) if meta.get("expires_at") else None,
+                            "expires_at": iso_time(meta["expires_at"]) if meta.get("expires_at") else None,
                             "_created": meta.get("created", 0)})
         out.sort(key=lambda c: c.pop("_created"))
         return out
