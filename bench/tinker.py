@@ -12,7 +12,8 @@ subprocess. Side by side, per run:
   (goal: <= 1.2x);
 * sampling: `--samples` prompts (24 tokens), `--max-tokens` new tokens each, all submitted at once: the SDK's
   `sample` (one request each, num_samples=1) against serve's OpenAI route `/v1/completions` (token-id prompts,
-  ignore_eos, the same concurrency): sampled tokens per second and the ratio.
+  ignore_eos, the same concurrency): sampled tokens per second (median of three rounds) and the ratio of the
+  OpenAI route's rate to the SDK's.
 
 --runs repeats both on the same warm server and client (this machine is noisy: each run is printed).
 """
@@ -142,11 +143,14 @@ def main(argv=None):
             with cf.ThreadPoolExecutor(a.samples) as ex:
                 return sum(ex.map(one, prompts))
 
-        def rate(fn) -> float:
-            fn()  # warm-up
-            t0 = time.perf_counter()
-            n = fn()
-            return n / (time.perf_counter() - t0)
+        def rate(fn, reps: int = 3) -> float:
+            fn(), fn()  # warm-up (the engine compiles a shape per count of rows it prefills at once)
+            rates = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                n = fn()
+                rates.append(n / (time.perf_counter() - t0))
+            return float(np.median(rates))
         print(f"tiny model, LoRA rank 8 on {list(lc.targets)}; train batch {a.rows} x {a.len} tokens; sampling "
               f"{a.samples} x {a.max_tokens} tokens")
         rows = []

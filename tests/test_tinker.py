@@ -278,7 +278,8 @@ class Server:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "nemo_jax.cli", "serve", "--ckpt", hf, "--tinker-root", root, "--port",
              str(self.port), "--served-model-name", "tiny", "--max-model-len", "128", "--max-num-seqs", "4",
-             "--bucket", "32", "--max-request-mb", "1", "--tinker-max-rank", "16", *extra],
+             "--bucket", "32", "--max-request-mb", "1", "--tinker-max-rank", "16", "--shutdown-timeout", "1",
+             *extra],
             env=env, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.time() + 600
         while time.time() < deadline:
