@@ -8,10 +8,11 @@ subprocess. Side by side, per run:
 
 * train step: one `forward_backward` (cross_entropy, `--rows` datums of `--len` tokens) + `optim_step` through the
   SDK (pipelined, both awaited), against the in-process `nemo_jax.rl.client.TrainingClient` (`forward_backward` +
-  `optim_step`) over the same params, LoRA targets, rank and batch: median seconds per step and the ratio
-  (goal: <= 1.2x);
+  `optim_step`) over the same params, LoRA targets, rank and batch, the two taking turns step by step: median
+  seconds per step and the ratio (goal: <= 1.2x);
 * sampling: `--samples` prompts (24 tokens), `--max-tokens` new tokens each, all submitted at once: the SDK's
-  `sample` (one request each, num_samples=1) against serve's OpenAI route `/v1/completions` (token-id prompts,
+  `sample` (one request each, num_samples=1) of the base model against serve's OpenAI route `/v1/completions`
+  (token-id prompts,
   ignore_eos, the same concurrency): sampled tokens per second (median of three rounds) and the ratio of the
   OpenAI route's rate to the SDK's.
 
@@ -45,14 +46,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def median_step(fn, steps: int) -> float:
-    fn()  # warm-up (compiles)
-    ts = []
+def median_steps(fns, steps: int) -> list[float]:
+    """Median seconds per call of each of `fns`, called in turn (ABAB...: the machine's load drifts alike for all)."""
+    for fn in fns:
+        fn()  # warm-up (compiles)
+    ts = [[] for _ in fns]
     for _ in range(steps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts))
+        for fn, t in zip(fns, ts):
+            t0 = time.perf_counter()
+            fn()
+            t.append(time.perf_counter() - t0)
+    return [float(np.median(t)) for t in ts]
 
 
 def main(argv=None):
@@ -126,7 +130,7 @@ def main(argv=None):
             client.optim_step()
             jax.block_until_ready(client.adapters)
         # ---- sampling: the SDK's sample vs the OpenAI route
-        sampler = tc.save_weights_and_get_sampling_client().result()
+        sampler = sc.create_sampling_client(base_model="tiny").result()  # the base, as the OpenAI route samples
         prompts = [rng.integers(3, cfg.vocab_size, 24).tolist() for _ in range(a.samples)]
 
         def sdk_sample() -> int:
@@ -155,8 +159,7 @@ def main(argv=None):
               f"{a.samples} x {a.max_tokens} tokens")
         rows = []
         for run in range(a.runs):
-            sdk = median_step(sdk_step, a.steps)
-            local = median_step(local_step, a.steps)
+            sdk, local = median_steps([sdk_step, local_step], a.steps)
             s_rate, o_rate = rate(sdk_sample), rate(oai_sample)
             rows.append((sdk, local, s_rate, o_rate))
             print(f"run {run + 1}: train step SDK {sdk * 1e3:7.1f} ms  in-process {local * 1e3:7.1f} ms  "

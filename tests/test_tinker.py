@@ -394,6 +394,10 @@ def test_sl_loop_loss_halves_and_logprobs_are_the_base(served):
                                                     rel=1e-5)
     losses = _train(tc, [_datum(s) for s in seqs], 6)
     assert losses[-1] <= losses[0] / 2, losses
+    # a custom loss runs client-side over cross_entropy (weights = -dC/dlogprobs): here C = -sum(lp), plain CE
+    custom = tc.forward_backward_custom([_datum(s) for s in seqs], lambda d, lps: (-sum(x.sum() for x in lps), {}))
+    assert custom.result().metrics["loss:sum"] == pytest.approx(
+        tc.forward([_datum(s) for s in seqs], "cross_entropy").result().metrics["loss:sum"], rel=1e-4)
     sc.close("success").result()
 
 
@@ -434,6 +438,8 @@ def test_resume_matches_step_for_step_and_checkpoints_are_nemo_jax_adapters(serv
            .loss_fn_outputs]
     np.testing.assert_allclose(lp2[0], _base_logprobs(srv, _seqs(1)[0], jax.tree.map(jnp.asarray, ad)), atol=1e-4)
     rc = tinker.RestClient(base_url=srv.url, api_key="tml-" + KEY)
+    assert [c.tinker_path for c in rc.list_checkpoints(tc.model_id).result().checkpoints] == [path]
+    assert tc.model_id in [r.training_run_id for r in rc.list_training_runs(limit=100).result().training_runs]
     rc.delete_checkpoint_from_tinker_path(path).result()
     assert not os.path.exists(ckpt)
 
@@ -459,6 +465,21 @@ def test_sampling_logprobs_stops_and_importance_sampling(served):
     cut = sampler.sample(types.ModelInput.from_ints(prompt), 1,
                          types.SamplingParams(max_tokens=6, seed=11, stop=[stop])).result().sequences[0]
     assert cut.tokens == first.tokens[:first.tokens.index(stop) + 1] and cut.stop_reason == "stop"
+    tok = tc.get_tokenizer()
+    text = tok.decode(first.tokens)
+    word = text[len(tok.decode(first.tokens[:2])):][:2]  # text the third token or later spells
+    if word:
+        cut = sampler.sample(types.ModelInput.from_ints(prompt), 1,
+                             types.SamplingParams(max_tokens=6, seed=11, stop=[word])).result().sequences[0]
+        assert cut.stop_reason == "stop" and first.tokens[:len(cut.tokens)] == cut.tokens
+        assert word in tok.decode(cut.tokens) and word not in tok.decode(cut.tokens[:-1])
+    # named sampler weights, and a sampling client made from their path
+    named = tc.save_weights_for_sampler("snap").result().path
+    assert named.endswith("/sampler_weights/snap")
+    from_path = sc.create_sampling_client(model_path=named).result()
+    np.testing.assert_allclose(from_path.compute_logprobs(types.ModelInput.from_ints(prompt + first.tokens))
+                               .result()[1:], lps[1:], atol=1e-4)
+    inflight = tc.save_weights_and_get_sampling_client(kind="inflight").result()
     # importance sampling with positive advantages raises the sampled continuation's logprob
     data = [_rl_datum(prompt, q, 1.0) for q in res.sequences]
     fb = tc.forward_backward(data, "importance_sampling").result()
@@ -467,6 +488,8 @@ def test_sampling_logprobs_stops_and_importance_sampling(served):
     later = tc.save_weights_and_get_sampling_client().result()
     new = later.compute_logprobs(types.ModelInput.from_ints(prompt + first.tokens)).result()
     assert sum(new[len(prompt):]) > sum(first.logprobs) + 0.5
+    moved = inflight.compute_logprobs(types.ModelInput.from_ints(prompt + first.tokens)).result()
+    np.testing.assert_allclose(moved[len(prompt):], new[len(prompt):], atol=1e-4)  # inflight: the newest weights
     # the earlier sampling client still samples from its snapshot
     old = sampler.compute_logprobs(types.ModelInput.from_ints(prompt + first.tokens)).result()
     np.testing.assert_allclose(old[len(prompt):], first.logprobs, atol=1e-3)
