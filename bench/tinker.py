@@ -13,8 +13,9 @@ subprocess. Side by side, per run:
 * sampling: `--samples` prompts (24 tokens), `--max-tokens` new tokens each, all submitted at once: the SDK's
   `sample` (one request each, num_samples=1) of the base model against serve's OpenAI route `/v1/completions`
   (token-id prompts,
-  ignore_eos, the same concurrency): sampled tokens per second (median of three rounds) and the ratio of the
-  OpenAI route's rate to the SDK's.
+  ignore_eos, the same concurrency): sampled tokens per second (median of three rounds), the ratio of the
+  OpenAI route's rate to the SDK's, and the CPU seconds the client process spends per round (the SDK's own
+  work: two requests per sample, the submission and the long poll).
 
 --runs repeats both on the same warm server and client (this machine is noisy: each run is printed).
 """
@@ -147,24 +148,26 @@ def main(argv=None):
             with cf.ThreadPoolExecutor(a.samples) as ex:
                 return sum(ex.map(one, prompts))
 
-        def rate(fn, reps: int = 3) -> float:
+        def rate(fn, reps: int = 3) -> tuple[float, float]:
+            """-> (median tokens per second, median CPU seconds this (client) process spent per round)."""
             fn(), fn()  # warm-up (the engine compiles a shape per count of rows it prefills at once)
-            rates = []
+            rates, cpu = [], []
             for _ in range(reps):
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 n = fn()
                 rates.append(n / (time.perf_counter() - t0))
-            return float(np.median(rates))
+                cpu.append(time.process_time() - c0)
+            return float(np.median(rates)), float(np.median(cpu))
         print(f"tiny model, LoRA rank 8 on {list(lc.targets)}; train batch {a.rows} x {a.len} tokens; sampling "
               f"{a.samples} x {a.max_tokens} tokens")
         rows = []
         for run in range(a.runs):
             sdk, local = median_steps([sdk_step, local_step], a.steps)
-            s_rate, o_rate = rate(sdk_sample), rate(oai_sample)
+            (s_rate, s_cpu), (o_rate, o_cpu) = rate(sdk_sample), rate(oai_sample)
             rows.append((sdk, local, s_rate, o_rate))
             print(f"run {run + 1}: train step SDK {sdk * 1e3:7.1f} ms  in-process {local * 1e3:7.1f} ms  "
                   f"ratio {sdk / local:5.2f}x | sampling SDK {s_rate:7.1f} tok/s  OpenAI route {o_rate:7.1f} tok/s  "
-                  f"ratio {o_rate / s_rate:5.2f}x", flush=True)
+                  f"ratio {o_rate / s_rate:5.2f}x (client CPU per round {s_cpu:.3f} / {o_cpu:.3f} s)", flush=True)
         print(json.dumps({"train_ratio": [round(r[0] / r[1], 3) for r in rows],
                           "sample_ratio": [round(r[3] / r[2], 3) for r in rows]}))
         sc.close("success").result()

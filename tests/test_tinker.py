@@ -142,7 +142,7 @@ def test_wire_matches_the_sdk_converters():
         [0.0, 1.0, 0.5]
     np.testing.assert_array_equal(out.data[1].inputs["weights"], sparse_w.numpy())
     with pytest.raises(wire.UserError, match="not a protobuf"):
-        wire.decode_forward_backward(b"\xff\xff\xff", "0.30.0")
+        wire.decode_forward_backward(b"\xff\xff\xff")
     # results, read back by the SDK's own converters
     lps = [np.asarray([-1.0, -2.5], np.float32), np.asarray([-0.5], np.float32)]
     fb = deserialize_forward_backward_output(wire.encode_forward_backward_output(
@@ -260,6 +260,36 @@ def test_image_chunks_reach_the_vision_tower():
     red, blue = logprobs("red"), logprobs("blue")
     np.testing.assert_allclose(red[:2], blue[:2], atol=1e-6)  # before the picture: the same
     assert np.abs(red[2 + n:] - blue[2 + n:]).max() > 1e-4  # after it: the pixels count
+
+
+@pytest.mark.slow
+def test_a_new_client_compiles_nothing():
+    """Every client's adapters run through the same compiled programs (the learner's jits take them as an
+    argument): a second adapter set of the same shape compiles nothing, for forward, backward and AdamW."""
+    from nemo_jax.lora import LoraConfig, init_adapters
+    from nemo_jax.model import init
+    from nemo_jax.tinker.learner import Learner, adamw, zeros_like_trained
+
+    cfg = _tiny_cfg(("full_attention", "mlp"))
+    learner = Learner(cfg, init(cfg, jax.random.key(0)))
+    rows = [{"tokens": np.arange(3, 14), "targets": np.arange(4, 15), "weights": np.ones(11)} for _ in range(3)]
+    hp = {k: jnp.float32(v) for k, v in dict(learning_rate=1e-3, beta1=0.9, beta2=0.95, eps=1e-12,
+                                              weight_decay=0.0, grad_clip_norm=0.0).items()}
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, secs, **kw: compiles.append(name) if name.endswith("backend_compile_duration") else None)
+
+    def client(seed):
+        ad = init_adapters(cfg, LoraConfig(("attention", "mlp"), 8, 32.0, init_seed=seed))
+        lp, losses, grads = learner.run(ad, rows, "cross_entropy", {}, backward=True)
+        learner.run(ad, rows, "cross_entropy", {}, backward=False)
+        m = zeros_like_trained(ad)
+        jax.block_until_ready(adamw(ad, grads, m, m, jnp.int32(0), hp))
+        return lp
+    client(1)
+    before = len(compiles)
+    client(2)
+    assert len(compiles) == before, compiles[before:]
 
 
 # ============================================================================= a real server, the official SDK
@@ -601,7 +631,64 @@ def test_hostile_client_errors_and_the_server_lives_on(served):
     r = httpx.post(srv.url + "/api/v1/retrieve_future", headers={"X-API-Key": "tml-" + KEY},
                    json={"request_id": "0000beef-1"})
     assert r.json()["category"] == "server" and "restarted" in r.json()["error"]
+    # a client of another SDK version is told which one this server speaks
+    r = httpx.post(srv.url + "/api/v1/create_session", headers={"X-API-Key": "tml-" + KEY},
+                   json={"tags": [], "user_metadata": {}, "sdk_version": "0.20.0"})
+    assert r.status_code == 200 and "tinker==0.38.0" in r.json()["warning_message"]
+    old = httpx.post(srv.url + "/api/v1/forward_backward", headers={"X-API-Key": "tml-" + KEY, "x-sdk-version":
+                                                                     "0.20.0"}, json={"model_id": tc.model_id})
+    assert old.status_code == 400 and "pip install tinker==0.38.0" in old.text
+    beat = httpx.post(srv.url + "/api/v1/session_heartbeat", headers={"X-API-Key": "tml-" + KEY},
+                      json={"session_id": r.json()["session_id"]})
+    assert beat.json() == {"type": "session_heartbeat"}
+    assert httpx.post(srv.url + "/api/v1/session_heartbeat", headers={"X-API-Key": "tml-" + KEY},
+                      json={"session_id": "nope"}).status_code == 404
     # the server and the client carry on
     assert httpx.get(srv.url + "/health").status_code == 200
     assert np.isfinite(_train(tc, [ok], 1)[0])
     sc.close("success").result()
+
+
+@pytest.mark.slow
+def test_seq_order_chunk_merging_and_retries_over_raw_http(served):
+    """The protocol as the SDK drives it, by hand: a model's requests run in seq_id order whatever order they
+    arrive in (optim_step before the chunks it follows; the chunks of one forward_backward last-first), the chunks
+    run as one batch each answering its own datums, and a resubmitted seq_id gets the same future."""
+    from tinker.proto.request_conv import forward_backward_request_to_proto
+    from tinker.proto.response_conv import deserialize_forward_backward_output
+
+    srv = served
+    h = {"X-API-Key": "tml-" + KEY}
+
+    def post(path, body, **kw):
+        r = httpx.post(srv.url + "/api/v1/" + path, headers=dict(h, **kw.pop("headers", {})), json=body, **kw)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def result(rid):
+        r = httpx.post(srv.url + "/api/v1/retrieve_future", headers=h, json={"request_id": rid}, timeout=60)
+        return r.content if "protobuf" in r.headers["content-type"] else r.json()
+    sid = post("create_session", {"tags": [], "user_metadata": {}, "sdk_version": tinker.__version__})["session_id"]
+    made = post("create_model", {"session_id": sid, "model_seq_id": 0, "base_model": "tiny",
+                                 "lora_config": {"rank": 8, "seed": 5}})
+    mid = result(made["request_id"])["model_id"]
+    seqs = _seqs(8)
+
+    def chunk(seq_id, part):
+        req = types.ForwardBackwardRequest(forward_backward_input=types.ForwardBackwardInput(
+            data=[_datum(s) for s in part], loss_fn="cross_entropy"), model_id=mid, seq_id=seq_id)
+        r = httpx.post(srv.url + "/api/v1/forward_backward", headers=dict(h, **{"Content-Type": wire.PROTO}),
+                       content=forward_backward_request_to_proto(req).SerializeToString())
+        assert r.status_code == 200, r.text
+        return r.json()["request_id"]
+    opt = post("optim_step", {"model_id": mid, "seq_id": 3, "adam_params": {"learning_rate": 1e-3}})["request_id"]
+    b = chunk(2, seqs[2:])
+    a = chunk(1, seqs[:2])
+    assert chunk(1, seqs[:2]) == a  # a retried submission: the same future
+    outs = [deserialize_forward_backward_output(result(x)) for x in (a, b)]
+    lps = [np.asarray(o["logprobs"].data) for out in outs for o in out.loss_fn_outputs]
+    for s, lp in zip(seqs, lps):
+        np.testing.assert_allclose(lp, _base_logprobs(srv, s), atol=1e-4)
+    assert result(opt)["metrics"]["grad_norm:mean"] > 0  # it ran after both chunks' gradients
+    after = deserialize_forward_backward_output(result(chunk(4, seqs[:1])))
+    assert not np.allclose(np.asarray(after.loss_fn_outputs[0]["logprobs"].data), lps[0], atol=1e-4)

@@ -97,7 +97,7 @@ class Learner:
                 grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
             else:
                 _, (lp, per_row) = fn(adapters, self.base, batch, conf)
-            lp, per_row = np.asarray(lp), np.asarray(per_row)
+            lp, per_row = jax.device_get((lp, per_row))
             for j, i in enumerate(idx):
                 out[i] = lp[j, :len(rows[i]["tokens"])].astype(np.float32)
                 losses[i] = per_row[j]

@@ -82,7 +82,7 @@ def mount(app, svc: TinkerService) -> None:
     from nemo_jax.serve.openai import APIError
 
     @app.exception_handler(UserError)
-    async def user_error(request, e: UserError):
+    async def user_error(request, e: UserError):  # (a client of another SDK version is told which one this is)
         hint = wire.version_hint(request.headers.get("x-sdk-version")) if "x-sdk-version" in request.headers else ""
         return JSONResponse(APIError(str(e) + hint).body(), status_code=400)
 
@@ -156,16 +156,14 @@ def mount(app, svc: TinkerService) -> None:
 
     @app.post(p + "/forward_backward")
     async def forward_backward(request: Request):
-        version = request.headers.get("x-sdk-version")
         if "protobuf" not in request.headers.get("content-type", ""):
-            raise UserError("forward_backward takes a protobuf ForwardBackwardRequest (Content-Type: "
-                            f"{wire.PROTO})" + wire.version_hint(version))
+            raise UserError(f"forward_backward takes a protobuf ForwardBackwardRequest (Content-Type: {wire.PROTO})")
         if request.headers.get("content-encoding"):
             raise UserError("forward_backward: compressed bodies are not taken (this server's client/config says "
                             "proto_compress_fwdbwd false)")
         body = await request.body()
-        req = (wire.decode_forward_backward(body, version) if len(body) < 1 << 18 else  # (a big one off the loop)
-               await asyncio.to_thread(wire.decode_forward_backward, body, version))
+        req = (wire.decode_forward_backward(body) if len(body) < 1 << 18 else  # (a big one off the loop)
+               await asyncio.to_thread(wire.decode_forward_backward, body))
         why = refusal(req.loss_fn)
         cfg = None
         if why is None:
@@ -221,9 +219,12 @@ def mount(app, svc: TinkerService) -> None:
         return {"sampler_id": sp.id, "base_model": sp.base_model, "model_path": sp.model_path}
 
     @app.post(p + "/asample")
-    async def asample(request: Request):
+    async def asample(request: Request):  # (APIError 429 when the scheduler is full)
         body = await body_of(request)
-        return await asyncio.to_thread(svc.sample, body)  # (APIError 429 when the scheduler is full)
+        chunks = (body.get("prompt") or {}).get("chunks") if isinstance(body.get("prompt"), dict) else None
+        if isinstance(chunks, list) and all(isinstance(c, dict) and c.get("type") == "encoded_text" for c in chunks):
+            return svc.sample(body)  # token ids only: quick, answered on the loop (no thread hop per sample)
+        return await asyncio.to_thread(svc.sample, body)  # pictures to decode: off the loop
 
     @app.post(p + "/cancel_future")
     async def cancel_future(request: Request):

@@ -543,9 +543,10 @@ class TinkerService:
         if m.grads is None:  # nothing to apply (as torch skips parameters without a gradient)
             return {"type": "optim_step", "metrics": {"grad_norm:mean": 0.0, "step:max": float(m.step)}}
         grads, m.grads = m.grads, None
-        params, mm, vv, norm, finite = adamw(m.adapters, grads, m.m, m.v, jnp.int32(m.step),
-                                             {k: jnp.float32(v) for k, v in hp.items()})
-        if not bool(finite):
+        params, mm, vv, norm, finite = adamw(m.adapters, grads, m.m, m.v, np.int32(m.step),
+                                             {k: np.float32(v) for k, v in hp.items()})
+        norm, finite = jax.device_get((norm, finite))
+        if not finite:
             raise UserError(f"the gradient norm is {float(norm)} (not finite): the update was skipped; the adapters "
                             "and optimiser state are unchanged")
         m.adapters, m.m, m.v, m.step = params, mm, vv, m.step + 1

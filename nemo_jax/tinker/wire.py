@@ -129,7 +129,7 @@ def _chunk(c, what: str):
     raise UserError(f"{what}: an empty chunk")
 
 
-def decode_forward_backward(body: bytes, sdk_version: str | None = None) -> FwdBwdRequest:
+def decode_forward_backward(body: bytes) -> FwdBwdRequest:
     """A protobuf ForwardBackwardRequest -> FwdBwdRequest. Provenance spans (StableReinforce) are ignored."""
     from google.protobuf.message import DecodeError
 
@@ -137,8 +137,7 @@ def decode_forward_backward(body: bytes, sdk_version: str | None = None) -> FwdB
     try:
         msg.ParseFromString(body)
     except (DecodeError, RuntimeError, ValueError) as e:
-        raise UserError(f"the forward_backward body is not a protobuf ForwardBackwardRequest ({e})"
-                        + version_hint(sdk_version)) from None
+        raise UserError(f"the forward_backward body is not a protobuf ForwardBackwardRequest ({e})") from None
     config: dict = {k: float(v) for k, v in msg.loss_fn_config.items()}
     for k, v in msg.loss_fn_config_v2.items():  # (v2 wins where both are set, as the SDK's dual write expects)
         config[k] = v.text if v.WhichOneof("value") == "text" else float(v.number)
