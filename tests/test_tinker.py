@@ -265,10 +265,11 @@ def test_image_chunks_reach_the_vision_tower():
 @pytest.mark.slow
 def test_a_new_client_compiles_nothing():
     """Every client's adapters run through the same compiled programs (the learner's jits take them as an
-    argument): a second adapter set of the same shape compiles nothing, for forward, backward and AdamW."""
-    from nemo_jax.lora import LoraConfig, init_adapters
+    argument): a second adapter set of the same shape compiles nothing: its initialisation, forward, backward and
+    AdamW."""
+    from nemo_jax.lora import LoraConfig
     from nemo_jax.model import init
-    from nemo_jax.tinker.learner import Learner, adamw, zeros_like_trained
+    from nemo_jax.tinker.learner import Learner, adamw, new_adapters, zeros_like_trained
 
     cfg = _tiny_cfg(("full_attention", "mlp"))
     learner = Learner(cfg, init(cfg, jax.random.key(0)))
@@ -280,7 +281,7 @@ def test_a_new_client_compiles_nothing():
         lambda name, secs, **kw: compiles.append(name) if name.endswith("backend_compile_duration") else None)
 
     def client(seed):
-        ad = init_adapters(cfg, LoraConfig(("attention", "mlp"), 8, 32.0, init_seed=seed))
+        ad = new_adapters(cfg, LoraConfig(("attention", "mlp"), 8, 32.0, init_seed=seed))
         lp, losses, grads = learner.run(ad, rows, "cross_entropy", {}, backward=True)
         learner.run(ad, rows, "cross_entropy", {}, backward=False)
         m = zeros_like_trained(ad)

@@ -15,11 +15,14 @@ is > 0. Only `lora_a` / `lora_b` move; the scale is a constant.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nemo_jax.lora import attach
+from nemo_jax.lora import LoraConfig, attach, init_adapters
 from nemo_jax.model.model import Options
 from nemo_jax.rl.learner import token_logprobs
 from nemo_jax.tinker.losses import LOSSES, token_losses
@@ -123,6 +126,17 @@ class Learner:
             lp, _, _ = self.run(adapters, [row], "cross_entropy", {}, backward=False)
             out[1:] = lp[0]
         return out
+
+
+@functools.lru_cache(maxsize=64)
+def _initializer(cfg, lora: LoraConfig):
+    return jax.jit(lambda key: init_adapters(cfg, lora, key))
+
+
+def new_adapters(cfg, lora: LoraConfig):
+    """A fresh adapter set (A random from lora.init_seed, B zero): one compiled initializer per LoRA shape, so a new
+    client compiles nothing."""
+    return _initializer(cfg, dataclasses.replace(lora, init_seed=0))(jax.random.key(lora.init_seed))
 
 
 # ----------------------------------------------------------------------------- the optimiser

@@ -29,11 +29,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nemo_jax.lora import LoraConfig, init_adapters
+from nemo_jax.lora import LoraConfig
 from nemo_jax.lora.adapters import PRESETS, adaptable_paths
 from nemo_jax.tinker import wire
 from nemo_jax.tinker.futures import FutureStore
-from nemo_jax.tinker.learner import Learner, adamw, zeros_like_trained
+from nemo_jax.tinker.learner import Learner, adamw, new_adapters, zeros_like_trained
 from nemo_jax.tinker.losses import LOSSES
 from nemo_jax.tinker.store import Store, check_name, check_run_id, iso_time, parse_path
 from nemo_jax.tinker.wire import UserError
@@ -452,7 +452,7 @@ class TinkerService:
 
     def _do_create(self, it: Item) -> dict:
         a = it.args
-        adapters = init_adapters(self.cfg, a["lora"])
+        adapters = new_adapters(self.cfg, a["lora"])
         self._register(a["session"], a["model_id"], a["base"], a["lora"], a["flags"], adapters, a["meta"])
         return {"type": "create_model", "model_id": a["model_id"]}
 
