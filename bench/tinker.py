@@ -9,7 +9,10 @@ subprocess. Side by side, per run:
 * train step: one `forward_backward` (cross_entropy, `--rows` datums of `--len` tokens) + `optim_step` through the
   SDK (pipelined, both awaited), against the in-process `nemo_jax.rl.client.TrainingClient` (`forward_backward` +
   `optim_step`) over the same params, LoRA targets, rank and batch, the two taking turns step by step: median
-  seconds per step and the ratio (goal: <= 1.2x);
+  seconds per step and the ratio (goal: <= 1.2x); beside it the server's own mean seconds per step (its
+  `GET /api/v1/stats`), which the SDK's step exceeds by the API's cost alone (HTTP, protobuf, futures): the two
+  processes share this machine's cores with whatever else runs, so the ratio of two processes' times moves more
+  than that difference;
 * sampling: `--samples` prompts (24 tokens), `--max-tokens` new tokens each, all submitted at once: the SDK's
   `sample` (one request each, num_samples=1) of the base model against serve's OpenAI route `/v1/completions`
   (token-id prompts,
@@ -116,6 +119,10 @@ def main(argv=None):
             op = tc.optim_step(types.AdamParams(learning_rate=1e-4))
             fb.result()
             op.result()
+
+        def worker_seconds() -> tuple[int, float]:  # the server's own time on forward_backward + optim_step
+            w = httpx.get(url + "/api/v1/stats", headers={"X-API-Key": "tml-" + KEY}).json()["worker"]
+            return w["optim"]["requests"], sum(w[k]["seconds"] for k in ("fwdbwd", "optim"))
         # ---- in-process: the same params, LoRA, batch
         _, params = load_pretrained(hf)
         lc = LoraConfig(lora_targets(cfg, True, True, True), 8, LORA_ALPHA)
@@ -162,11 +169,14 @@ def main(argv=None):
               f"{a.samples} x {a.max_tokens} tokens")
         rows = []
         for run in range(a.runs):
+            n0, w0 = worker_seconds()
             sdk, local = median_steps([sdk_step, local_step], a.steps)
+            n1, w1 = worker_seconds()
+            server = (w1 - w0) / max(n1 - n0, 1)  # mean seconds the server's learner spent per step
             (s_rate, s_cpu), (o_rate, o_cpu) = rate(sdk_sample), rate(oai_sample)
             rows.append((sdk, local, s_rate, o_rate))
-            print(f"run {run + 1}: train step SDK {sdk * 1e3:7.1f} ms  in-process {local * 1e3:7.1f} ms  "
-                  f"ratio {sdk / local:5.2f}x | sampling SDK {s_rate:7.1f} tok/s  OpenAI route {o_rate:7.1f} tok/s  "
+            print(f"run {run + 1}: train step SDK {sdk * 1e3:7.1f} ms (server's learner {server * 1e3:6.1f} ms)  "
+                  f"in-process {local * 1e3:7.1f} ms  ratio {sdk / local:5.2f}x | sampling SDK {s_rate:7.1f} tok/s  OpenAI route {o_rate:7.1f} tok/s  "
                   f"ratio {o_rate / s_rate:5.2f}x (client CPU per round {s_cpu:.3f} / {o_cpu:.3f} s)", flush=True)
         print(json.dumps({"train_ratio": [round(r[0] / r[1], 3) for r in rows],
                           "sample_ratio": [round(r[3] / r[2], 3) for r in rows]}))

@@ -115,6 +115,10 @@ def mount(app, svc: TinkerService) -> None:
     async def healthz():
         return {"status": "ok"}
 
+    @app.get(p + "/stats")  # (nemo-jax's own: not an SDK call)
+    async def stats():
+        return svc.stats()
+
     @app.get(p + "/get_server_capabilities")
     async def capabilities():
         return svc.capabilities()

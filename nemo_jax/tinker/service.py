@@ -99,7 +99,7 @@ class Session:
     last_seen: float = field(default_factory=time.time)
     finished: bool = False
     models: set = field(default_factory=set)
-    samplers: int = 0
+    samplers: set = field(default_factory=set)  # sampling sessions it created from a path or the base
 
 
 @dataclass(eq=False)
@@ -158,11 +158,12 @@ class TinkerService:
         self.sessions: dict[str, Session] = {}
         self.models: dict[str, Model] = {}
         self.samplers: dict[str, Sampler] = {}
-        self._loaded: dict[str, object] = {}  # tinker path -> Adapter of a sampling session made from it
+        self._loaded: dict[str, tuple] = {}  # tinker path -> (Adapter, base model) of sampling sessions made from it
         self._lock = threading.RLock()  # sessions, models, samplers, queues
         self._cv = threading.Condition(self._lock)
         self._work: deque[Item] = deque()
         self._creating: dict[str, str] = {}  # model id -> request id of its create / load (a retry gets it)
+        self.busy: dict[str, list] = {}  # request kind -> [requests, seconds the worker spent on them]
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="tinker-learner", daemon=True)
         self._thread.start()
@@ -211,6 +212,9 @@ class TinkerService:
         for mid in list(s.models):
             if mid in self.models:
                 self._forget_locked(self.models[mid])
+        for sid in s.samplers:
+            self.samplers.pop(sid, None)
+        s.samplers.clear()
 
     def _forget_locked(self, m: Model) -> None:
         """A model and its snapshots freed (its checkpoints stay on disk)."""
@@ -414,7 +418,7 @@ class TinkerService:
             self._execute(group)
 
     def _execute(self, group: list[Item]) -> None:
-        kind = group[0].kind
+        kind, t0 = group[0].kind, time.perf_counter()
         try:
             if kind == "fwdbwd":
                 self._fwdbwd(group)
@@ -431,6 +435,18 @@ class TinkerService:
             for it in group:
                 if it.rid is not None:
                     self.futures.fail(it.rid, f"{type(e).__name__}: {e}"[:2000], "server")
+        finally:
+            with self._lock:
+                b = self.busy.setdefault(kind, [0, 0.0])
+                b[0] += len(group)
+                b[1] += time.perf_counter() - t0
+
+    def stats(self) -> dict:
+        """GET /api/v1/stats: what the service holds, and the worker's requests and seconds by kind."""
+        with self._lock:
+            return {"sessions": sum(not s.finished for s in self.sessions.values()), "models": len(self.models),
+                    "sampling_sessions": len(self.samplers), "queued": len(self._work),
+                    "worker": {k: {"requests": n, "seconds": round(t, 6)} for k, (n, t) in self.busy.items()}}
 
     def close(self) -> None:
         with self._cv:
@@ -461,8 +477,6 @@ class TinkerService:
         lora, adapters, opt, meta = self.store.load(a["path"], self.cfg, optimizer=a["optimizer"])
         base = a["base"] or meta.get("base_model") or self.s.model_name
         flags = dict(meta.get("lora") or {}, rank=lora.rank)
-        lora = LoraConfig(targets=lora.targets, rank=lora.rank, alpha=lora.alpha, rslora=lora.rslora,
-                          init_seed=lora.init_seed)
         self._register(a["session"], a["model_id"], base, lora, flags, adapters, a["meta"] or
                        meta.get("run_user_metadata") or {}, opt)
         return {"type": "load_weights", "path": a["path"], "model_id": a["model_id"]}
@@ -560,6 +574,8 @@ class TinkerService:
                 "ttl_seconds": a["ttl"], "user_metadata": a["meta"], "run_user_metadata": m.user_metadata}
         path = self.store.save(m.id, "weights", name, self.cfg, m.lora, m.adapters, meta=meta,
                                optimizer=(m.m, m.v, m.step), overwrite=a["overwrite"])
+        with self._lock:
+            self._loaded.pop(path, None)  # (a sampling session made from it later reads it anew)
         self.store.write_run(m.id, self._run_record(m))
         return {"type": "save_weights", "path": path}
 
@@ -608,22 +624,23 @@ class TinkerService:
             if sid in self.samplers:
                 return {"type": "create_sampling_session", "sampling_session_id": sid}
         if path is not None:
-            _, kind, _ = parse_path(path)
+            parse_path(path)
             with self._lock:
-                ad = self._loaded.get(path)
-            if ad is None:
+                got = self._loaded.get(path)
+            if got is None:
                 _, adapters, _, meta = self.store.load(path, self.cfg, optimizer=False)
-                ad = self._adapter(path, jax.tree.map(jnp.asarray, adapters))
+                got = (self._adapter(path, jax.tree.map(jnp.asarray, adapters)),
+                       meta.get("base_model") or self.s.model_name)
                 with self._lock:
-                    self._loaded[path] = ad
+                    self._loaded[path] = got
                     while len(self._loaded) > 4 * MAX_SNAPSHOTS:
                         self._loaded.pop(next(iter(self._loaded)))
-            base = base or self.s.model_name
-            sampler = Sampler(sid, base, path, ad)
+            sampler = Sampler(sid, base or got[1], path, got[0])
         else:
             sampler = Sampler(sid, self.check_base(base), None, None)
         with self._lock:
             self.samplers[sid] = sampler
+            s.samplers.add(sid)
         return {"type": "create_sampling_session", "sampling_session_id": sid}
 
     def sampler(self, sid) -> Sampler:
