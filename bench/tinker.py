@@ -52,8 +52,6 @@ def free_port() -> int:
 
 def median_steps(fns, steps: int) -> list[float]:
     """Median seconds per call of each of `fns`, called in turn (ABAB...: the machine's load drifts alike for all)."""
-    for fn in fns:
-        fn()  # warm-up (compiles)
     ts = [[] for _ in fns]
     for _ in range(steps):
         for fn, t in zip(fns, ts):
@@ -122,7 +120,8 @@ def main(argv=None):
 
         def worker_seconds() -> tuple[int, float]:  # the server's own time on forward_backward + optim_step
             w = httpx.get(url + "/api/v1/stats", headers={"X-API-Key": "tml-" + KEY}).json()["worker"]
-            return w["optim"]["requests"], sum(w[k]["seconds"] for k in ("fwdbwd", "optim"))
+            zero = {"requests": 0, "seconds": 0.0}
+            return w.get("optim", zero)["requests"], sum(w.get(k, zero)["seconds"] for k in ("fwdbwd", "optim"))
         # ---- in-process: the same params, LoRA, batch
         _, params = load_pretrained(hf)
         lc = LoraConfig(lora_targets(cfg, True, True, True), 8, LORA_ALPHA)
@@ -167,6 +166,7 @@ def main(argv=None):
             return float(np.median(rates)), float(np.median(cpu))
         print(f"tiny model, LoRA rank 8 on {list(lc.targets)}; train batch {a.rows} x {a.len} tokens; sampling "
               f"{a.samples} x {a.max_tokens} tokens")
+        sdk_step(), local_step()  # warm-up (compiles)
         rows = []
         for run in range(a.runs):
             n0, w0 = worker_seconds()
