@@ -321,6 +321,11 @@ def cmd_serve(a):
         raise ValueError("--adapter-root is for runtime loading: add --enable-runtime-lora-updating")
     check_roots("--adapter-root", a.adapter_root)
     check_roots("--allowed-local-media-path", a.allowed_local_media_path)
+    if a.tinker_root:
+        if os.path.exists(a.tinker_root) and not os.path.isdir(a.tinker_root):
+            raise ValueError(f"--tinker-root {a.tinker_root}: exists and is not a folder")
+        if a.tinker_max_rank < 1 or a.tinker_max_tokens < 1:
+            raise ValueError("--tinker-max-rank and --tinker-max-tokens must be >= 1")
     a.api_key = a.api_key or os.environ.get("NEMO_JAX_API_KEY") or os.environ.get("VLLM_API_KEY") or None
     from nemo_jax.serve.app import cli_serve
 
@@ -477,6 +482,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "cancelled with a 503 (0: no limit)")
     s.add_argument("--shutdown-timeout", type=float, default=30.0, help="on SIGTERM: seconds running requests may "
                    "take to finish before they are cancelled (then the server exits 0)")
+    s.add_argument("--tinker-root", default=None, metavar="DIR",
+                   help="serve the Tinker API (the official tinker SDK, tinker-cookbook) under /api/v1 too: LoRA "
+                        "training clients over this model; tinker:// checkpoints are adapter checkpoints under DIR "
+                        "(docs/tinker.md; the API key, if any, as X-API-Key: tml-<key>)")
+    s.add_argument("--tinker-max-rank", type=int, default=128, help="the largest LoRA rank a Tinker client may ask for")
+    s.add_argument("--tinker-max-tokens", type=int, default=16384, help="tokens (rows x padded length) per learner "
+                   "call; larger forward_backward batches run in several calls (gradients summed)")
     s.set_defaults(fn=cmd_serve)
 
     s = sub.add_parser("rollout-worker", help="sample a GRPO run's requested groups (rollout.spool=true) on an "

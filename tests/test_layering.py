@@ -24,7 +24,7 @@ LAYERS = (
     ("lora", "hf", "checkpoint", "tensorio"),
     ("sources",),  # what a path holds: above the native, HF and adapter readers
     ("train", "generate"),
-    ("rl", "merge", "plan", "serve", "plot"),
+    ("rl", "merge", "plan", "serve", "plot", "tinker"),
     ("recipe",),
     ("cli",),
 )

@@ -35,16 +35,20 @@ def _host_numpy(x) -> np.ndarray:
 
 
 def save_adapter_checkpoint(path: str, cfg: NemotronHConfig, lora_cfg: LoraConfig, adapters, *,
-                            overwrite: bool = False) -> None:
+                            overwrite: bool = False, extra: dict[str, bytes] | None = None) -> None:
     """Write the adapter set (every process must call this with sharded arrays; process 0 writes). An existing
     `path` is replaced only with `overwrite` and only when it is an earlier adapter checkpoint (a trainer's
-    RUN/adapters is: it passes overwrite=True)."""
+    RUN/adapters is: it passes overwrite=True). `extra`: more files {name: bytes} written into the same folder
+    (e.g. an optimiser state), in place together with the adapters or not at all."""
     from safetensors.numpy import save_file
 
     flat = {path_str(p): _host_numpy(x) for p, x in jax.tree_util.tree_flatten_with_path(adapters)[0]}
     if jax.process_index() != 0:
         return
-    with atomic_dir(path, "adapter checkpoint", overwrite=overwrite, own_files=(META, TENSORS)) as tmp:
+    with atomic_dir(path, "adapter checkpoint", overwrite=overwrite, own_files=(META, TENSORS, *(extra or {}))) as tmp:
+        for name, data in (extra or {}).items():
+            with open(os.path.join(tmp, name), "wb") as f:
+                f.write(data)
         save_file({k: np.asarray(v, order="C") for k, v in flat.items()}, os.path.join(tmp, TENSORS),  # 0-d kept
                   metadata={"format": "nemo_jax-lora"})
         with open(os.path.join(tmp, META), "w") as f:

@@ -81,6 +81,11 @@ class ServerState:
         self.max_prompt_bytes = max_len * max(longest, 1) + 4096  # more text than this cannot fit max_len tokens
         self.started = time.time()
 
+    def next_version(self) -> int:
+        """A new adapter version (the scheduler tells adapter sets apart by it): for adapters of other services."""
+        with self._lock:
+            return next(self._versions)
+
     def _fatal(self, e: BaseException) -> None:
         self.fatal = e
         if self.on_fatal is not None:
@@ -549,6 +554,9 @@ class Guard:
         await send({"type": "http.response.body", "body": body})
 
     def _authorized(self, scope) -> bool:
+        if scope.get("path", "").startswith("/api/v1/"):  # the Tinker API: X-API-Key, as the SDK sends it
+            key = next((v for k, v in scope.get("headers", ()) if k == b"x-api-key"), b"")
+            return hmac.compare_digest(key, self.key) or hmac.compare_digest(key, b"tml-" + self.key)
         for k, v in scope.get("headers", ()):
             if k == b"authorization":
                 scheme, _, token = v.partition(b" ")
@@ -568,8 +576,9 @@ class Guard:
             await send(message)
         try:
             if self.key is not None and path != "/health" and not self._authorized(scope):
+                how = "X-API-Key: tml-<key>" if path.startswith("/api/v1/") else "Authorization: Bearer <key>"
                 return await self._send_error(sending, APIError(
-                    "Unauthorized: a valid API key is needed (Authorization: Bearer <key>)", status=401,
+                    f"Unauthorized: a valid API key is needed ({how})", status=401,
                     headers={"WWW-Authenticate": "Bearer"}))
             length = next((v for k, v in scope.get("headers", ()) if k == b"content-length"), None)
             if length is not None and (not length.isdigit() or int(length) > self.max_body):
@@ -598,8 +607,9 @@ class Guard:
             self.state.metrics.request(endpoint, status[0], time.perf_counter() - t0)
 
 
-def make_app(state: ServerState, *, api_key: str | None = None, max_body: int = 32 << 20):
-    """The ASGI app serving `state`: the FastAPI routes behind a `Guard`."""
+def make_app(state: ServerState, *, api_key: str | None = None, max_body: int = 32 << 20, mount=None):
+    """The ASGI app serving `state`: the FastAPI routes behind a `Guard`; `mount(app)` adds another service's
+    routes (the Tinker API)."""
     require("fastapi", "serve", "nemo-jax serve")
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -687,6 +697,8 @@ def make_app(state: ServerState, *, api_key: str | None = None, max_body: int = 
     async def metrics():
         return PlainTextResponse(state.metrics_text(), media_type="text/plain; version=0.0.4")
 
+    if mount is not None:
+        mount(app)
     routes = {r.path for r in app.routes}
     return Guard(app, state, api_key=api_key, max_body=max_body, routes=routes)
 
@@ -795,9 +807,17 @@ def cli_serve(a, adapters: dict[str, str]) -> None:
     state.scheduler.submit(Job(Prompt([0], [], [SamplingParams(max_new_tokens=1, temperature=0.0)]), None,
                                lambda r: done.set()))
     done.wait()
-    app = make_app(state, api_key=a.api_key, max_body=int(a.max_request_mb * 2 ** 20))
+    tinker = None
+    if getattr(a, "tinker_root", None):  # the Tinker API under /api/v1 (nemo_jax.tinker)
+        from nemo_jax.tinker import start
+
+        tinker = start(state, a, tok_dir)
+    app = make_app(state, api_key=a.api_key, max_body=int(a.max_request_mb * 2 ** 20),
+                   mount=None if tinker is None else tinker.mount)
     gates = [f"API key {'on' if a.api_key else 'off'}",
              f"runtime adapters {'under ' + ', '.join(a.adapter_root) if state.adapter_roots is not None else 'off'}"]
+    if tinker is not None:
+        gates.append(f"Tinker API on http://{a.host}:{a.port}/api/v1, state under {tinker.service.store.root}")
     line = (f"nemo-jax serve: {name} ({len(adapters)} adapter(s)) on http://{a.host}:{a.port}/v1 "
             f"({a.max_num_seqs} rows x {a.max_model_len} positions; {'; '.join(gates)})")
     code = serve(state, app, host=a.host, port=a.port, log_level=a.log_level, shutdown_timeout=a.shutdown_timeout,

@@ -1,0 +1,33 @@
+"""The Tinker API, self-hosted: `nemo-jax serve --ckpt MODEL --tinker-root DIR` serves what the official `tinker`
+SDK (0.38) and tinker-cookbook call, under /api/v1 beside the OpenAI routes (docs/tinker.md).
+
+    wire.py      the SDK's protobuf and JSON bodies <-> numpy (pure)
+    losses.py    Tinker's losses: plain sums, exactly as Tinker defines them
+    learner.py   one frozen base, jitted forward / backward shared by every client's adapters; AdamW
+    futures.py   request ids, long-polled results, the SDK's error categories
+    store.py     tinker:// checkpoints as nemo-jax adapter checkpoints under --tinker-root
+    service.py   sessions, training models (each model's requests in seq_id order), sampling sessions
+    routes.py    the HTTP routes (FastAPI), mounted on serve's app
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class Tinker(NamedTuple):
+    service: object  # nemo_jax.tinker.service.TinkerService
+    mount: object  # (FastAPI app) -> None: adds the /api/v1 routes
+
+
+def start(state, a, tokenizer_dir: str) -> Tinker:
+    """The Tinker service over a serve `ServerState`, from `nemo-jax serve`'s arguments (--tinker-root,
+    --tinker-max-rank, --tinker-max-tokens, --ckpt)."""
+    from nemo_jax.extras import require
+    from nemo_jax.tinker.routes import mount
+    from nemo_jax.tinker.service import TinkerService
+
+    require("tinker", "tinker", "nemo-jax serve --tinker-root (the Tinker API)")
+    svc = TinkerService(state, a.tinker_root, ckpt=a.ckpt, tokenizer_dir=a.tokenizer or tokenizer_dir,
+                        max_rank=a.tinker_max_rank, max_tokens=a.tinker_max_tokens)
+    return Tinker(svc, lambda app: mount(app, svc))
