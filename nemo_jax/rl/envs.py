@@ -10,6 +10,9 @@ Built in (`make_env(name, **args)`):
                 on information the agent looks up first; reward = share of checks passed minus violations
   mcp           multi-turn with the tools of an MCP server started per episode (nemo_jax.rl.mcp_env)
   gui           screenshots of generated windows and forms; click / type / key actions (nemo_jax.rl.gui_env)
+  swe           a repository, an issue, hidden tests; run / python / apply_patch in a sandbox (nemo_jax.rl.swe_env)
+  chart         a chart drawn with known values; a number to read off it with python / crop / zoom
+                (nemo_jax.rl.chart_env)
   jsonl:PATH    a user task set: one JSON object per line, {"id", "prompt" | "messages", "answer",
                 "verifier": "exact" | "regex" | "numeric", "tolerance" (numeric), "split" (train | eval)}
   pkg.mod:Class a user environment (either form), built with the config's `env_args`
@@ -26,19 +29,13 @@ import numpy as np
 
 from nemo_jax.data.chat import tool_calls
 from nemo_jax.rl.episode import (Environment, Episode, HistoryEnv, HistoryEpisode, Observation, Score,  # noqa: F401
-                                  SyncForm, Task, as_environment)
+                                  SyncForm, Task, as_environment, last_number)
 
 
 def last_assistant(history: list[dict]) -> str:
     return next((m["content"] for m in reversed(history) if m["role"] == "assistant"), "")
 
 
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
-
-
-def last_number(text: str) -> float | None:
-    found = _NUMBER.findall(text.replace(",", ""))
-    return float(found[-1]) if found else None
 
 
 class SingleTurn(HistoryEnv):
@@ -325,8 +322,8 @@ class JsonlTasks(SingleTurn):
 
 
 def make_env(spec: str, **args) -> Environment:
-    """'arithmetic' | 'constraints' | 'inbox' | 'mcp' | 'gui' | 'jsonl:PATH' | 'package.module:Class' (built with
-    **args) -> an environment with `tasks` and `episode` (a user class of the synchronous form is wrapped)."""
+    """'arithmetic' | 'constraints' | 'inbox' | 'mcp' | 'gui' | 'swe' | 'chart' | 'jsonl:PATH' |
+    'package.module:Class' (built with **args) -> an environment with `tasks` and `episode` (a user class of the synchronous form is wrapped)."""
     if spec == "arithmetic":
         return Arithmetic(**args)
     if spec == "constraints":
@@ -341,6 +338,14 @@ def make_env(spec: str, **args) -> Environment:
         from nemo_jax.rl.gui_env import GUIEnv
 
         return GUIEnv(**args)
+    if spec == "swe":
+        from nemo_jax.rl.swe_env import SWEEnv
+
+        return SWEEnv(**args)
+    if spec == "chart":
+        from nemo_jax.rl.chart_env import ChartEnv
+
+        return ChartEnv(**args)
     if spec.startswith("jsonl:"):
         return JsonlTasks(spec[len("jsonl:"):], **args)
     if ":" in spec:
@@ -355,5 +360,5 @@ def make_env(spec: str, **args) -> Environment:
             return as_environment(env)
         except ValueError as e:
             raise ValueError(f"rl.env {spec!r}: {e}") from None
-    raise ValueError(f"rl.env: {spec!r} (expected arithmetic, constraints, inbox, mcp, gui, jsonl:PATH or "
-                     "package.module:Class)")
+    raise ValueError(f"rl.env: {spec!r} (expected arithmetic, constraints, inbox, mcp, gui, swe, chart, jsonl:PATH "
+                     "or package.module:Class)")

@@ -26,6 +26,7 @@ messages to append or None when the episode is over, and `score(task, history)` 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -122,6 +123,15 @@ class SyncForm:
 
     def respond(self, task: Task, history: list[dict]):
         return self.env.respond(task, history)
+
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def last_number(text: str) -> float | None:
+    """The last number in a text (commas dropped), or None."""
+    found = _NUMBER.findall(text.replace(",", ""))
+    return float(found[-1]) if found else None
 
 
 def as_environment(env) -> Environment:

@@ -412,7 +412,7 @@ def bwrap_argv(bwrap: str, folder: str, runtime: list[str], hide: list[str], pac
             a += ["--symlink", os.readlink("/" + link), "/" + link]
         elif os.path.isdir("/" + link):
             a += ["--ro-bind", "/" + link, "/" + link]
-    a += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
+    a += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/tmp"]
     made: set = set()
     for p in runtime:
         a += _dirs_to(p, made) + ["--ro-bind", p, p]
