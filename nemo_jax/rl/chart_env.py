@@ -222,9 +222,9 @@ class ChartEnv:
             if "scale" not in task.data:
                 self.render(task)
             base, px = task.data["scale"]
-        return ("from PIL import Image\nim = Image.open('chart.png').convert('RGB')\n"
-                f"ys = [y for y in range(im.height) for x in range(im.width) if im.getpixel((x, y)) == ({r}, {g}, {b})]\n"
-                f"print(round(({base:g} - min(ys)) / {px:g}, 1))")
+        return ("from PIL import Image\nim=Image.open('chart.png').convert('RGB')\n"
+                f"print(round(({base:g}-min(y for y in range(im.height) for x in range(im.width) "
+                f"if im.getpixel((x,y))==({r},{g},{b})))/{px:g},1))")
 
     def expert(self, task: Task) -> list[str]:
         """Measure with python, then answer the number."""

@@ -32,7 +32,7 @@ import time
 from nemo_jax.sandbox.base import (Limits, Owner, Result, SandboxError, SandboxSpec, UidLease, folder_files,
                                    folder_get, folder_put, folder_size, kill_group, remove_tree, run_process)
 
-JAIL_PATH = "/usr/local/bin:/usr/bin:/bin"
+JAIL_PATH = "/sandbox/bin:/usr/local/bin:/usr/bin:/bin"
 BASE_ENV = {"LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONNOUSERSITE": "1",
             "PYTHONUNBUFFERED": "1", "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
             "MPLBACKEND": "Agg", "USER": "sandbox", "LOGNAME": "sandbox"}
@@ -374,7 +374,7 @@ class BwrapSandbox(LocalSandbox):
             inner = [self.setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all",
                      "--bounding-set=-all", "--no-new-privs", "--", *inner]
         return bwrap_argv(self.bwrap, self.folder, self.runtime, self.hide, self.packages, self.jail_env(env),
-                          inner, privileged=self.privileged, extra=extra), {"PATH": JAIL_PATH}, fds
+                          inner, privileged=self.privileged, python=self.python, extra=extra), {"PATH": JAIL_PATH}, fds
 
 
 def _names(packages) -> set:
@@ -396,7 +396,7 @@ def _dirs_to(path: str, made: set) -> list[str]:
 
 
 def bwrap_argv(bwrap: str, folder: str, runtime: list[str], hide: list[str], packages: list[str], env: dict,
-               inner: list[str], *, privileged: bool, extra=()) -> list[str]:
+               inner: list[str], *, privileged: bool, python: str, extra=()) -> list[str]:
     """The bwrap command line of one sandboxed command (pure: tests read it). `runtime`: the interpreter's
     installation, bound read-only at its own paths; `hide`: its site-packages folders, each covered by an empty
     tmpfs; `packages`: the asked-for packages' paths, bound read-only into those at their own paths."""
@@ -423,6 +423,9 @@ def bwrap_argv(bwrap: str, folder: str, runtime: list[str], hide: list[str], pac
         a += ["--ro-bind", p, p]
     for h in hide:
         a += ["--remount-ro", h]
+    a += ["--perms", "0755", "--dir", "/sandbox", "--perms", "0755", "--dir", "/sandbox/bin"]
+    for name in ("python", "python3"):  # the interpreter for the sandbox's shell commands too
+        a += ["--symlink", python, f"/sandbox/bin/{name}"]
     a += list(extra)
     a += ["--bind", folder, "/work", "--chdir", "/work"]
     if privileged:
