@@ -214,14 +214,16 @@ class ChartEnv:
 
     # ------------------------------------------------------------------ demonstrations (SFT data)
     def expert_code(self, task: Task) -> str:
-        """Python that measures the target bar in chart.png and prints its value."""
+        """Python that finds the target bar's top row in chart.png and prints its value."""
         r, g, b = COLORS[task.data["target"]]
         if self.style == "bars":
             base, px = BASE * self.size / 64, PX * self.size / 64
-        else:
-            if "scale" not in task.data:
-                self.render(task)
-            base, px = task.data["scale"]
+            return ("from PIL import Image\nim=Image.open('chart.png')\n"
+                    f"print(({base:g}-min(y for y in range({self.size}) for x in range({self.size}) "
+                    f"if im.getpixel((x,y))==({r},{g},{b})))/{px:g})")
+        if "scale" not in task.data:
+            self.render(task)
+        base, px = task.data["scale"]
         return ("from PIL import Image\nim=Image.open('chart.png').convert('RGB')\n"
                 f"print(round(({base:g}-min(y for y in range(im.height) for x in range(im.width) "
                 f"if im.getpixel((x,y))==({r},{g},{b})))/{px:g},1))")
