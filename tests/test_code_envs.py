@@ -88,7 +88,15 @@ def test_swe_expert_noop_and_tools(swe):
 
 def test_swe_hostile_actions_earn_nothing(swe, host):
     task = swe.tasks("eval")[1]
+    other = swe.episode()  # a neighbour episode running at the same time, with a secret in its folder
+    other.start(task, "neighbour")
+    other.step({"role": "assistant", "content": call("run", command="echo the-neighbours-secret > s.txt")})
+    secret = os.path.join(other.sb.folder, "s.txt")
+    assert open(secret).read() == "the-neighbours-secret\n"
     probe = ("import os, socket\n"
+             f"for p in ({secret!r}, {os.path.dirname(os.path.dirname(secret))!r}):\n"
+             "    try:\n        print('NEIGHBOUR', open(p).read() if p.endswith('.txt') else os.listdir(p))\n"
+             "    except OSError as e:\n        print('neighbour blocked', e.errno)\n"
              f"try:\n    socket.create_connection(('127.0.0.1', {host}), timeout=2); print('NET OPEN')\n"
              "except OSError as e:\n    print('net blocked', e.errno)\n"
              "for p in ('/etc/shadow', '/root/.bashrc', '/proc/1/environ'):\n"
@@ -107,7 +115,9 @@ def test_swe_hostile_actions_earn_nothing(swe, host):
              "done"]
     obs, _ = play(swe, task, bombs)
     said = "\n".join(text(o) for o in obs[1:])
+    other.close()
     assert "net blocked" in said and "NET OPEN" not in said and "READ" not in said and "WROTE" not in said
+    assert "neighbour blocked" in said and "NEIGHBOUR" not in said and not os.path.exists(secret)
     assert "secret None" in said
     assert "MemoryError" in said
     assert "timed out" in said and "restarted" in said
