@@ -22,7 +22,7 @@ from nemo_jax.sandbox.local import probe_bwrap
 
 pytestmark = pytest.mark.skipif(bool(probe_bwrap(SandboxSpec(backend="bwrap"))),
                                 reason="bubblewrap cannot start here")
-SANDBOX = {"backend": "bwrap", "limits": {"wall_s": 5, "cpu_s": 4, "memory_mb": 512, "processes": 24}}
+SANDBOX = {"backend": "bwrap", "limits": {"wall_s": 3, "cpu_s": 2, "memory_mb": 512, "processes": 24}}
 
 
 @pytest.fixture(scope="module")

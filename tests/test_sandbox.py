@@ -90,7 +90,7 @@ def test_bwrap_blocks_the_host_and_the_neighbours(listener):
 
 @needs_bwrap
 def test_bwrap_limits_bombs_and_loops():
-    spec = BWRAP.with_limits(wall_s=3, cpu_s=2, output_kb=4, processes=16)
+    spec = BWRAP.with_limits(wall_s=1.5, cpu_s=1, output_kb=4, processes=16)
     with open_sandbox(spec, "bombs") as sb:
         t0 = time.monotonic()
         r = sb.run(["python", "-c", "x = bytearray(2 << 30)"])
@@ -100,7 +100,7 @@ def test_bwrap_limits_bombs_and_loops():
         r = sb.run(["python", "-c", "import time; time.sleep(30)"])
         assert r.timed_out and r.secs < 10
         fork = ("import os, time\nn = 0\nfor i in range(200):\n    try:\n        pid = os.fork()\n"
-                "    except OSError:\n        break\n    if pid == 0:\n        time.sleep(2)\n        os._exit(0)\n"
+                "    except OSError:\n        break\n    if pid == 0:\n        time.sleep(1)\n        os._exit(0)\n"
                 "    n += 1\nprint(n)")
         r = sb.run(["python", "-c", fork])
         assert r.rc == 0 and int(r.stdout) < 16, r.text()
@@ -114,7 +114,7 @@ def test_bwrap_limits_bombs_and_loops():
 def test_python_session_state_images_and_restarts():
     spec = BWRAP.with_packages("numpy", "pillow", "matplotlib").with_limits(wall_s=15, memory_mb=1536, cpu_s=30)
     with open_sandbox(spec, "py") as sb:
-        s = PythonSession(sb, timeout_s=4)
+        s = PythonSession(sb, timeout_s=2)
         assert s.run("x = 41").text() == "[no output]"
         c = s.run("import os; print('out'); os.system('echo child'); x + 1")
         assert c.stdout == "out\nchild\n" and c.value == "42"
@@ -126,7 +126,7 @@ def test_python_session_state_images_and_restarts():
         c = s.run("y = bytearray(4 << 30)")
         assert "MemoryError" in c.error and s.run("x").value == "41"  # the namespace survives it
         c = s.run("while True: pass")
-        assert "timed out after 4s" in c.restarted and "restarted" in c.text()
+        assert "timed out after 2s" in c.restarted and "restarted" in c.text()
         assert "NameError" in s.run("x").error  # a fresh interpreter
         c = s.run("import os; os._exit(3)")
         assert "died (exit code 3)" in c.restarted
@@ -157,7 +157,7 @@ def test_backend_choice_and_clear_errors(monkeypatch):
 
 
 def test_rlimit_limits_only():
-    spec = SandboxSpec(backend="rlimit", limits=Limits(wall_s=3, memory_mb=512))
+    spec = SandboxSpec(backend="rlimit", limits=Limits(wall_s=1, memory_mb=512))
     with open_sandbox(spec, "rl") as sb:
         sb.put("a.py", "import os\nprint(os.getcwd(), os.environ.get('NEMO_JAX_TEST_SECRET'))")
         r = sb.run(["python", "a.py"])
@@ -218,7 +218,7 @@ def _plumbing(sb):
     assert sb.get("leak") is None and set(sb.files()) == {"pkg/a.txt"}
     r = sb.run(["sleep", "30"], timeout=1)
     assert r.timed_out and r.rc is None and r.secs < 15
-    s = PythonSession(sb, timeout_s=3)
+    s = PythonSession(sb, timeout_s=2)
     assert s.run("x = 6").text() == "[no output]" and s.run("x * 7").value == "42"
     assert "timed out" in s.run("import time; time.sleep(60)").restarted  # killed inside: kill -KILL -1
     assert s.run("x = 1; x").value == "1"

@@ -38,7 +38,7 @@ def main():
     ap.add_argument("--direct", type=float, default=0.5, help="chart: share of glance answers")
     a = ap.parse_args()
     if a.only in (None, "swe"):
-        env = SWEEnv(n_train=a.n_train, n_eval=a.n_eval, seed=100, max_turns=2)
+        env = SWEEnv(n_train=a.n_train, n_eval=a.n_eval, seed=100, max_turns=2, n_funcs=1)
         for split in ("train", "eval"):
             recs = env.demonstrations(split)
             random.Random(0).shuffle(recs)

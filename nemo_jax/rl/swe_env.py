@@ -22,9 +22,10 @@ it:
 4. reward = the share of fail-to-pass tests that pass, counted only when every pass-to-pass test passes (else
    0); success = resolved (all of both). Past the judge's time limit nothing passes.
 
-Built-in tasks (`tasks: builtin`): a two-function module `calc.py` whose function named in the issue computes the
-wrong thing (family `op`: the wrong operator; `const`: the wrong constant); the hidden tests check it on three
-inputs (fail-to-pass) and the other function on two (pass-to-pass). Your tasks (`tasks: PATH`): a folder per
+Built-in tasks (`tasks: builtin`): a module `calc.py` of `n_funcs` one-line functions (a count or a range [lo, hi]
+within 1..3), the one named in the issue computing the wrong thing (family `op`: the wrong operator; `const`: the
+wrong constant); the hidden tests check it on three inputs (fail-to-pass) and the other functions on two
+(pass-to-pass; a lone function: the inputs where the wrong version happens to be right, often none). Your tasks (`tasks: PATH`): a folder per
 task,
 
     PATH/<task id>/task.json        {"issue": str, "fail_to_pass": [ids], "pass_to_pass": [ids],
@@ -251,56 +252,64 @@ def _module(funcs: list) -> str:
     return "\n\n\n".join(f"def {f}(x):\n    return x {op} {c}" for f, op, c in funcs) + "\n"
 
 
-def tiny_task(tid: str, rng, families=("op", "const")) -> Task:
-    """One built-in task (module docstring)."""
+def tiny_task(tid: str, rng, families=("op", "const"), n_funcs=(2, 2)) -> Task:
+    """One built-in task (module docstring): `n_funcs` functions (a count drawn from [lo, hi]), one of them wrong."""
     family = str(families[int(rng.integers(len(families)))])
-    f1, f2 = (str(x) for x in rng.choice(FUNCS, 2, replace=False))
+    lo, hi = n_funcs
+    n = lo if lo == hi else int(rng.integers(lo, hi + 1))
+    names = [str(x) for x in rng.choice(FUNCS, n, replace=False)]
     ops = list(OPS)
-    good = [(f1, ops[int(rng.integers(3))], int(rng.integers(2, 10))),
-            (f2, ops[int(rng.integers(3))], int(rng.integers(2, 10)))]
-    k = int(rng.integers(2))
+    good = [(f, ops[int(rng.integers(3))], int(rng.integers(2, 10))) for f in names]
+    k = int(rng.integers(n))
     name, op, c = good[k]
     if family == "op":
         bad = (name, str(rng.choice([o for o in ops if o != op])), c)
     else:
         bad = (name, op, int(rng.choice([v for v in range(2, 10) if v != c])))
     buggy = [bad if i == k else g for i, g in enumerate(good)]
-    src, fixed = _module(buggy), _module(good)
-    xs = [x for x in INPUTS if _apply(bad[1], x, bad[2]) != _apply(op, x, c)]
-    picks = sorted(int(x) for x in rng.choice(xs, 3, replace=False))
-    other = good[1 - k]
-    p2p_x = sorted(int(x) for x in rng.choice(INPUTS, 2, replace=False))
-    tests = [f"from calc import {f1}, {f2}\n"]
-    f2p, p2p = [], []
+    src = _module(buggy)
+    differ = [x for x in INPUTS if _apply(bad[1], x, bad[2]) != _apply(op, x, c)]
+    picks = sorted(int(x) for x in rng.choice(differ, 3, replace=False))
+    tests, f2p, p2p = [f"from calc import {', '.join(names)}\n"], [], []
     for i, x in enumerate(picks):
         tests.append(f"def test_{name}_{i}():\n    assert {name}({x}) == {_apply(op, x, c)}\n")
         f2p.append(f"tests/test_calc.py::test_{name}_{i}")
-    for i, x in enumerate(p2p_x):
-        tests.append(f"def test_{other[0]}_{i}():\n    assert {other[0]}({x}) == {_apply(other[1], x, other[2])}\n")
-        p2p.append(f"tests/test_calc.py::test_{other[0]}_{i}")
-    line = 2 if k == 0 else 6
+    others = [g for i, g in enumerate(good) if i != k]
+    if others:  # pass-to-pass: the other functions
+        checks = [(g, int(x)) for g in others for x in rng.choice(INPUTS, 2 if len(others) == 1 else 1, replace=False)]
+    else:  # a lone function: the inputs where the wrong one happens to be right (often none)
+        checks = [(good[k], x) for x in INPUTS if x not in differ][:2]
+    for i, ((f, o, v), x) in enumerate(checks):
+        tests.append(f"def test_{f}_same_{i}():\n    assert {f}({x}) == {_apply(o, x, v)}\n")
+        p2p.append(f"tests/test_calc.py::test_{f}_same_{i}")
+    line = 2 + 4 * k
     patch = (f"--- a/calc.py\n+++ b/calc.py\n@@ -{line} +{line} @@\n-    return x {bad[1]} {bad[2]}\n"
              f"+    return x {op} {c}\n")
     issue = f"{name}(x) should {OPS[op][0].format(c=c)}, but it {OPS[bad[1]][1].format(c=bad[2])}."
-    visible = f"from calc import {other[0]}\n\n\ndef test_{other[0]}():\n    assert {other[0]}({p2p_x[0]}) == " \
-              f"{_apply(other[1], p2p_x[0], other[2])}\n"
-    task = make_task(tid, issue, {"calc.py": src, "tests/test_calc.py": visible},
-                     {"tests/test_calc.py": "\n\n".join(tests)}, f2p, p2p, family=f"swe-{family}", patch=patch)
-    task.data["fixed"] = fixed
+    repo = {"calc.py": src}
+    if others:  # the repository's own (visible) test
+        f, o, v = others[0]
+        repo["tests/test_calc.py"] = f"from calc import {f}\n\n\ndef test_{f}():\n    assert {f}(1) == {_apply(o, 1, v)}\n"
+    task = make_task(tid, issue, repo, {"tests/test_calc.py": "\n\n".join(tests)}, f2p, p2p, family=f"swe-{family}",
+                     patch=patch)
+    task.data["fixed"] = _module(good)
     return task
 
 
-def tiny_tasks(split: str, n: int, seed: int, families=("op", "const"), avoid=frozenset()) -> list[Task]:
+def tiny_tasks(split: str, n: int, seed: int, families=("op", "const"), n_funcs=(2, 2),
+               avoid=frozenset()) -> list[Task]:
     rng = np.random.default_rng([seed, 0 if split == "train" else 1])
     out, seen = [], set(avoid)
-    while len(out) < n:
-        t = tiny_task(f"{split}-{len(out)}", rng, families)
+    for _ in range(100 * n + 1000):
+        if len(out) == n:
+            return out
+        t = tiny_task(f"{split}-{len(out)}", rng, families, n_funcs)
         key = t.data["repo"]["calc.py"] + t.data["issue"]
-        if key in seen:
-            continue
-        seen.add(key)
-        out.append(t)
-    return out
+        if key not in seen:
+            seen.add(key)
+            out.append(t)
+    raise ValueError(f"swe env: only {len(out)} distinct {split} tasks of families {list(families)} and n_funcs "
+                     f"{list(n_funcs)} (asked for {n})")
 
 
 # ----------------------------------------------------------------------------- the episode
@@ -379,7 +388,8 @@ class SWEEnv:
     name = "swe"
 
     def __init__(self, tasks: str = "builtin", n_train: int = 256, n_eval: int = 64, seed: int = 0,
-                 families=("op", "const"), max_turns: int = 4, max_calls: int = 4, sandbox: dict | None = None,
+                 families=("op", "const"), n_funcs=2, max_turns: int = 4, max_calls: int = 4,
+                 sandbox: dict | None = None,
                  tools=("run", "python", "apply_patch"), show_files: int = 1, judge_wall_s: float = 30.0,
                  max_file_kb: int = 512, timeout_s: float = 0.0):
         unknown = set(tools) - {"run", "python", "apply_patch"}
@@ -387,6 +397,9 @@ class SWEEnv:
             raise ValueError(f"swe env: tools {sorted(unknown) or '[]'} (known: run, python, apply_patch)")
         if set(families) - {"op", "const"} or not families:
             raise ValueError(f"swe env: families {list(families)} (known: op, const)")
+        lo, hi = (n_funcs, n_funcs) if isinstance(n_funcs, int) else tuple(n_funcs)
+        if not 1 <= lo <= hi <= 3:
+            raise ValueError(f"swe env: n_funcs a count or a range [lo, hi] within 1..3, got {n_funcs!r}")
         if max_turns < 1 or max_calls < 1 or judge_wall_s <= 0:
             raise ValueError("swe env: max_turns, max_calls and judge_wall_s must be positive")
         self.spec = SandboxSpec.from_dict(sandbox, "swe env: sandbox")
@@ -394,9 +407,9 @@ class SWEEnv:
         self.show_files, self.judge_wall_s = int(show_files), float(judge_wall_s)
         self.max_file_kb, self.timeout_s = int(max_file_kb), float(timeout_s)
         if tasks == "builtin":
-            train = tiny_tasks("train", n_train, seed, tuple(families))
+            train = tiny_tasks("train", n_train, seed, tuple(families), (lo, hi))
             seen = {t.data["repo"]["calc.py"] + t.data["issue"] for t in train}
-            self._split = {"train": train, "eval": tiny_tasks("eval", n_eval, seed, tuple(families), seen)}
+            self._split = {"train": train, "eval": tiny_tasks("eval", n_eval, seed, tuple(families), (lo, hi), seen)}
         else:
             self._split = load_folder_tasks(tasks)
 

@@ -56,15 +56,15 @@ class SandboxSpec:
     python    the interpreter inside (local: this process's own; containers: python3 on the image's PATH)
     image     docker / kubernetes image (needs python3, coreutils `timeout` and util-linux `prlimit`: any
               Debian or Ubuntu based image)
-    runtime   docker `--runtime` (e.g. runsc for gVisor); kubernetes runtimeClassName ("auto": gvisor or runsc
-              when the cluster offers one)
+    runtime   docker `--runtime` (e.g. runsc for gVisor); kubernetes runtimeClassName; "auto" (the default):
+              gVisor (runsc / a gvisor RuntimeClass) when the engine or cluster offers it, else the default one
     """
     backend: str = "auto"
     limits: Limits = field(default_factory=Limits)
     packages: tuple = ()
     python: str = ""
     image: str = "python:3.11-slim"
-    runtime: str = ""
+    runtime: str = "auto"
     namespace: str = "default"  # kubernetes
     context: str = ""  # kubectl --context
     docker: str = "docker"  # the docker CLI (any docker-compatible one: podman)

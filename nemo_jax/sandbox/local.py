@@ -27,7 +27,6 @@ import subprocess
 import sys
 import sysconfig
 import threading
-import time
 
 from nemo_jax.sandbox.base import (Limits, Owner, Result, SandboxError, SandboxSpec, UidLease, folder_files,
                                    folder_get, folder_put, folder_size, kill_group, remove_tree, run_process)
@@ -485,14 +484,3 @@ def probe_bwrap(spec: SandboxSpec) -> str:
             except SandboxError as e:
                 _probed[key] = str(e)
         return _probed[key]
-
-
-def wait_gone(pid: int, timeout: float = 5.0) -> bool:
-    t = time.monotonic() + timeout
-    while time.monotonic() < t:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.02)
-    return False

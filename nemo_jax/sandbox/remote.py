@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import re
 import secrets
 import shutil
