@@ -302,3 +302,12 @@ def test_docker_engine_down_is_one_clear_error(fake_engine, monkeypatch, tmp_pat
     with pytest.raises(SandboxError, match="sandbox backend docker cannot start a container of python:3.11-slim: "
                                            "Cannot connect to the Docker daemon"):
         open_sandbox({"backend": "docker"})
+
+
+def test_cli_says_which_backends_work(capsys):
+    from nemo_jax.cli import main
+
+    main(["sandbox", "--backend", "rlimit,firejail", "--sweep"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("swept ") and out[1].startswith("rlimit: works (limits only")
+    assert out[2].startswith("firejail: cannot start: sandbox backend: 'firejail'")

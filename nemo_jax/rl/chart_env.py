@@ -155,7 +155,7 @@ class ChartEnv:
                  n_bars=(1, 3), max_turns: int = 3, max_calls: int = 2, tolerance: float = 0.05,
                  falloff: float = 0.5, sandbox: dict | None = None, tools=("python", "crop", "zoom"),
                  timeout_s: float = 0.0):
-        from nemo_jax.sandbox import SandboxSpec
+        from nemo_jax.sandbox import SandboxSpec, check
 
         if style not in ("bars", "plot"):
             raise ValueError(f"chart env: style {style!r} (known: bars, plot)")
@@ -169,6 +169,7 @@ class ChartEnv:
         spec.setdefault("packages", ["numpy", "pillow", "matplotlib"])
         spec.setdefault("limits", {"memory_mb": 1536})
         self.spec = SandboxSpec.from_dict(spec, "chart env: sandbox")
+        self.backend = check(self.spec)  # one clear error now, not a failed episode later
         self.style, self.size, self.n_bars = style, int(size), (lo, hi)
         self.max_turns, self.max_calls, self.tools = int(max_turns), int(max_calls), tuple(tools)
         self.tolerance, self.falloff, self.timeout_s = float(tolerance), float(falloff), float(timeout_s)

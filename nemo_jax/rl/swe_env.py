@@ -51,7 +51,7 @@ import numpy as np
 
 from nemo_jax.rl.code_tools import CodeEpisode, call
 from nemo_jax.rl.episode import Observation, Task
-from nemo_jax.sandbox import SandboxSpec, open_sandbox
+from nemo_jax.sandbox import SandboxSpec, check, open_sandbox
 
 PROTECTED = ("conftest.py", "pytest.ini", "pyproject.toml", "setup.cfg", "tox.ini", "noxfile.py", ".coveragerc",
              "setup.py", "sitecustomize.py", "usercustomize.py", "*.pth", "test_*.py", "*_test.py", "junit*.xml",
@@ -403,6 +403,7 @@ class SWEEnv:
         if max_turns < 1 or max_calls < 1 or judge_wall_s <= 0:
             raise ValueError("swe env: max_turns, max_calls and judge_wall_s must be positive")
         self.spec = SandboxSpec.from_dict(sandbox, "swe env: sandbox")
+        self.backend = check(self.spec)  # one clear error now, not a failed episode later
         self.tools, self.max_turns, self.max_calls = tuple(tools), int(max_turns), int(max_calls)
         self.show_files, self.judge_wall_s = int(show_files), float(judge_wall_s)
         self.max_file_kb, self.timeout_s = int(max_file_kb), float(timeout_s)

@@ -46,6 +46,61 @@ def resolve_backend(spec: SandboxSpec) -> str:
     return "bwrap"
 
 
+def check(spec: SandboxSpec) -> str:
+    """The backend `spec` resolves to, checked before any episode: bwrap and rlimit start a sandbox and run a command
+    (once per process), docker and kubernetes need their CLI on PATH. SandboxError names what is missing."""
+    import shutil
+
+    from nemo_jax.sandbox import local
+
+    backend = resolve_backend(spec)
+    if backend == "bwrap":
+        why = local.probe_bwrap(spec)
+        if why:
+            raise SandboxError(why)
+    elif backend == "rlimit":
+        local._tool("prlimit", "rlimit")
+    else:
+        exe = spec.docker if backend == "docker" else spec.kubectl
+        if not shutil.which(exe):
+            raise SandboxError(f"sandbox backend {backend}: the `{exe}` command is not on PATH (install it, or name "
+                               f"it in sandbox.{'docker' if backend == 'docker' else 'kubectl'})")
+    return backend
+
+
+def probe_backends(backends=None, sweep: bool = False) -> list[str]:
+    """One line per backend: does a sandbox start here and run `true` (its start-up cost), or why not; with `sweep`,
+    what dead runs left is removed first (local folders; containers / Pods of this machine's dead runs)."""
+    import shutil
+    import time
+
+    from nemo_jax.sandbox.base import Owner, sweep_local
+
+    if backends is None:
+        backends = ["bwrap", "rlimit"] + [b for b, exe in (("docker", "docker"), ("kubernetes", "kubectl"))
+                                          if shutil.which(exe)]
+    out = []
+    if sweep:
+        me = Owner.get()
+        gone = sweep_local(me.root, keep=me.name)
+        out.append(f"swept {len(gone)} folder{'s' if len(gone) != 1 else ''} of dead runs under {me.root}")
+    for b in backends:
+        try:
+            t0 = time.perf_counter()
+            with open_sandbox(SandboxSpec(backend=b), "probe") as sb:
+                t1 = time.perf_counter()
+                r = sb.run(["true"])
+            t2 = time.perf_counter()
+            if not r.ok:
+                raise SandboxError(f"sandbox backend {b}: `true` failed: {r.text()}")
+            note = " (limits only: no isolation, see docs/sandbox.md)" if b == "rlimit" else ""
+            out.append(f"{b}: works{note}; open {1000 * (t1 - t0):.0f} ms, a command {1000 * (t2 - t1):.0f} ms "
+                       "(close included)")
+        except (SandboxError, ValueError) as e:
+            out.append(f"{b}: cannot start: {e}")
+    return out
+
+
 def __getattr__(name):
     if name == "PythonSession":
         from nemo_jax.sandbox.python import PythonSession

@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 BACKENDS = ("auto", "bwrap", "rlimit", "docker", "kubernetes")
 
 
-class SandboxError(RuntimeError):
-    """A sandbox could not start or was misused; the message names the backend and what is missing."""
+class SandboxError(ValueError):
+    """A sandbox could not start or was misused; the message names the backend and what is missing (a
+    ValueError: the CLI prints it as one error line)."""
 
 
 @dataclass(frozen=True)

@@ -132,9 +132,10 @@ class ContainerSandbox:
         return run_process(self.cli_base() + args, stdin=stdin, wall_s=wall_s, output_bytes=64 << 20)
 
     def fail(self, what: str, r: Result):
-        why = (r.stderr or r.stdout).decode("utf-8", "replace").strip().splitlines()
+        lines = [ln.strip() for ln in (r.stderr or r.stdout).decode("utf-8", "replace").splitlines()]
+        why = [ln for ln in lines if ln and not ln.startswith("Run '")]  # (not docker's "Run 'docker run --help'")
         raise SandboxError(f"sandbox backend {self.backend} cannot {what}: "
-                           f"{why[-1] if why else ('timed out' if r.timed_out else f'exit code {r.rc}')}")
+                           f"{why[0] if why else ('timed out' if r.timed_out else f'exit code {r.rc}')}")
 
     # commands
     def run(self, argv: list[str], stdin: bytes | str | None = None, timeout: float | None = None,
