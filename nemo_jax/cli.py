@@ -1,5 +1,5 @@
 """`nemo-jax` command line: sft, grpo, eval, recipe, plan, generate, serve, rollout-worker, plot, import-hf,
-export-hf, merge, lora, data, forward.
+export-hf, merge, lora, data, forward, sandbox.
 
 Arguments and configs are checked before JAX is imported (a bad flag or setting fails in a fraction of a second)
 and every bad input is one line `nemo-jax CMD: error: ...` (exit 2). Any path naming a model may be a native
@@ -332,6 +332,13 @@ def cmd_serve(a):
     cli_serve(a, adapters)
 
 
+def cmd_sandbox(a):
+    from nemo_jax.sandbox import probe_backends
+
+    for line in probe_backends(a.backend.split(",") if a.backend else None, sweep=a.sweep):
+        print(line, flush=True)
+
+
 def cmd_rollout_worker(a):
     from nemo_jax.rl.worker import cli_worker
 
@@ -601,6 +608,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--overwrite", action="store_true", help="clear an earlier prepared output in OUT first (by "
                    "default its finished shards are reused)")
     t.set_defaults(fn=cmd_data_prepare)
+
+    s = sub.add_parser("sandbox", help="which sandbox backends work here (a command run in each, its start-up "
+                       "cost), and --sweep: remove what killed runs left (docs/sandbox.md)")
+    s.add_argument("--backend", default=None, help="comma-separated: bwrap, rlimit, docker, kubernetes (default: "
+                   "bwrap and rlimit, and docker / kubernetes when their CLI is on PATH)")
+    s.add_argument("--sweep", action="store_true", help="remove the sandboxes of dead runs (folders here; containers "
+                   "and Pods of this machine's dead runs on the engines named)")
+    s.set_defaults(fn=cmd_sandbox)
 
     s = sub.add_parser("forward", help="one forward pass (smoke test) on a model or a config JSON")
     s.add_argument("model", nargs="?", default=os.path.join(os.path.dirname(__file__), "assets", "models", "tiny.json"))

@@ -341,7 +341,7 @@ def test_constraints_pin_every_dependency_within_its_range():
     pinned = pins()
     problems = []
     for req in map(Requirement, project["dependencies"] + [r for e in ("test", "serve", "worker", "mcp", "plot",
-                                                                           "wandb") for r in extras[e]]):
+                                                                           "wandb", "sandbox") for r in extras[e]]):
         name = canonicalize_name(req.name)
         if name not in pinned:
             problems.append(f"{req} is not pinned")

@@ -10,6 +10,9 @@ Built in (`make_env(name, **args)`):
                 on information the agent looks up first; reward = share of checks passed minus violations
   mcp           multi-turn with the tools of an MCP server started per episode (nemo_jax.rl.mcp_env)
   gui           screenshots of generated windows and forms; click / type / key actions (nemo_jax.rl.gui_env)
+  swe           a repository, an issue, hidden tests; run / python / apply_patch in a sandbox (nemo_jax.rl.swe_env)
+  chart         a chart drawn with known values; a number to read off it with python / crop / zoom
+                (nemo_jax.rl.chart_env)
   jsonl:PATH    a user task set: one JSON object per line, {"id", "prompt" | "messages", "answer",
                 "verifier": "exact" | "regex" | "numeric", "tolerance" (numeric), "split" (train | eval)}
   pkg.mod:Class a user environment (either form), built with the config's `env_args`
@@ -26,19 +29,14 @@ import numpy as np
 
 from nemo_jax.data.chat import tool_calls
 from nemo_jax.rl.episode import (BUILTIN_ENVS, Environment, Episode, HistoryEnv, HistoryEpisode,  # noqa: F401
-                                 Observation, Score, SyncForm, Task, as_environment, env_forms)
+                                 Observation, Score, SyncForm, Task, as_environment, env_forms,
+                                 last_number)
 
 
 def last_assistant(history: list[dict]) -> str:
     return next((m["content"] for m in reversed(history) if m["role"] == "assistant"), "")
 
 
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
-
-
-def last_number(text: str) -> float | None:
-    found = _NUMBER.findall(text.replace(",", ""))
-    return float(found[-1]) if found else None
 
 
 class SingleTurn(HistoryEnv):

@@ -26,6 +26,7 @@ messages to append or None when the episode is over, and `score(task, history)` 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -34,7 +35,8 @@ from typing import Protocol
 # when one is made (`nemo_jax.rl.envs.make_env`); the CLI's help lists them from here.
 BUILTIN_ENVS = {"arithmetic": "nemo_jax.rl.envs:Arithmetic", "constraints": "nemo_jax.rl.envs:Constraints",
                 "inbox": "nemo_jax.rl.envs:Inbox", "mcp": "nemo_jax.rl.mcp_env:MCPEnv",
-                "gui": "nemo_jax.rl.gui_env:GUIEnv"}
+                "gui": "nemo_jax.rl.gui_env:GUIEnv", "swe": "nemo_jax.rl.swe_env:SWEEnv",
+                "chart": "nemo_jax.rl.chart_env:ChartEnv"}
 
 
 def env_forms(sep: str = " | ") -> str:
@@ -170,6 +172,15 @@ class SyncForm:
 
     def respond(self, task: Task, history: list[dict]):
         return self.env.respond(task, history)
+
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def last_number(text: str) -> float | None:
+    """The last number in a text (commas dropped), or None."""
+    found = _NUMBER.findall(text.replace(",", ""))
+    return float(found[-1]) if found else None
 
 
 def as_environment(env) -> Environment:

@@ -324,6 +324,7 @@ class GRPORunner:
         c, r = self.c, self.c.rollout
         t0 = time.perf_counter()
         busy0 = producer.busy_s if producer is not None else 0.0
+        env0 = producer.driver.calls.busy_s if producer is not None and producer.driver else 0.0
         version = self.client.version
         groups, seen, waited = [], [], 0.0
         # groups whose rewards are all equal carry no signal: counted, skipped and replaced by more groups, up to
@@ -389,6 +390,9 @@ class GRPORunner:
                     "policy_version": self.client.version})
         if producer is not None:
             rec["producer_busy_s"] = producer.busy_s - busy0
+            if producer.driver is not None:  # the environment's calls (sandboxes, tools, judges) during the step
+                rec["env_s"] = producer.driver.calls.busy_s - env0
+                rec["env_frac"] = rec["env_s"] / max(dt, 1e-9)
         if self.spool is not None:
             rec.update({f"spool_rejected/{k}": v for k, v in self.spool.rejected.items()})
             rec.update({k: v for k, v in self.board.counts.items() if k != "requests_posted"})

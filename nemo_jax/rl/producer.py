@@ -172,6 +172,11 @@ class EnvCalls:
         self._said_bound = False
         self._loop = None
         self._lock = threading.Lock()
+        self.busy_s = 0.0  # seconds spent inside environment calls, summed over calls (the `env_s` metric)
+
+    def _spent(self, t0: float):
+        with self._lock:
+            self.busy_s += time.perf_counter() - t0
 
     def loop(self) -> asyncio.AbstractEventLoop:
         with self._lock:
@@ -181,14 +186,25 @@ class EnvCalls:
             return self._loop
 
     def _sync(self, fn, args):
-        out = fn(*args)
-        if inspect.isawaitable(out):  # a plain function that returned a coroutine
-            out = asyncio.run_coroutine_threadsafe(_awaited(out), self.loop()).result()
-        return out
+        t0 = time.perf_counter()
+        try:
+            out = fn(*args)
+            if inspect.isawaitable(out):  # a plain function that returned a coroutine
+                out = asyncio.run_coroutine_threadsafe(_awaited(out), self.loop()).result()
+            return out
+        finally:
+            self._spent(t0)
+
+    async def _timed(self, coro):
+        t0 = time.perf_counter()
+        try:
+            return await coro
+        finally:
+            self._spent(t0)
 
     def call(self, token, fn, *args) -> Future:
         if inspect.iscoroutinefunction(fn):
-            fut = asyncio.run_coroutine_threadsafe(fn(*args), self.loop())
+            fut = asyncio.run_coroutine_threadsafe(self._timed(fn(*args)), self.loop())
         else:
             fut = self.pool.submit(self._sync, fn, args)
         fut.add_done_callback(lambda f: self.done.put((token, f)))
