@@ -80,6 +80,9 @@ class SamplingParams:
 
 _I32 = 2 ** 31
 MAX_STOP_BYTES = 256  # the longest stop string the Engine matches in its decode step
+TOP_LOGPROBS = 20  # the Engine's step with extras returns this many alternatives (more when a row asks for more)
+# the least widths of the Engine's per-row arrays (rounded up to powers of two beyond): few compiled shapes
+MIN_WIDTHS = {"stops": 8, "bias": 16, "stop_strings": 4, "stop_bytes": 32, "prompt": 256}
 
 
 @dataclass
@@ -141,16 +144,23 @@ def row_sampling_logprobs(logits: jax.Array, temperature: jax.Array, top_k: jax.
                           k_max: int = 0, nucleus: bool = False) -> jax.Array:
     """`sampling_logprobs` with per-row parameters: logits [b, V], temperature / top_k / top_p [b] (a row with
     temperature 0 is greedy: its distribution is the untempered one, as `sample_token` gives). Static `k_max` >=
-    every row's top_k (0: no row truncates to its top k) and `nucleus` (some row has top_p < 1) leave the
-    truncations out of the compiled step when no row asks for them."""
+    every row's top_k (0: no row truncates to its top k; >= V: any top k, read off the sort the nucleus uses) and
+    `nucleus` (some row has top_p < 1) leave the truncations out of the compiled step when no row asks for them."""
     t = jnp.where(temperature > 0, temperature, 1.0).astype(jnp.float32)
     x = logits.astype(jnp.float32) / t[:, None]
-    if k_max:
-        kth = jnp.take_along_axis(jax.lax.top_k(x, k_max)[0], jnp.clip(top_k - 1, 0, k_max - 1)[:, None], axis=-1)
-        x = jnp.where((top_k[:, None] > 0) & (x < kth), -jnp.inf, x)
-    if nucleus:
+    V = x.shape[-1]
+    order = sorted_x = None
+    if nucleus or k_max >= V:  # one sort serves both truncations (k_max >= V: any row's top k, read off it)
         order = jnp.argsort(-x, axis=-1)
         sorted_x = jnp.take_along_axis(x, order, axis=-1)
+    if k_max:
+        top = sorted_x if k_max >= V else jax.lax.top_k(x, k_max)[0]
+        kth = jnp.take_along_axis(top, jnp.clip(top_k - 1, 0, min(k_max, V) - 1)[:, None], axis=-1)
+        cut = (top_k[:, None] > 0)
+        x = jnp.where(cut & (x < kth), -jnp.inf, x)
+        if sorted_x is not None:  # (the same order: the cut entries are the sorted tail)
+            sorted_x = jnp.where(cut & (sorted_x < kth), -jnp.inf, sorted_x)
+    if nucleus:
         p = jax.nn.softmax(sorted_x, axis=-1)
         before = jnp.cumsum(p, axis=-1) - p  # mass strictly before each token
         keep_sorted = (before < top_p[:, None]) | (top_p[:, None] >= 1.0)
@@ -532,8 +542,7 @@ def chunk_images(v, rows_pics: list[list]) -> dict | None:
     return {k: np.stack([x[k] for x in rows]) for k in rows[0]}
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "opts", "how", "mesh"), donate_argnames=("state", "hist"))
-def _decode_rows(params, logits, state, done, budget, rows, hist, tables, cfg, opts, how, mesh=None):
+def _decode_one(params, logits, state, done, budget, rows, hist, tables, cfg, opts, how, mesh=None):
     """One step over every row with per-row sampling parameters `rows` (temperature, top_k, top_p [b], stops [b, S]
     (-1 pads), key [b, 2] key data, count [b] tokens the row's sequence has drawn, and what `how` asks for: see
     `sample_step`): sample, append for the rows still going; a row is done after a stop token or stop string, or
@@ -550,6 +559,36 @@ def _decode_rows(params, logits, state, done, budget, rows, hist, tables, cfg, o
     count = rows["count"] + active.astype(jnp.int32)
     return (tok, lp, active, stop & active, new_logits[:, 0], _keep_sharded(state, cfg, mesh), done | stop | (budget <= 0),
             budget, count, hist, top)
+
+
+# the reference: one decode step per dispatch (the Engine's `fused=False`)
+_decode_rows = jax.jit(_decode_one, static_argnames=("cfg", "opts", "how", "mesh"), donate_argnames=("state", "hist"))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "opts", "how", "mesh", "steps"), donate_argnames=("state", "hist"))
+def _decode_steps(params, logits, state, done, budget, rows, hist, tables, cfg, opts, how, mesh=None, steps=1):
+    """Up to `steps` steps of `_decode_one` in one dispatch (a device loop; stops, budgets and the rows' counts
+    stay on the device), ending early once every row is done. -> (stacked per step: token, logprob, active,
+    stopped [steps, b] and top (ids, logprobs) [steps, b, top_n] or None; steps past the end are inactive;
+    logits, state, done, budget, count, hist as after the last step)."""
+    b = done.shape[0]
+    outs = (jnp.zeros((steps, b), jnp.int32), jnp.zeros((steps, b), jnp.float32), jnp.zeros((steps, b), bool),
+            jnp.zeros((steps, b), bool))
+    if how.top_n:
+        outs += (jnp.zeros((steps, b, how.top_n), jnp.int32), jnp.zeros((steps, b, how.top_n), jnp.float32))
+
+    def body(c):
+        i, logits, state, done, budget, count, hist, outs = c
+        tok, lp, act, hit, logits, state, done, budget, count, hist, top = _decode_one(
+            params, logits, state, done, budget, dict(rows, count=count), hist, tables, cfg, opts, how, mesh)
+        outs = tuple(o.at[i].set(x) for o, x in zip(outs, (tok, lp, act, hit) + (tuple(top) if top else ())))
+        return i + 1, logits, state, done, budget, count, hist, outs
+
+    c = (jnp.zeros((), jnp.int32), logits, state, done, budget, rows["count"], hist, outs)
+    _, logits, state, done, budget, count, hist, outs = jax.lax.while_loop(
+        lambda c: (c[0] < steps) & jnp.any(~c[3]), body, c)
+    top = (outs[4], outs[5]) if how.top_n else None
+    return outs[:4] + (top,), logits, state, done, budget, count, hist
 
 
 @functools.partial(jax.jit, donate_argnames=("hist",))
@@ -639,7 +678,7 @@ class Engine:
     """
 
     def __init__(self, params, cfg, *, batch: int, max_len: int, opts: M.Options = M.Options(), adapters=None,
-                 bucket: int = 32, check_every: int = 4, key=None, token_bytes=None):
+                 bucket: int = 32, check_every: int = 4, key=None, token_bytes=None, fused: bool = True):
         import threading
         from collections import deque
 
@@ -648,6 +687,7 @@ class Engine:
                              f"{max_len}, {bucket}, {check_every})")
         self.params, self.cfg, self.opts = params, cfg, opts
         self.batch, self.max_len, self.bucket, self.check_every = batch, max_len, bucket, check_every
+        self.fused = fused  # check_every decode steps per dispatch (False: one per dispatch, the reference)
         self._p = attach(params, adapters)
         self.version = 0
         self.mesh = _mesh_of(self._p)
@@ -894,7 +934,7 @@ class Engine:
         b, V = self.batch, self.cfg.vocab_size
         live = {r: self._seqs_row(r) for r in sorted(self._decoding)}
         sps = [s.sp for s in live.values()]
-        S = _pow2(max([len(sp.stop_token_ids) for sp in sps] + [1]))
+        S = _pow2(max([len(sp.stop_token_ids) for sp in sps] + [MIN_WIDTHS["stops"]]))
         temp, top_k, top_p = np.zeros(b, np.float32), np.zeros(b, np.int32), np.ones(b, np.float32)
         stops, count = np.full((b, S), -1, np.int32), np.zeros(b, np.int32)
         key = np.zeros((b,) + next(iter(live.values())).key.shape if live else (b, 2), np.uint32)
@@ -904,16 +944,10 @@ class Engine:
                 temp[r], top_k[r], top_p[r] = sp.temperature, sp.top_k, sp.top_p
             stops[r, :len(sp.stop_token_ids)] = sp.stop_token_ids
             key[r], count[r] = s.key, s.sampled
-        k = int(top_k.max()) if b else 0
-        how = RowSampling(
-            k_max=min(_pow2(k), V) if k else 0, nucleus=bool((top_p < 1).any()),
-            adjust=any(sp.presence_penalty or sp.frequency_penalty or sp.repetition_penalty != 1.0 or sp.logit_bias
-                       or sp.min_tokens for sp in sps),
-            top_n=min(_pow2(max(sp.top_logprobs for sp in sps)), V) if any(sp.top_logprobs for sp in sps) else 0,
-            stop_strings=any(sp.stop for sp in sps))
+        how = self.row_sampling(sps)
         rows = dict(temperature=temp, top_k=top_k, top_p=top_p, stops=stops, key=key, count=count)
         if how.adjust:
-            B = _pow2(max(len(sp.logit_bias) for sp in sps) or 1)
+            B = _pow2(max([len(sp.logit_bias) for sp in sps] + [MIN_WIDTHS["bias"]]))
             ids, bias = np.full((b, B), V, np.int32), np.zeros((b, B), np.float32)
             for r, s in live.items():
                 for j, (t, x) in enumerate(s.sp.logit_bias):
@@ -927,7 +961,8 @@ class Engine:
                                          "repetition") for r in range(b)], np.float32)
         if how.stop_strings:
             enc = {r: [x.encode() for x in s.sp.stop] for r, s in live.items()}
-            n, W = _pow2(max(len(x) for x in enc.values())), _pow2(max(len(y) for x in enc.values() for y in x))
+            n = _pow2(max([len(x) for x in enc.values()] + [MIN_WIDTHS["stop_strings"]]))
+            W = _pow2(max([len(y) for x in enc.values() for y in x] + [MIN_WIDTHS["stop_bytes"]]))
             sb, sl = np.full((b, n, W), -1, np.int32), np.zeros((b, n), np.int32)
             for r, xs in enc.items():
                 for j, x in enumerate(xs):
@@ -949,13 +984,26 @@ class Engine:
         if self._hist and started:
             pen = [r for r in started if live[r].sp.presence_penalty or live[r].sp.frequency_penalty
                    or live[r].sp.repetition_penalty != 1.0]
-            P = _pow2(max([len(live[r].held) for r in pen] + [1]))
+            P = _pow2(max([len(live[r].held) for r in pen] + [MIN_WIDTHS["prompt"]]))
             prompt = np.full((b, P), V, np.int32)
             for r in pen:
                 prompt[r, :len(live[r].held)] = live[r].held
             reset = np.isin(np.arange(b), started)
             self._hist = _reset_hist(self._hist, _rows_on(jnp.asarray(reset), self.mesh),
                                      _rows_on(jnp.asarray(prompt), self.mesh))
+
+    def row_sampling(self, sps) -> RowSampling:
+        """The decode step's static variant for rows sampling with `sps`: the plain step when every row samples
+        with temperature (or greedily) alone, else one step that serves every extra for any row (top-k and top-p
+        from one sort, penalties, logit_bias, min_tokens, stop strings, TOP_LOGPROBS alternatives), so that a
+        server compiles two decode steps, not one per combination of what its requests ask for."""
+        sps = list(sps)
+        if not any(sp.processed or (sp.temperature > 0 and (sp.top_k or sp.top_p < 1)) for sp in sps):
+            return RowSampling()
+        V = self.cfg.vocab_size
+        top = max([sp.top_logprobs for sp in sps] + [TOP_LOGPROBS])
+        return RowSampling(k_max=V, nucleus=True, adjust=True, top_n=min(_pow2(top), V),
+                           stop_strings=self._token_bytes is not None)
 
     def _stop_string(self, s: _Seq) -> str | None:
         """The stop string a turn that ended on a stop-string hit ends with (the one completed earliest)."""
@@ -978,19 +1026,28 @@ class Engine:
             return []
         with self._lock:
             p, version = self._p, self.version
-        steps, tops = [], []
         how = self._static
-        for _ in range(self.check_every):
-            tok, lp, act, hit, self._logits, self.state, self._done, self._budget, count, self._hist, top = \
-                _decode_rows(p, self._logits, self.state, self._done, self._budget, self._rowp, self._hist,
-                             self._tables, self.cfg, self.opts, how, self.mesh)
+        if self.fused:  # check_every steps in one dispatch, stops checked on the device
+            (T, L, A, H, top), self._logits, self.state, self._done, self._budget, count, self._hist = \
+                _decode_steps(p, self._logits, self.state, self._done, self._budget, self._rowp, self._hist,
+                              self._tables, self.cfg, self.opts, how, self.mesh, self.check_every)
             self._rowp = dict(self._rowp, count=count)
-            steps.append((tok, lp, act, hit))
-            tops.append(top)
-            self.decode_steps += 1
-        T, L, A, H = (np.asarray(jnp.stack(x, 0)) for x in zip(*steps))
+            T, L, A, H, top = jax.device_get((T, L, A, H, top))
+            self.decode_steps += int(A.any(axis=1).sum())
+        else:  # the reference: a dispatch per step
+            steps, tops = [], []
+            for _ in range(self.check_every):
+                tok, lp, act, hit, self._logits, self.state, self._done, self._budget, count, self._hist, top = \
+                    _decode_rows(p, self._logits, self.state, self._done, self._budget, self._rowp, self._hist,
+                                 self._tables, self.cfg, self.opts, how, self.mesh)
+                self._rowp = dict(self._rowp, count=count)
+                steps.append((tok, lp, act, hit))
+                tops.append(top)
+                self.decode_steps += 1
+            T, L, A, H = (np.asarray(jnp.stack(x, 0)) for x in zip(*steps))
+            top = tuple(np.asarray(jnp.stack(x, 0)) for x in zip(*tops)) if how.top_n else None
         if how.top_n:
-            TI, TV = (np.asarray(jnp.stack(x, 0)) for x in zip(*tops))
+            TI, TV = top
         D = np.asarray(self._done)
         self._pos += A.sum(0)
         self.tokens_sampled += int(A.sum())
