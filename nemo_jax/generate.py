@@ -636,6 +636,21 @@ def _append_rows(params, tokens, valid, state, rows, cfg, opts, mesh=None, image
 
 
 @jax.jit
+def _set_rows(logits, rows, sub):
+    """logits [b, V] with rows `rows` [k] set to sub [k, V]."""
+    return logits.at[rows].set(sub)
+
+
+def _left_pad_host(rows: list[list[int]], n: int) -> tuple[np.ndarray, np.ndarray]:
+    """`left_pad` on the host (numpy: slicing its pieces compiles nothing)."""
+    toks, valid = np.zeros((len(rows), n), np.int32), np.zeros((len(rows), n), bool)
+    for i, r in enumerate(rows):
+        if r:
+            toks[i, n - len(r):], valid[i, n - len(r):] = r, True
+    return toks, valid
+
+
+@jax.jit
 def _merge_fed(fed, new_logits, logits, done, budget, max_new, stopped):
     """Rows `fed` just had tokens appended: their logits are the new ones, they decode again with a budget of
     `max_new` [b]; rows `stopped` (released mid-turn) decode nothing."""
@@ -901,21 +916,29 @@ class Engine:
             toks = [chunk[r].new if r in chunk else [] for r in rows]
             v = self.cfg.vision
             images = None if v is None else chunk_images(v, [chunk[r].new_pics if r in chunk else [] for r in rows])
+            # prefilled `bucket` tokens at a time (one compiled prefill per row count, whatever the prompts'
+            # lengths; a row whose tokens start in a later piece appends nothing before it); pictures in one piece
+            t, valid = _left_pad_host(toks, width)
+            step = width if images is not None else self.bucket
+            if images is not None:
+                check_images(images, self.cfg)
+                images = {n: _rows_on(jnp.asarray(x), mesh) for n, x in images.items()}
+            on = lambda x: _rows_on(jnp.asarray(x), mesh)  # noqa: E731
             if k < b:  # + rows appending nothing (their state comes back unchanged)
-                t, valid = left_pad(toks, 0, width)
-                if images is not None:
-                    check_images(images, self.cfg)
-                    images = {n: _rows_on(jnp.asarray(x), mesh) for n, x in images.items()}
-                sub, self.state = _append_rows(p, _rows_on(t, mesh), _rows_on(valid, mesh), self.state,
-                                               jnp.asarray(rows, jnp.int32), self.cfg, self.opts, mesh, images)
-                new_logits = self._logits.at[jnp.asarray(rows, jnp.int32)].set(sub)
+                ridx = jnp.asarray(rows, jnp.int32)
+                for j in range(0, width, step):
+                    sub, self.state = _append_rows(p, on(t[:, j:j + step]), on(valid[:, j:j + step]), self.state,
+                                                   ridx, self.cfg, self.opts, mesh, images)
+                new_logits = _set_rows(self._logits, ridx, sub)
             else:
-                new_logits, self.state = _run_chunk(p, toks, self.state, self.cfg, self.opts, None, 0, width, images)
+                for j in range(0, width, step):
+                    new_logits, self.state = _append(p, on(t[:, j:j + step]), on(valid[:, j:j + step]), self.state,
+                                                     self.cfg, self.opts, mesh, images)
             for r, s in chunk.items():
+                self._pos[r] += width if images is not None else rnd(len(s.new))  # (the pieces it had tokens in)
                 s.held, s.pics = s.held + s.new, s.pics + s.new_pics
                 s.new, s.new_pics = None, []
                 s.turn_t, s.turn_l, s.turn_v, s.turn_top, s.turn_stop = [], [], {version}, [], False
-                self._pos[r] += width
                 self._decoding.add(r)
         max_new = np.zeros(b, np.int32)
         for r, s in chunk.items():
