@@ -31,6 +31,7 @@ import asyncio
 import datetime
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -117,13 +118,16 @@ class Server:
         print(f"[{name}] ready in {self.start_s:.0f} s (pid {self.proc.pid})", flush=True)
 
     def stop(self) -> None:
+        """SIGTERM to the server's process group (vLLM's engine core too), SIGKILL after 60 s."""
         if self.proc.poll() is None:
-            self.proc.terminate()
             try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
                 self.proc.wait(60)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+            except ProcessLookupError:
+                pass
 
 
 def start_vllm(a, hf: str, lora: str | None, logdir: str) -> Server:
@@ -215,6 +219,7 @@ def main():
     ap.add_argument("--logs", default=None, help="keep the servers' logs here (default: a temporary dir)")
     ap.add_argument("--json", default=None, help="write the measurements here")
     a = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # (the servers are stopped on the way out)
     if not os.path.exists(os.path.join(a.vllm_venv, "bin", "python")):
         sys.exit(f"bench/serve_vs_vllm.py: no vLLM venv at {a.vllm_venv} (python tools/vllm_cpu.py venv --venv DIR)")
     levels = [1, a.concurrency]

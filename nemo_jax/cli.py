@@ -464,6 +464,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "cancelled with a 503 (0: no limit)")
     s.add_argument("--shutdown-timeout", type=float, default=30.0, help="on SIGTERM: seconds running requests may "
                    "take to finish before they are cancelled (then the server exits 0)")
+    s.add_argument("--no-warmup", action="store_true", help="say ready without compiling every row count and "
+                   "sampling variant first (tests; the first requests then wait on compiles)")
+    s.add_argument("--compilation-cache", default=None, metavar="DIR", help="persistent compilation cache (default: "
+                   "$NEMO_JAX_COMPILATION_CACHE, else ~/.cache/nemo_jax/xla; 'off': none): a restart loads its "
+                   "programs")
     s.set_defaults(fn=cmd_serve)
 
     s = sub.add_parser("rollout-worker", help="sample a GRPO run's requested groups (rollout.spool=true) on an "

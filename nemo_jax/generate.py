@@ -1050,25 +1050,30 @@ class Engine:
         with self._lock:
             p, version = self._p, self.version
         how = self._static
+        # the running arrays and byte table go in only where the variant reads them (one program per variant)
+        extras = how.adjust or how.stop_strings
+        hist, tables = (self._hist, self._tables) if extras else ({}, {})
         if self.fused:  # check_every steps in one dispatch, stops checked on the device
-            (T, L, A, H, top), self._logits, self.state, self._done, self._budget, count, self._hist = \
-                _decode_steps(p, self._logits, self.state, self._done, self._budget, self._rowp, self._hist,
-                              self._tables, self.cfg, self.opts, how, self.mesh, self.check_every)
+            (T, L, A, H, top), self._logits, self.state, self._done, self._budget, count, hist = \
+                _decode_steps(p, self._logits, self.state, self._done, self._budget, self._rowp, hist, tables,
+                              self.cfg, self.opts, how, self.mesh, self.check_every)
             self._rowp = dict(self._rowp, count=count)
             T, L, A, H, top = jax.device_get((T, L, A, H, top))
             self.decode_steps += int(A.any(axis=1).sum())
         else:  # the reference: a dispatch per step
             steps, tops = [], []
             for _ in range(self.check_every):
-                tok, lp, act, hit, self._logits, self.state, self._done, self._budget, count, self._hist, top = \
-                    _decode_rows(p, self._logits, self.state, self._done, self._budget, self._rowp, self._hist,
-                                 self._tables, self.cfg, self.opts, how, self.mesh)
+                tok, lp, act, hit, self._logits, self.state, self._done, self._budget, count, hist, top = \
+                    _decode_rows(p, self._logits, self.state, self._done, self._budget, self._rowp, hist, tables,
+                                 self.cfg, self.opts, how, self.mesh)
                 self._rowp = dict(self._rowp, count=count)
                 steps.append((tok, lp, act, hit))
                 tops.append(top)
                 self.decode_steps += 1
             T, L, A, H = (np.asarray(jnp.stack(x, 0)) for x in zip(*steps))
             top = tuple(np.asarray(jnp.stack(x, 0)) for x in zip(*tops)) if how.top_n else None
+        if extras:
+            self._hist = hist
         if how.top_n:
             TI, TV = top
         D = np.asarray(self._done)

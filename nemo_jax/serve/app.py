@@ -71,6 +71,7 @@ class ServerState:
         longest = max((len(b) for b in vocab_bytes), default=1) if vocab_bytes else 64
         self.max_prompt_bytes = max_len * max(longest, 1) + 4096  # more text than this cannot fit max_len tokens
         self.started = time.time()
+        self.compiles = None  # a warmup.CompileCounter from ready on (serve): compiles on a request's path
 
     def _fatal(self, e: BaseException) -> None:
         self.fatal = e
@@ -426,7 +427,10 @@ class ServerState:
             "num_requests_running": ("sequences in decode rows (sampling or about to)", c["running"]),
             "num_requests_waiting": ("sequences waiting for a decode row or an adapter switch", c["waiting"]),
             "lora_adapters_loaded": ("adapters loaded by name", len(self.adapters)),
-            "engine_alive": ("1 while the engine runs", int(self.scheduler.alive))})
+            "engine_alive": ("1 while the engine runs", int(self.scheduler.alive)),
+            "compiles_since_ready": ("XLA programs compiled since the server said ready (a request met a shape or "
+                                     "adapter structure the warm-up did not compile)",
+                                     self.compiles.compiled if self.compiles is not None else 0)})
 
 
 class _ClientGone(Exception):
@@ -663,8 +667,11 @@ def cli_serve(a, adapters: dict[str, str]) -> None:
 
     from nemo_jax.config.train import cast_dtype
     from nemo_jax.data.chat import ChatTokenizer
-    from nemo_jax.generate import Engine, SamplingParams, load_for_generation
+    from nemo_jax.generate import Engine, load_for_generation
+    from nemo_jax.serve.warmup import cache_dir, compilation_cache
 
+    cache = cache_dir(a.compilation_cache)
+    compilation_cache(cache)  # (before the first compile)
     mesh = None
     if a.mesh:
         from nemo_jax.parallel.mesh import make_mesh, read_mesh_sizes
@@ -686,11 +693,15 @@ def cli_serve(a, adapters: dict[str, str]) -> None:
             state.load_adapter(n, path)
         except APIError as e:
             raise ValueError(f"--adapters {n}={path}: {e}") from None
-    # compile the common path once before the first request (a one-token greedy prompt)
-    done = threading.Event()
-    state.scheduler.submit(Job(Prompt([0], [], [SamplingParams(max_new_tokens=1, temperature=0.0)]), None,
-                               lambda r: done.set()))
-    done.wait()
+    if not a.no_warmup:  # every program a request can run, compiled (or loaded from the cache) before ready
+        from nemo_jax.serve.warmup import warm_up
+
+        w = warm_up(engine, [ad.tree for ad in state.adapters.values()])
+        print(f"nemo-jax serve: warm-up done in {w.seconds:.1f} s ({w.compiled} programs compiled, {w.loaded} loaded "
+              f"from the compilation cache{' at ' + cache if cache else ': off'})", flush=True)
+    from nemo_jax.serve.warmup import CompileCounter
+
+    state.compiles = CompileCounter().__enter__()  # (for the server's life)
     app = make_app(state, api_key=a.api_key, max_body=int(a.max_request_mb * 2 ** 20))
     gates = [f"API key {'on' if a.api_key else 'off'}",
              f"runtime adapters {'under ' + ', '.join(a.adapter_root) if state.adapter_roots is not None else 'off'}"]
