@@ -26,7 +26,8 @@ import numpy as np
 
 from nemo_jax.lora import attach
 from nemo_jax.model import model as M
-from nemo_jax.model.cache import DecodeState, init_decode_state, state_shardings
+from nemo_jax.model.cache import (DecodeState, init_decode_state, state_shardings, unstack_shardings,
+                                  unstack_state)
 from nemo_jax.model.vision import check_images
 from nemo_jax.model.mamba2 import MambaState
 
@@ -303,18 +304,29 @@ def _mesh_of(tree):
 
 
 def _keep_sharded(state: DecodeState, cfg, mesh) -> DecodeState:
-    """Constrain a state (inside jit) to its `state_shardings`, so the donated buffers are reused in place."""
+    """Constrain a state (inside jit) to its `state_shardings` (held per layer: `unstack_shardings`), so the donated
+    buffers are reused in place."""
     if mesh is None:
         return state
+    per_layer = state.row_axis == 0
+    kv = state.kv[0] if per_layer and state.kv else state.kv
     sh = state_shardings(cfg, state.valid.shape[0], state.valid.shape[1], mesh,
-                         dtype=state.kv.k.dtype if state.kv is not None else jnp.float32)
-    return jax.lax.with_sharding_constraint(state, sh)
+                         dtype=kv.k.dtype if kv is not None else jnp.float32)
+    return jax.lax.with_sharding_constraint(state, unstack_shardings(sh, cfg) if per_layer else sh)
+
+
+def _committed(tree):
+    """`tree`'s arrays committed to the default device. A jitted function's outputs are committed and its compiled
+    programs are keyed by their arguments' placement: the Engine commits what it makes too, so that a first call
+    (made arrays) and the later ones (outputs) share one compiled program."""
+    return jax.device_put(tree, jax.config.jax_default_device or jax.devices()[0])
 
 
 def _rows_on(x, mesh):
-    """Put a [b, ...] host array on `mesh` with its rows over the batch axes (or as is without a mesh)."""
+    """Put a [b, ...] host array on `mesh` with its rows over the batch axes (without a mesh: committed to the
+    default device, see `_committed`)."""
     if mesh is None:
-        return x
+        return _committed(x)
     from nemo_jax.parallel.rules import Rules
 
     return jax.device_put(x, Rules().sharding(mesh, ("batch",) + (None,) * (x.ndim - 1), x.shape))
@@ -577,12 +589,16 @@ def _decode_steps(params, logits, state, done, budget, rows, hist, tables, cfg, 
     if how.top_n:
         outs += (jnp.zeros((steps, b, how.top_n), jnp.int32), jnp.zeros((steps, b, how.top_n), jnp.float32))
 
-    def body(c):
-        i, logits, state, done, budget, count, hist, outs = c
+    def step(i, c):
+        logits, state, done, budget, count, hist, outs = c
         tok, lp, act, hit, logits, state, done, budget, count, hist, top = _decode_one(
             params, logits, state, done, budget, dict(rows, count=count), hist, tables, cfg, opts, how, mesh)
         outs = tuple(o.at[i].set(x) for o, x in zip(outs, (tok, lp, act, hit) + (tuple(top) if top else ())))
-        return i + 1, logits, state, done, budget, count, hist, outs
+        return logits, state, done, budget, count, hist, outs
+
+    def body(c):
+        i, *rest = c
+        return (i + 1,) + step(i, rest)
 
     c = (jnp.zeros((), jnp.int32), logits, state, done, budget, rows["count"], hist, outs)
     _, logits, state, done, budget, count, hist, outs = jax.lax.while_loop(
@@ -610,12 +626,10 @@ def _reset_hist(hist, reset, prompt):
 def _empty_rows(state, rows, cfg, mesh=None):
     """Forget rows [b] (bool) of a state: zero Mamba conv/SSM state, no valid KV slot, position 0 (a new
     sequence starts there)."""
-    keep = ~rows
-    mamba = state.mamba
-    if mamba is not None:
-        mamba = MambaState(mamba.conv * keep[None, :, None, None].astype(mamba.conv.dtype),
-                           mamba.ssm * keep[None, :, None, None, None].astype(mamba.ssm.dtype))
-    return _keep_sharded(state._replace(mamba=mamba, valid=state.valid & keep[:, None],
+    ax = state.row_axis
+    mask = lambda x: x * (~rows).reshape((1,) * ax + (-1,) + (1,) * (x.ndim - ax - 1)).astype(x.dtype)  # noqa: E731
+    mamba = None if state.mamba is None else jax.tree.map(mask, state.mamba)
+    return _keep_sharded(state._replace(mamba=mamba, valid=state.valid & ~rows[:, None],
                                         pos=jnp.where(rows, 0, state.pos)), cfg, mesh)
 
 
@@ -624,15 +638,24 @@ def _append_rows(params, tokens, valid, state, rows, cfg, opts, mesh=None, image
     """Append a chunk [k, n] (with its per-row `images`, or None) to rows `rows` [k] of a [b]-row state only: their
     state is gathered, run and scattered back, so refilling one row costs one row's prefill, not the batch's.
     -> (logits [k, V], state)."""
-    # Mamba conv/SSM and KV leaves hold rows on axis 1 ([layers, b, ...]), `valid` on axis 0
-    take = lambda x: jnp.take(x, rows, axis=1)  # noqa: E731
+    # Mamba conv/SSM and KV leaves hold rows on axis 1 ([layers, b, ...]; held per layer: axis 0), `valid` on 0
+    ax = state.row_axis
+    take = lambda x: jnp.take(x, rows, axis=ax)  # noqa: E731
     sub = state._replace(mamba=jax.tree.map(take, state.mamba), kv=jax.tree.map(take, state.kv),
                          valid=jnp.take(state.valid, rows, axis=0), pos=jnp.take(state.pos, rows))
     logits, sub = M.forward_cached(params, tokens, valid, sub, cfg, opts=opts, positions="last", images=images)
-    put = lambda x, y: x.at[:, rows].set(y)  # noqa: E731
+    put = lambda x, y: x.at[(slice(None),) * ax + (rows,)].set(y)  # noqa: E731
     state = state._replace(mamba=jax.tree.map(put, state.mamba, sub.mamba), kv=jax.tree.map(put, state.kv, sub.kv),
                            valid=state.valid.at[rows].set(sub.valid), pos=state.pos.at[rows].set(sub.pos))
     return logits[:, 0], _keep_sharded(state, cfg, mesh)
+
+
+_unstack = jax.jit(M.unstack_layers)  # (one compiled program per tree structure, not one per layer and leaf)
+
+
+def _unstacked(adapters):
+    """An adapter tree with its layers held one by one, as the Engine holds the params (`unstack_layers`)."""
+    return _unstack(adapters) if adapters and "layers" in adapters else adapters
 
 
 @jax.jit
@@ -700,12 +723,17 @@ class Engine:
         if batch < 1 or max_len < 2 or bucket < 1 or check_every < 1:
             raise ValueError(f"engine: batch >= 1, max_len >= 2, bucket >= 1, check_every >= 1 (got {batch}, "
                              f"{max_len}, {bucket}, {check_every})")
-        self.params, self.cfg, self.opts = params, cfg, opts
+        self.cfg, self.opts = cfg, opts
         self.batch, self.max_len, self.bucket, self.check_every = batch, max_len, bucket, check_every
         self.fused = fused  # check_every decode steps per dispatch (False: one per dispatch, the reference)
-        self._p = attach(params, adapters)
+        # the layers' weights held one by one, and the decode state too (`unstack_layers`, `unstack_state`): the
+        # steps read and update each layer's buffers as they are, never a slice of a stack (a copy)
+        self.params = _unstack(params)
+        self.mesh = _mesh_of(self.params)
+        if self.mesh is None:
+            self.params = _committed(self.params)
+        self._p = attach(self.params, _unstacked(adapters))
         self.version = 0
-        self.mesh = _mesh_of(self._p)
         key = jax.random.key(0) if key is None else key
         self._rng = np.random.default_rng(np.asarray(jax.random.key_data(key)).ravel().tolist())
         self._lock = threading.RLock()
@@ -719,7 +747,9 @@ class Engine:
         self._pos = np.zeros(batch, np.int64)  # positions each row's state holds
         self.decode_steps = 0
         self.tokens_sampled = 0  # tokens drawn by every row, in all
-        self.state = init_decode_state(cfg, batch, max_len, opts.dtype, mesh=self.mesh)
+        self.state = jax.jit(unstack_state)(init_decode_state(cfg, batch, max_len, opts.dtype, mesh=self.mesh))
+        if self.mesh is None:
+            self.state = _committed(self.state)
         self._logits = _rows_on(jnp.zeros((batch, cfg.vocab_size), jnp.float32), self.mesh)
         self._done = _rows_on(jnp.ones((batch,), bool), self.mesh)
         self._budget = _rows_on(jnp.zeros((batch,), jnp.int32), self.mesh)
@@ -835,7 +865,9 @@ class Engine:
         """Sample with these LoRA adapters (None: the base alone) from the next decode step on; turns record
         `version`. The engine keeps a reference: pass a copy when the caller's buffers will be donated."""
         with self._lock:
-            self._p = attach(self.params, adapters)
+            self._p = attach(self.params, _unstacked(adapters))
+            if self.mesh is None:
+                self._p = _committed(self._p)
             self.version = int(version)
 
     def _pictures(self, tokens: list[int], images, what: str) -> list:
@@ -926,6 +958,7 @@ class Engine:
             on = lambda x: _rows_on(jnp.asarray(x), mesh)  # noqa: E731
             if k < b:  # + rows appending nothing (their state comes back unchanged)
                 ridx = jnp.asarray(rows, jnp.int32)
+                ridx = ridx if mesh is not None else _committed(ridx)
                 for j in range(0, width, step):
                     sub, self.state = _append_rows(p, on(t[:, j:j + step]), on(valid[:, j:j + step]), self.state,
                                                    ridx, self.cfg, self.opts, mesh, images)
@@ -994,7 +1027,7 @@ class Engine:
             rows.update(stop_bytes=sb, stop_lens=sl)
             if not self._tables:
                 tb, tl = token_table(self._token_bytes, V)
-                self._tables = {"bytes": jnp.asarray(tb), "lens": jnp.asarray(tl)}
+                self._tables = _committed({"bytes": jnp.asarray(tb), "lens": jnp.asarray(tl)})
         self._static = how
         self._rowp = {n: _rows_on(jnp.asarray(x), self.mesh) for n, x in rows.items()}
         # running arrays: made the first time a row needs them, reset for the rows whose turn starts now
