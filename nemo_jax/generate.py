@@ -607,6 +607,27 @@ def _decode_steps(params, logits, state, done, budget, rows, hist, tables, cfg, 
     return outs[:4] + (top,), logits, state, done, budget, count, hist
 
 
+def decode_program(params, cfg, *, rows: int, max_len: int, steps: int, opts: M.Options = M.Options(),
+                   place=lambda tree: tree):
+    """The Engine's decode dispatch as it runs in a server or sampler: `steps` decode steps in one program
+    (`_decode_steps`, plain sampling) over `rows` rows of `max_len` positions, the layers' weights and the state held
+    one layer at a time, lowered for abstract inputs: `params` a tree of arrays or ShapeDtypeStructs (stacked, as
+    `init` makes them; cast them first for another dtype), `place` puts each abstract input where it runs (e.g. onto
+    a deviceless target's device). Nothing is allocated. -> (the lowered program, {"params": bytes of the
+    weights, "state": bytes of the decode state}) for plans and device benches (compiled memory, traffic per step)."""
+    sds = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)  # noqa: E731
+    p = place(sds(jax.eval_shape(M.unstack_layers, sds(params))))
+    state = place(sds(jax.eval_shape(lambda: unstack_state(init_decode_state(cfg, rows, max_len, opts.dtype)))))
+    f32, i32, SD = jnp.float32, jnp.int32, jax.ShapeDtypeStruct
+    rowp = place({"temperature": SD((rows,), f32), "top_k": SD((rows,), i32), "top_p": SD((rows,), f32),
+                  "stops": SD((rows, MIN_WIDTHS["stops"]), i32), "key": SD((rows, 2), jnp.uint32),
+                  "count": SD((rows,), i32)})
+    logits, done, budget = place((SD((rows, cfg.vocab_size), f32), SD((rows,), bool), SD((rows,), i32)))
+    lowered = _decode_steps.lower(p, logits, state, done, budget, rowp, {}, {}, cfg, opts, RowSampling(), None, steps)
+    size = lambda t: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(t))  # noqa: E731
+    return lowered, {"params": size(p), "state": size(state)}
+
+
 @functools.partial(jax.jit, donate_argnames=("hist",))
 def _reset_hist(hist, reset, prompt):
     """Rows `reset` [b] start a turn: no tokens sampled (`counts`), their prompt `prompt` [b, P] (ids >= V pad) is
