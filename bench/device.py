@@ -317,7 +317,7 @@ def main():
     _check_imports()
     from nemo_jax.hostmem import tune_xla_gpu  # no jax import: the XLA:GPU flags a GPU run sets, before jax starts
 
-    tune_xla_gpu()
+    tune_xla_gpu(force="--dry-run" in sys.argv)  # (a dry run compiles for the GPU with its flags, as it will run)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", help="directory for device_bench.json / .md and the compilation cache")
     ap.add_argument("--tiny", action="store_true", help="toy sizes (CPU)")
