@@ -536,6 +536,15 @@ class _Seq:
     turn_stop: bool = False  # the turn ended at a stop token or stop string
 
 
+def chunk_rows(n: int, batch: int) -> int:
+    """The rows an Engine prefill chunk of n sequences runs: the next power of 4 (at most `batch`). Few row counts,
+    so few compiled prefills; a chunk is `bucket` tokens wide, so its padding rows cost little."""
+    k = 1
+    while k < n:
+        k *= 4
+    return min(k, batch)
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
@@ -962,7 +971,7 @@ class Engine:
             self.state = _empty_rows(self.state, onb(fresh), self.cfg, mesh)
             self._pos[list(fresh)] = 0
         if chunk:
-            k = min(b, _pow2(len(chunk)))  # rows run: the fed ones, padded to a power of 2
+            k = chunk_rows(len(chunk), b)  # rows run: the fed ones, padded
             rows = sorted(chunk) + [r for r in range(b) if r not in chunk][:k - len(chunk)]
             if k == b:  # every row runs, in the state's order (the chunk's row i is the state's row i)
                 rows = list(range(b))

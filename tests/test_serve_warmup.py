@@ -19,7 +19,8 @@ from helpers import micro_model, tiny_cfg  # noqa: E402
 
 
 def test_row_counts_and_cache_dir(monkeypatch):
-    assert row_counts(1) == [1] and row_counts(5) == [1, 2, 4, 5] and row_counts(16) == [1, 2, 4, 8, 16]
+    assert row_counts(1) == [1] and row_counts(5) == [1, 4, 5] and row_counts(16) == [1, 4, 16]
+    assert row_counts(64) == [1, 4, 16, 64] and row_counts(20) == [1, 4, 16, 20]
     monkeypatch.delenv("NEMO_JAX_COMPILATION_CACHE", raising=False)
     assert cache_dir(None) == DEFAULT_CACHE and cache_dir("off") is None and cache_dir("") is None
     monkeypatch.setenv("NEMO_JAX_COMPILATION_CACHE", "none")

@@ -1,10 +1,10 @@
 """What `nemo-jax serve` does before it says ready: compile every program its requests will run, and keep the
 compiled programs in a persistent compilation cache so that a restart loads them instead.
 
-The Engine's shapes are few by design (nemo_jax.generate.Engine): prompts are prefilled `bucket` tokens at a time in
-chunks of a power-of-two number of rows (1, 2, 4, ... up to the decode rows), and the decode step has two variants
-(rows that sample with temperature or greedily, and one step that serves every extra: top-k / top-p, penalties,
-logit_bias, min_tokens, stop strings, top logprobs). `warm_up` drives the engine itself through those: for every
+The Engine's shapes are few by design (nemo_jax.generate.Engine): prompts are prefilled `bucket` tokens at a time
+in chunks of a power-of-four number of rows (1, 4, 16, ... up to the decode rows), and the decode step has two
+variants (rows that sample with temperature or greedily, and one step that serves every extra: top-k / top-p,
+penalties, logit_bias, min_tokens, stop strings, top logprobs). `warm_up` drives the engine itself through those: for every
 adapter structure the server holds (the base model's, and each distinct one of --adapters), a chunk of every row
 count with two-piece prompts sampling plainly, then a row asking for every extra. So the first request of any
 common kind (sampling, greedy, logprobs, top logprobs, penalties, stop strings, tools: longer prompts are more
@@ -112,12 +112,10 @@ def _structure(tree) -> tuple:
 
 
 def row_counts(batch: int) -> list[int]:
-    """The row counts the engine prefills chunks of: powers of two below `batch`, and `batch`."""
-    out, k = [], 1
-    while k < batch:
-        out.append(k)
-        k *= 2
-    return out + [batch]
+    """The row counts the engine prefills chunks of (`generate.chunk_rows`): powers of 4 below `batch`, and it."""
+    from nemo_jax.generate import chunk_rows
+
+    return sorted({chunk_rows(n, batch) for n in range(1, batch + 1)})
 
 
 def warm_up(engine, adapters=(), *, say=lambda line: print(line, flush=True)) -> WarmUp:
