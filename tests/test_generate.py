@@ -610,7 +610,7 @@ def test_fused_decode_steps_equal_one_dispatch_per_step(setup):
     """The Engine's fast path (check_every decode steps in one program, stops on the device, early exit) samples
     exactly what its reference (a dispatch per step) samples: the same tokens, finish reasons and alternatives,
     logprobs to float rounding; seeded sampling, greedy, a stop id, top-k / top-p with top logprobs, and a
-    budget that ends mid-dispatch, in one batch refilled as rows finish."""
+    budget that ends mid-dispatch, in one batch refilled as rows finish. Its program aliases the whole state."""
     from nemo_jax.generate import Engine
 
     cfg, params = setup
@@ -638,3 +638,8 @@ def test_fused_decode_steps_equal_one_dispatch_per_step(setup):
             assert [[t for t, _ in x] for x in a.top] == [[t for t, _ in x] for x in b.top]
             np.testing.assert_allclose([[v for _, v in x] for x in a.top], [[v for _, v in x] for x in b.top],
                                        rtol=1e-5, atol=1e-5)
+    # the fast path's program updates the whole decode state in place (held one layer at a time: no stack copied)
+    from nemo_jax.generate import decode_program
+
+    lowered, sizes = decode_program(params, cfg, rows=3, max_len=48, steps=4)
+    assert lowered.compile().memory_analysis().alias_size_in_bytes >= sizes["state"]
