@@ -728,9 +728,13 @@ class Engine:
     Parked rows never hold the others up: `step` decodes the rows that have a turn to sample.
 
     Each row holds `max_len` positions (the KV cache per row). Chunks fed together are left-padded to a
-    multiple of `bucket` (few compiled shapes); a continuation that does not fit its row's remaining positions
-    is prefilled afresh with the whole conversation. `step` decodes `check_every` steps between looks at
-    which rows finished (a finished row idles at most that long). Tokens and logprobs are exactly those
+    multiple of `bucket` and prefilled `bucket` tokens at a time, in chunks of 1, 4, 16, ... rows (`chunk_rows`:
+    few compiled shapes, whatever the prompts); a continuation that does not fit its row's remaining positions
+    is prefilled afresh with the whole conversation. `step` runs `check_every` decode steps in one dispatch (a
+    device loop checking stops and budgets, ending once every row is done; `fused=False`: a dispatch per step,
+    the reference), then looks at which rows finished (a finished row idles at most that long). The layers'
+    weights and the decode state are held one layer at a time (a copy of the weights at start): each step reads
+    and updates every layer's buffers in place. Tokens and logprobs are exactly those
     `generate` gives the same sequence alone (up to the random draws: a sequence's draws depend on its own
     seed and position only, never on the batch around it).
 
@@ -893,7 +897,8 @@ class Engine:
 
     def set_adapters(self, adapters, version: int) -> None:
         """Sample with these LoRA adapters (None: the base alone) from the next decode step on; turns record
-        `version`. The engine keeps a reference: pass a copy when the caller's buffers will be donated."""
+        `version`. The layers' adapters are copied one layer at a time; others (e.g. the lm_head's) are kept by
+        reference: pass a copy when the caller's buffers will be donated."""
         with self._lock:
             self._p = attach(self.params, _unstacked(adapters))
             if self.mesh is None:
