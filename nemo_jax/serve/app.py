@@ -683,6 +683,7 @@ def cli_serve(a, adapters: dict[str, str]) -> None:
     vocab = token_bytes(tok.tokenizer)
     engine = Engine(params, cfg, batch=a.max_num_seqs, max_len=a.max_model_len, bucket=a.bucket,
                     check_every=a.check_every, key=jax.random.key(a.seed), token_bytes=vocab)
+    params = engine.params  # (the engine's copy, its layers one by one: the loaded stack can be freed)
     name = a.served_model_name or os.path.basename(os.path.normpath(a.ckpt))
     state = ServerState(cfg, params, tok, engine, model_name=name, max_len=a.max_model_len, bucket=a.bucket,
                         tokens_as_ids=a.return_tokens_as_token_ids, mesh=mesh, max_waiting=a.max_waiting_queue_length,
