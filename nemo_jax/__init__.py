@@ -2,12 +2,10 @@
 
 __version__ = "0.1.0"
 
-# The `nemo-jax` command on a CPU-only host with a GPU plugin installed asks its child processes (data loader
-# workers, tokenising pools: they inherit the environment and import nemo_jax first) to keep the plugin's CUDA
-# driver lines out of stderr too (`nemo_jax.hostmem.quiet_plugin_noise`).
-import os as _os
+# On a CPU-only host with a GPU plugin installed (e.g. the `plan-gpu` extra), the plugin's CUDA driver lines are kept
+# out of stderr when jax is imported after nemo_jax: for library users (`from nemo_jax.sources import load_any`)
+# as for the `nemo-jax` command and its child processes (`nemo_jax.hostmem.quiet_plugin_noise`; it changes
+# nothing where jax is already imported, will use an accelerator, or no GPU plugin is installed).
+from nemo_jax.hostmem import quiet_plugin_noise as _quiet_plugin_noise
 
-if _os.environ.get("NEMO_JAX_QUIET_PLUGINS") == "1":
-    from nemo_jax.hostmem import quiet_plugin_noise
-
-    quiet_plugin_noise()
+_quiet_plugin_noise()

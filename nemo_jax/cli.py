@@ -17,6 +17,7 @@ from nemo_jax import fsutil
 from nemo_jax.config.train import CAST_DTYPES, cast_dtype
 from nemo_jax.extras import MissingDependency
 from nemo_jax.hostmem import choose_platforms, keep_freed_memory, quiet_plugin_noise, tune_xla_cpu, tune_xla_gpu
+from nemo_jax.rl.episode import EnvironmentFailed  # (the protocol's types only: no environment is imported)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -208,8 +209,9 @@ def _check_run(c, new_run: bool):
         try:
             resolve_mesh_sizes(c.mesh.sizes(), n)
         except ValueError as e:
-            raise ValueError(f"{e} of this CPU host (XLA_FLAGS=--xla_force_host_platform_device_count=N or "
-                             "JAX_NUM_CPU_DEVICES=N simulates N)") from None
+            raise ValueError(f"{e}; this CPU host has {n} device{'s' if n != 1 else ''} "
+                             "(XLA_FLAGS=--xla_force_host_platform_device_count=N or JAX_NUM_CPU_DEVICES=N simulates "
+                             "N)") from None
     run_dir = os.path.abspath(c.run_dir or os.path.join("runs", c.name))
     check_free(run_dir)  # a run dir another process is writing is named as such, before its settings are judged
     if not new_run:
@@ -279,7 +281,12 @@ def cmd_plan(a):
         print(f"note: {e}", file=sys.stderr)
     from nemo_jax.plan import cli_plan
 
-    cli_plan(a, _mesh_overrides(a.mesh) + list(a.overrides))
+    if a.target == "gpu":  # XLA:GPU's compile logs come out before the answer, not inside it
+        from nemo_jax.hostmem import answer_after_logs
+
+        answer_after_logs(cli_plan, a, _mesh_overrides(a.mesh) + list(a.overrides))
+    else:
+        cli_plan(a, _mesh_overrides(a.mesh) + list(a.overrides))
 
 
 def cmd_plot(a):
@@ -330,6 +337,12 @@ NEW_RUN_HELP = ("start afresh in the run dir: an earlier run there is moved asid
                 "without it a run dir holding checkpoints resumes, and is refused if its settings differ")
 
 
+def _env_forms() -> str:
+    from nemo_jax.rl.episode import env_forms  # (names only: no environment is imported)
+
+    return env_forms()
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="nemo-jax", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
@@ -359,7 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "pass@1, pass@K, consistency")
     s.add_argument("--ckpt", required=True, help="native model dir, HF dir, or SFT run dir")
     s.add_argument("--adapters", default=None, help="PEFT dir, adapter checkpoint, or LoRA / GRPO run dir")
-    s.add_argument("--env", required=True, help="arithmetic | constraints | jsonl:PATH | package.module:Class")
+    s.add_argument("--env", required=True, help=_env_forms())
     s.add_argument("--env-args", default=None, help="JSON object of the environment's arguments")
     s.add_argument("--attempts", type=POSITIVE, default=1)
     s.add_argument("--split", default="eval", help="task split (default eval)")
@@ -624,6 +637,12 @@ def main(argv=None):
     except OSError as e:  # a full disk, a read-only or missing folder: where and why, in one line
         _end_progress_bars()
         print(f"nemo-jax {cmd}: error: {e if e.filename is None else fsutil.describe_os_error(e)}", file=sys.stderr)
+        raise SystemExit(1) from None
+    except EnvironmentFailed as e:  # an environment's own error: its author's frames, then the line (no internals)
+        _end_progress_bars()
+        head = f"Traceback of the environment's code (most recent call last):\n{e.author_traceback}" \
+            if e.author_traceback else ""
+        print(f"{head}nemo-jax {cmd}: error: {e}", file=sys.stderr)
         raise SystemExit(1) from None
 
 

@@ -5,6 +5,21 @@ from __future__ import annotations
 
 import importlib
 
+# What each extra of pyproject.toml promises: the modules `pip install -c constraints.txt 'nemo_jax[EXTRA]'` makes
+# importable (the extra's packages and the nemo_jax modules that use them). tests/test_extras.py checks that every
+# extra is listed here and that every import of a package outside the core dependencies is one of these, reached
+# through `require`; the venv tier (tools/test_venvs.sh) imports each list in a venv with only that extra.
+EXTRA_MODULES = {
+    "plot": ("matplotlib.figure", "matplotlib.backends.backend_agg", "nemo_jax.plot"),
+    "wandb": ("wandb",),
+    "parquet": ("pyarrow", "pyarrow.parquet"),
+    "plan-gpu": ("jax_plugins.xla_cuda12",),
+    "plan-tpu": ("libtpu",),
+    "serve": ("fastapi", "uvicorn", "starlette.responses", "nemo_jax.serve.app"),
+    "worker": ("openai", "httpx", "nemo_jax.rl.worker"),
+    "mcp": ("mcp", "mcp.client.stdio", "nemo_jax.rl.mcp_env", "nemo_jax.rl.mcp_tiny_server"),
+}
+
 
 class MissingDependency(ImportError):
     """An optional package a requested feature needs is not installed."""

@@ -208,6 +208,21 @@ def stderr_filtered(noise: re.Pattern = PLUGIN_NOISE):
                 os.write(2, b"".join(kept))
 
 
+def answer_after_logs(fn, *args, noise: re.Pattern = PLUGIN_NOISE, **kwargs):
+    """fn(*args, **kwargs) with what it prints held back: the log lines native libraries write to stderr meanwhile
+    (XLA:GPU's compiler, less `noise`) come out first, then its stdout (the answer), never interleaved. -> its
+    result."""
+    import io
+
+    out = io.StringIO()
+    try:
+        with stderr_filtered(noise), contextlib.redirect_stdout(out):
+            return fn(*args, **kwargs)
+    finally:
+        sys.stdout.write(out.getvalue())
+        sys.stdout.flush()
+
+
 def _register_plugins():
     """Let jax find and register its PJRT plugins now (it does so at its first device query otherwise); the
     registration creates no backend, so a later `jax.distributed.initialize()` is still in time."""

@@ -63,6 +63,16 @@ RL_MARKER = "reward_mean"  # a run that logs it is an RL run: its `loss` is a po
 SPARSE = 0.25  # a series logged at fewer than this share of the steps of the run's densest series is sparse
 
 
+def have_matplotlib() -> bool:
+    """Whether the `plot` extra is installed (asked before a long run that ends in a figure)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("matplotlib") is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def _matplotlib():
     """-> (Figure class, FigureCanvasAgg class); a clear install hint when matplotlib is missing."""
     figure = require("matplotlib.figure", "plot", "nemo-jax plot")

@@ -167,9 +167,42 @@ class Recipe:
         r = load_recipe(_rel(stage.recipe, self.path), list(stage.overrides) + sets)
         print(summary(run_recipe(r, progress=False).stats), flush=True)
 
+    def preflight(self) -> list[str]:
+        """Before any stage runs: every stage's config loads, and every environment a stage trains or the report
+        scores can be built (its extra installed: an `mcp` expert without the mcp package stops here, not after
+        the earlier stages' minutes) -> notes for what is missing but not needed (matplotlib: the report is
+        written without its figure)."""
+        from nemo_jax.config.train import load_grpo_config, load_sft_config
+        from nemo_jax.merge.recipe import load_recipe
+        from nemo_jax.plot import have_matplotlib
+        from nemo_jax.rl.envs import make_env
+
+        c = self.c
+        for config, overrides in ([(c.base.sft_config, c.base.overrides)] if c.base.sft_config else []) + [
+                (c.sft.config, c.sft.overrides)]:
+            load_sft_config(_rel(config, self.path), list(overrides))
+        for stage in (c.base_merge, c.expert_merge):
+            load_recipe(_rel(stage.recipe, self.path), list(stage.overrides))
+        envs = [(e.env, e.args, "eval.envs") for e in c.eval.envs]
+        for e in c.experts:
+            g = load_grpo_config(_rel(e.config, self.path), list(e.overrides))
+            envs.append((g.rollout.env, g.rollout.env_args, f"expert {e.name}"))
+        for name, args, where in envs:
+            try:
+                make_env(name, **args)
+            except (ImportError, ValueError) as err:  # (a missing extra, bad arguments)
+                raise ValueError(f"{where}: environment {name!r}: {err}") from None
+        notes = []
+        if not have_matplotlib():
+            notes.append("matplotlib is not installed: report.md will be written without its figure report.png "
+                         "(pip install 'nemo_jax[plot]' draws it; a rerun of the recipe then adds it)")
+        return notes
+
     def run(self) -> dict:
         from nemo_jax.parallel.distributed import writer_lock
 
+        for note in self.preflight():
+            print(f"[recipe] note: {note}", flush=True)
         with writer_lock(self.run_dir, "nemo-jax recipe"):  # one writer per run dir (each stage's run: its own)
             return self._run()
 
@@ -214,7 +247,6 @@ class Recipe:
 
         from nemo_jax.data.chat import ChatTokenizer
         from nemo_jax.sources import load_adapters, load_any, tokenizer_dir
-        from nemo_jax.plot import bar_chart
         from nemo_jax.rl.envs import make_env
         from nemo_jax.rl.grpo import eval_engine, evaluate_env
 
@@ -255,17 +287,34 @@ class Recipe:
             cells = [" / ".join(f"{table[stage][n][m]:.3f}" for m in ("reward_mean", "success_rate", f"pass@{k}",
                                                                        "consistency")) for n in names]
             lines.append(f"| {stage} | " + " | ".join(cells) + " |")
-        with atomic_dir(self.out("report"), "recipe report", overwrite=True) as tmp:  # md + png together
-            with open(os.path.join(tmp, "report.md"), "w") as f:
-                f.write("\n".join(lines) + "\n")
-            bar_chart({s: {n: table[s][n]["reward_mean"] for n in names} for s, _, _ in self.stages()},
-                      os.path.join(tmp, "report.png"), title=f"{self.c.name}: mean reward per stage",
-                      ylabel="mean reward")
-        for f in ("report.md", "report.png"):
-            os.replace(self.out("report", f), self.out(f))
-        shutil.rmtree(self.out("report"))  # made just above (what is left: its output marker)
+        self.write_report(lines, {s: {n: table[s][n]["reward_mean"] for n in names} for s, _, _ in self.stages()})
         print("\n".join(lines), flush=True)
         return table
+
+    def write_report(self, lines: list[str], rewards: dict) -> None:
+        """RUN/report.md (`lines`) and RUN/report.png (`rewards[stage][env]`, mean rewards), together; without
+        matplotlib, report.md alone, saying so in a line (a finished run never loses its report for a picture)."""
+        from nemo_jax.extras import MissingDependency
+        from nemo_jax.plot import bar_chart
+
+        with atomic_dir(self.out("report"), "recipe report", overwrite=True) as tmp:  # md + png together
+            try:
+                bar_chart(rewards, os.path.join(tmp, "report.png"), title=f"{self.c.name}: mean reward per stage",
+                          ylabel="mean reward")
+                made = ("report.md", "report.png")
+            except MissingDependency:
+                lines = lines + ["", "(No figure: matplotlib is not installed. `pip install 'nemo_jax[plot]'` and "
+                                     "rerun the recipe to draw report.png.)"]
+                print("[recipe] report.md written without its figure: matplotlib is not installed "
+                      "(pip install 'nemo_jax[plot]', then rerun the recipe to draw report.png)", flush=True)
+                made = ("report.md",)
+            with open(os.path.join(tmp, "report.md"), "w") as f:
+                f.write("\n".join(lines) + "\n")
+        for f in made:
+            os.replace(self.out("report", f), self.out(f))
+        if "report.png" not in made and os.path.exists(self.out("report.png")):
+            os.remove(self.out("report.png"))  # an earlier run's figure: no longer this report's
+        shutil.rmtree(self.out("report"))  # made just above (what is left: its output marker)
 
 
 def main(path: str, overrides=()) -> dict:

@@ -12,11 +12,14 @@ it ends short of being killed.
 When a process finds the lock taken, it decides whether the holder is still there:
 
 * on the same machine (same host name, boot id and PID namespace): the holder is gone when no process has its
-  pid, or the process with that pid started at another time (the pid was reused). This is exact and immediate,
-  so a command killed a moment ago does not block its rerun.
+  pid, the process with that pid started at another time (the pid was reused), or it is a zombie (it exited and
+  its parent has not reaped it yet). This is exact and immediate, so a command killed a moment ago does not
+  block its rerun.
 * elsewhere (another host sharing the filesystem, a container in another PID namespace, or this host before a
-  reboot): the holder is gone when its heartbeat is older than STALE_S seconds (default 300; 10 heartbeats) by
-  this host's clock, which assumes the hosts' clocks agree to well within that (NTP). A holder whose host died
+  reboot): the holder is gone when its heartbeat is older than STALE_S seconds (default 300; 10 heartbeats). The
+  heartbeat is the lock file's modification time, which on NFS the server stamps with its own clock; its age is
+  measured against a file the reader touches in the same folder (`_fs_now`), so the hosts' and the server's
+  clocks need not agree (where the folder cannot be written, this host's clock is used). A holder whose host died
   or lost the filesystem stops refreshing the heartbeat; after STALE_S its lock is reclaimed.
 * a lock file that is not a readable lock (a crash while the filesystem was full): gone when older than STALE_S.
 
@@ -84,24 +87,32 @@ def _machine() -> dict:
             "pid_ns": pid_ns}
 
 
+def _stat_fields(pid: int) -> list[str] | None:
+    """/proc/PID/stat's fields after the command name (state first), None where unknown."""
+    text = _read_text(f"/proc/{pid}/stat")
+    return text.rpartition(")")[2].split() if text else None
+
+
 def _process_start(pid: int) -> int | None:
     """The start time of process `pid` in clock ticks since boot (/proc/PID/stat field 22), None where unknown."""
-    text = _read_text(f"/proc/{pid}/stat")
-    if not text:
-        return None
     try:
-        return int(text.rpartition(")")[2].split()[19])
-    except (IndexError, ValueError):
+        return int(_stat_fields(pid)[19])
+    except (TypeError, IndexError, ValueError):
         return None
 
 
 def _pid_alive(pid: int, start: int | None) -> bool:
+    """Whether process `pid` (started at `start`) still runs: not gone, not another process that reused the pid,
+    and not a zombie (exited, waiting for its parent to reap it: it writes nothing more)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         pass  # another user's process: it exists
+    fields = _stat_fields(pid)
+    if fields and fields[0] in ("Z", "X"):
+        return False
     now = _process_start(pid)
     return start is None or now is None or now == start
 
@@ -150,7 +161,27 @@ def read(folder: str) -> tuple[dict | None, float] | None:
         holder = None
     if not isinstance(holder, dict):
         holder = None
-    return holder, max(0.0, time.time() - st.st_mtime)
+    here = _machine()
+    if holder is not None and all(holder.get(k) == here[k] for k in ("host", "boot_id", "pid_ns")):
+        return holder, max(0.0, time.time() - st.st_mtime)
+    return holder, max(0.0, _fs_now(folder) - st.st_mtime)  # (a holder elsewhere: judged by its heartbeat's age)
+
+
+def _fs_now(folder: str) -> float:
+    """`now` by the clock that stamps files in `folder`: on NFS the heartbeat's mtime is the server's clock, not
+    the holder's, so its age is measured against a file this process touches there now (this host's clock where
+    the folder cannot be written)."""
+    probe = os.path.join(folder, f"{LOCK_FILE}.clock-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        with open(probe, "w"):
+            pass
+        try:
+            os.utime(probe)  # (set by the server on NFS, as the holder's heartbeat is)
+            return os.stat(probe).st_mtime
+        finally:
+            os.unlink(probe)
+    except OSError:
+        return time.time()
 
 
 def _create(path: str, record: dict) -> bool:

@@ -42,3 +42,14 @@ def _drop_compiled_programs():
     yield
     jax.clear_caches()
     gc.collect()
+
+
+OPT_IN_MARKERS = ("venv",)  # tiers that run only when the -m expression names them (pytest -m venv)
+
+
+def pytest_collection_modifyitems(config, items):
+    expr = config.getoption("markexpr", "") or ""
+    for item in items:
+        for m in OPT_IN_MARKERS:
+            if item.get_closest_marker(m) is not None and m not in expr:
+                item.add_marker(pytest.mark.skip(reason=f"the {m} tier: pytest -m {m} (tools/test_{m}s.sh)"))

@@ -67,3 +67,20 @@ def test_published_parameter_counts():
     sup = NemotronHConfig.from_file(os.path.join(ROOT, "configs", "model", "super-120b-a12b.json"))
     assert count_params(sup) == 123_611_033_088
     assert sup.num_nextn_predict_layers == 1 and sup.moe_latent_size == 1024
+
+
+def test_init_sft_config_is_found_from_the_config_files_folder_whatever_the_working_directory(tmp_path,
+                                                                                             monkeypatch):
+    import os
+
+    from nemo_jax.config.train import load_grpo_config, load_sft_config
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.chdir(tmp_path)
+    g = load_grpo_config(os.path.join(root, "configs/grpo/tiny-cpu.yaml"))
+    assert g.model.init_sft_config == os.path.join(root, "configs/sft/tiny-cpu.yaml")
+    s = load_sft_config(os.path.join(root, "configs/sft/tiny-lora-cpu.yaml"))
+    assert s.model.init_sft_config == os.path.join(root, "configs/sft/tiny-cpu.yaml")
+    (tmp_path / "mine.yaml").write_text("x")
+    g = load_grpo_config(os.path.join(root, "configs/grpo/tiny-cpu.yaml"), ["model.init_sft_config=mine.yaml"])
+    assert g.model.init_sft_config == "mine.yaml"  # an override: the working directory's, as given

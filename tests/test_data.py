@@ -305,3 +305,34 @@ def test_prepare_reads_parquet_row_groups_like_jsonl(tok, tmp_path):
     for d, (ids, mask) in zip(docs.read(range(59)), want):
         np.testing.assert_array_equal(d.ids, ids)
         np.testing.assert_array_equal(d.mask, mask)
+
+
+def test_prepare_refuses_a_fifo_image_at_once_and_a_bom_line_is_read(tmp_path):
+    """An image path naming a FIFO (a file that never ends) is one error naming it, at once (it used to hang
+    `nemo-jax data prepare` forever), as is a decompression bomb; a JSONL file starting with a UTF-8 BOM is read."""
+    import base64
+    import struct
+    import subprocess
+    import sys
+    import zlib
+
+    os.mkfifo(tmp_path / "pipe.png")
+
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    bomb = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 30000, 30000, 1, 0, 0, 0, 0))
+            + chunk(b"IEND", b""))
+    for name, ref, why in (("fifo", str(tmp_path / "pipe.png"), "not a regular file"),
+                           ("bomb", "data:image/png;base64," + base64.b64encode(bomb).decode(), "more pixels")):
+        conv = {"messages": [{"role": "user", "content": [{"type": "image", "path": ref},
+                                                          {"type": "text", "text": "What?"}]},
+                             {"role": "assistant", "content": "A shape."}]}
+        (tmp_path / f"{name}.jsonl").write_text(json.dumps(conv) + "\n")
+        out = subprocess.run([sys.executable, "-m", "nemo_jax.cli", "data", "prepare", str(tmp_path / f"{name}.jsonl"),
+                              "--tokenizer", "builtin:tiny_vl", "--out", str(tmp_path / f"out-{name}"), "--workers",
+                              "1"], capture_output=True, text=True, timeout=120,
+                             env=dict(os.environ, JAX_PLATFORMS="cpu"))
+        assert out.returncode == 2 and why in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + (json.dumps(CONV) + "\n").encode() * 3)
+    m = prepare([str(tmp_path / "bom.jsonl")], "builtin:tiny", str(tmp_path / "p"))
+    assert m["documents"] == 3 and m["rejected_count"] == 0

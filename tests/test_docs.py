@@ -217,6 +217,26 @@ def test_every_quoted_command_parses():
     assert not problems, "quoted commands the CLI refuses:\n" + "\n".join(problems)
 
 
+def test_every_command_in_a_shipped_config_comment_parses():
+    """The `#   nemo-jax ...` lines atop configs/*/*.yaml are what a user copies: they parse as the docs' do."""
+    import glob
+
+    found, problems = 0, []
+    for f in sorted(glob.glob(os.path.join(ROOT, "configs", "*", "*.yaml"))):
+        comment = [(n, line.strip()[1:]) for n, line in enumerate(open(f, encoding="utf-8"), 1)
+                   if line.lstrip().startswith("#")]
+        for n, text in logical_lines(comment):
+            text = text.strip()
+            if text.startswith("nemo-jax "):
+                for argv in commands(text):
+                    found += 1
+                    msg = parse_error(argv)
+                    if msg:
+                        problems.append(f"{rel(f)}:{n}: nemo-jax {shlex.join(argv)}\n    {msg}")
+    assert found >= 5, f"only {found} commands found in config comments"
+    assert not problems, "config comments whose commands the CLI refuses:\n" + "\n".join(problems)
+
+
 def subparsers(parser):
     return next((a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction)), {})
 

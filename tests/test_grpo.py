@@ -58,7 +58,7 @@ def test_jsonl_tasks_and_user_classes(tmp_path):
             {"id": "b", "prompt": "name?", "answer": "^bob$", "verifier": "regex", "split": "eval"},
             {"id": "c", "messages": [{"role": "user", "content": "pi?"}], "answer": 3.14, "verifier": "numeric",
              "tolerance": 0.01, "family": "math"}]
-    p.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    p.write_text("\ufeff" + "\n".join(json.dumps(r) for r in rows) + "\n", encoding="utf-8")  # (a BOM: read)
     env = make_env(f"jsonl:{p}")
     tr = {t.id: t for t in env.tasks("train")}
     say = lambda s: [{"role": "assistant", "content": s}]  # noqa: E731
@@ -217,6 +217,24 @@ BANDIT = textwrap.dedent('''
             text = history[-1]["content"].replace(" ", "")
             share = sum(ch.isdigit() for ch in text) / max(len(text), 1)
             return Score(share, share == 1.0)
+
+
+    class SlowDigits(Digits):
+        """The bandit behind a network: each episode's start() answers after 0-50 ms (unseeded: as a VM or an
+        HTTP service does), so episodes reach the sampler in another order every run."""
+
+        def episode(self):
+            import random
+            import time
+
+            ep = super().episode()
+            start = ep.start
+
+            def slow_start(task, rollout_id):
+                time.sleep(random.SystemRandom().random() * 0.05)
+                return start(task, rollout_id)
+            ep.start = slow_start
+            return ep
 ''')
 
 
@@ -229,6 +247,31 @@ def _grpo_cmd(run_dir, steps):
             "rollout.env=bandit_env:Digits", "rollout.env_args={}", "rollout.group_size=6",
             "rollout.groups_per_step=4", "rollout.max_new_tokens=6", "rollout.seq_len=32", "optim.lr=0.03",
             "lora.targets=[lm_head]", "checkpoint.every=3", "logging.tensorboard=false", "eval_every=0"]
+
+
+@pytest.mark.slow
+def test_two_inline_runs_with_the_same_seed_are_equal(tmp_path):
+    """`rollout.producer: inline`, the same config and seed, more groups in flight than a step takes: two runs
+    log the same rollouts' figures and the same losses at every step (each rollout's draws from (seed, its id);
+    every in-flight group finished before a step, so none is part-sampled when the policy changes; groups taken
+    oldest first, rollouts in id order)."""
+    (tmp_path / "bandit_env.py").write_text(BANDIT)
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}", XLA_FLAGS=FAST_COMPILE, JAX_PLATFORMS="cpu")
+    recs = []
+    for name in ("a", "b"):
+        cmd = _grpo_cmd(tmp_path / name, 2) + ["rollout.producer=inline", "rollout.in_flight_groups=6",
+                                              "checkpoint.every=0", "seed=5", "rollout.env=bandit_env:SlowDigits"]
+        out = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=1800)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        recs.append([json.loads(x) for x in open(tmp_path / name / "metrics.jsonl")])
+    timing = ("_s", "_frac", "tokens_per_sec", "time")
+    same = lambda r: {k: v for k, v in r.items() if not any(t in k for t in timing)}  # noqa: E731
+    assert len(recs[0]) == len(recs[1]) and [r["step"] for r in recs[0] if "reward_mean" in r] == [1, 2]
+    for a, b in zip(*recs):  # counts and rewards exactly; losses to float rounding (a behaviour logprob can differ
+        a, b = same(a), same(b)  # in its last bits with the rows it was prefilled beside)
+        assert a.keys() == b.keys()
+        for k in a:
+            assert a[k] == (pytest.approx(b[k], rel=1e-5, abs=1e-8) if isinstance(b[k], float) else b[k]), (k, a, b)
 
 
 @pytest.mark.slow
@@ -449,6 +492,145 @@ def test_a_waiting_episode_never_stalls_the_other_rows(tok, base, monkeypatch):
     assert sorted(env.closed) == ["fast0", "fast1", "fast2", "hang", "slow"]
 
 
+def test_a_plugin_environment_that_raises_in_start_is_shown_by_its_own_file_and_line(tok, base, tmp_path,
+                                                                                      monkeypatch, capsys):
+    """A plug-in environment whose start() raises: the error names the author's file and line first, and the
+    CLI prints only the author's frames and one line (no traceback of the sampler's internals)."""
+    import nemo_jax.cli as cli
+    from nemo_jax.rl.episode import EnvironmentFailed
+    from nemo_jax.rl.producer import EpisodeDriver, sampling_params
+
+    (tmp_path / "my_env.py").write_text(textwrap.dedent("""
+        from nemo_jax.rl.envs import Task
+
+        class Env:
+            name = "mine"
+
+            def tasks(self, split):
+                return [Task("t", ({"role": "user", "content": "hi"},))]
+
+            def episode(self):
+                return self
+
+            def start(self, task, rollout_id):
+                return self.connect()
+
+            def connect(self):
+                raise ConnectionError("the VM did not answer")  # line 17
+
+            def close(self):
+                pass
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    env = make_env("my_env:Env")
+    client = TrainingClient(CFG, base, LCFG)
+    d = EpisodeDriver(client.engine(batch=2, max_len=64), tok, CFG, env, sampling_params(CFG, tok, 3, 0.0))
+    d.add(env.tasks("train")[0], "g", "g/0")
+    with pytest.raises(EnvironmentFailed) as e:
+        for _ in range(1000):
+            d.pump()
+    d.close()
+    where = f"{tmp_path / 'my_env.py'}:17"
+    assert e.value.where == where and f"start() failed at {where} (in connect): ConnectionError: the VM did not " \
+        "answer" in str(e.value)
+    monkeypatch.setattr(cli, "cmd_eval", lambda a: (_ for _ in ()).throw(e.value))
+    with pytest.raises(SystemExit) as code:
+        cli.main(["eval", "--ckpt", "x", "--env", "my_env:Env"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code.value.code == 1 and err[0].startswith("Traceback of the environment's code")
+    assert err[-1].startswith("nemo-jax eval: error: environment mine: episode g/0: start() failed at " + where)
+    assert "my_env.py" in err[1] and not any("nemo_jax" in x for x in err[1:-1]), err
+
+
+class HangsOneInFour:
+    """A plug-in environment whose plain (threaded) start() hangs on one task in four until `release` is set."""
+    name, max_turns = "hangs", 1
+
+    def __init__(self):
+        import threading
+
+        self.release, self.closed = threading.Event(), []
+
+    def tasks(self, split):
+        return [Task(f"t{i}", ({"role": "user", "content": "What is 1 plus 1?"},)) for i in range(8)]
+
+    def episode(self):
+        env = self
+
+        class Ep:
+            def start(self, task, rollout_id):
+                self.id = rollout_id
+                if task.id in ("t0", "t4"):
+                    env.release.wait()
+                return Observation(list(task.messages))
+
+            def step(self, message):
+                return Observation([], 1.0, True, True)
+
+            def close(self):
+                env.closed.append(getattr(self, "id", None))
+
+        return Ep()
+
+
+@pytest.mark.slow
+def test_a_hanging_start_costs_one_worker_not_the_pool(tok, base, capsys):
+    """Two workers, a start() that hangs on 1 task in 4: the two hanging episodes time out (each costs its own
+    thread, replaced with a line) and every episode started after them finishes with its reward; before the fix
+    the hung calls held both workers and every later episode timed out too."""
+    from nemo_jax.rl.producer import EpisodeDriver, sampling_params
+
+    client = TrainingClient(CFG, base, LCFG)
+    env = HangsOneInFour()
+    d = EpisodeDriver(client.engine(batch=4, max_len=128), tok, CFG, env, sampling_params(CFG, tok, 3, 0.0),
+                      timeout_s=1.0, workers=2)
+    tasks = env.tasks("train")
+    done, t0 = [], time.monotonic()
+    try:
+        for t in (tasks[0], tasks[4]):
+            d.add(t, t.id, f"{t.id}/0")
+        while d.running and time.monotonic() - t0 < 120:
+            done += d.pump()
+        d.timeout_s = 60.0  # (room for the sampler's compile; before the fix these waited out this limit)
+        for t in tasks[1:4] + tasks[5:]:
+            d.add(t, t.id, f"{t.id}/0")
+        while d.running and time.monotonic() - t0 < 120:
+            done += d.pump()
+    finally:
+        env.release.set()
+        d.close()
+    out = {r.task_id: r for r in done}
+    assert sorted(t for t, r in out.items() if r.timed_out) == ["t0", "t4"] and d.counts["timed_out"] == 2
+    assert all(r.reward == 1.0 for t, r in out.items() if t not in ("t0", "t4")) and len(out) == 8
+    said = [x for x in capsys.readouterr().out.splitlines() if "still running past the episode's time limit" in x]
+    assert len(said) == 2 and "start()" in said[0] and "at most 8" in said[0], said
+
+
+def test_env_calls_replace_abandoned_workers_up_to_a_bound_and_never_keep_the_process_alive():
+    code = textwrap.dedent("""
+        import threading, time
+        from nemo_jax.rl.producer import EnvCalls
+        calls = EnvCalls(1, "environment hangs")
+        forever = threading.Event()
+        hung = [calls.call(("h", i), forever.wait) for i in range(5)]
+        for i, f in enumerate(hung):  # each abandoned in turn: a new thread takes the next (4 at most)
+            while not f.running():
+                time.sleep(0.01)
+            calls.abandon(f, f"episode h{i}: start()")
+        quick = calls.call("q", lambda: 42)
+        time.sleep(0.3)
+        print("quick", "waits" if not quick.done() else quick.result())  # (past the bound: no free thread)
+        print("done")  # the hung daemon threads do not keep the interpreter alive
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    lines = out.stdout.splitlines()
+    assert out.returncode == 0 and lines[-1] == "done", out.stdout + out.stderr
+    replaced = [x for x in lines if "a new one takes its place" in x]
+    assert len(replaced) == 4 and "(4 replaced so far, at most 4)" in replaced[-1]
+    assert sum("(the bound)" in x for x in lines) == 1 and "quick waits" in lines
+
+
 @pytest.mark.slow
 def test_mcp_episode_round_trip_with_the_shipped_server(tok, base):
     """An MCP episode starts the shipped tiny server (stdio, the official client), lists its tools in the chat
@@ -565,3 +747,28 @@ def test_gui_env_actions_screens_and_partial_credit():
         doc = parse_record(rec, tok, 512)
         assert len(doc.images) == sum(m["role"] != "assistant" for m in rec["messages"])
         assert all(x.startswith("data:image/png;base64,") for x in doc.images) and doc.mask.any()
+
+
+def test_the_progress_rate_counts_from_the_end_of_the_compiling_step():
+    """A first step of 1000 s (the compiles) then steps of 2 s: after `rate_from_here` the bar's rate is 0.5
+    steps/s and its ETA that of the steps left (the old reset of start_t alone kept the compile in tqdm's
+    smoothed rate: an ETA hours too long)."""
+    import io
+
+    from tqdm import tqdm
+
+    from nemo_jax.rl.grpo import rate_from_here
+
+    now = [0.0]
+    bar = tqdm(total=100, file=io.StringIO(), mininterval=0, miniters=1)
+    bar._time = lambda: now[0]
+    bar.start_t = bar.last_print_t = 0.0
+    now[0] = 1000.0
+    bar.update(1)
+    rate_from_here(bar)
+    for _ in range(5):
+        now[0] += 2.0
+        bar.update(1)
+    d = bar.format_dict
+    assert d["n"] == 6 and d["rate"] == pytest.approx(0.5) and d["elapsed"] == pytest.approx(10.0)
+    bar.close()

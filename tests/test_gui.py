@@ -2,6 +2,7 @@
 the eval's standard error. No model: these run in well under a second each."""
 
 import asyncio
+import importlib.util
 
 import numpy as np
 import pytest
@@ -112,3 +113,36 @@ def test_standard_error_over_tasks():
     per_task = x.mean(1)
     assert standard_error(x) == pytest.approx(per_task.std(ddof=1) / 2)
     assert standard_error(x[:1]) == 0.0
+
+
+def test_an_ablation_of_a_text_environment_says_it_changed_nothing():
+    """`eval --images blank` on a text environment: one line says nothing was replaced; on a picture environment
+    nothing is said."""
+    from nemo_jax.rl.ablation import ablation_note
+    from nemo_jax.rl.envs import make_env
+
+    text = ablate(make_env("arithmetic", n_train=2, n_eval=2), "blank")
+    for t in text.tasks("eval"):
+        text.episode().start(t, "x")
+    note = ablation_note(text)
+    assert note and "--images blank" in note and "no pictures" in note and "arithmetic" in note
+    pics = ablate(_AsyncPictures(), "blank")
+    for t in pics.tasks("eval"):
+        asyncio.run(pics.episode().start(t, "x"))
+    assert ablation_note(pics) is None and ablation_note(make_env("arithmetic")) is None
+
+
+def test_eval_help_lists_every_builtin_environment_from_the_registry(capsys):
+    """`eval --help` names each built-in environment (from `BUILTIN_ENVS`, the registry `make_env` builds from),
+    and each name builds its class."""
+    from nemo_jax.cli import main
+    from nemo_jax.rl.envs import make_env
+    from nemo_jax.rl.episode import BUILTIN_ENVS
+
+    with pytest.raises(SystemExit):
+        main(["eval", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert all(name in text for name in BUILTIN_ENVS) and {"gui", "mcp", "inbox"} <= set(BUILTIN_ENVS)
+    for name, where in BUILTIN_ENVS.items():
+        if name != "mcp" or importlib.util.find_spec("mcp"):
+            assert type(make_env(name)).__name__ == where.rpartition(":")[2]

@@ -9,6 +9,8 @@ import pytest
 
 from nemo_jax import hostmem
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 GLIBC = sys.platform.startswith("linux") and hasattr(ctypes.CDLL(None), "gnu_get_libc_version")
 
 # Allocates, touches and frees a 64 MiB block twice; prints the page faults of the second round.
@@ -197,3 +199,33 @@ def test_cpu_host_commands_print_no_plugin_noise_and_keep_real_warnings(tmp_path
     r = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and not _noise_lines(r.stderr), r.stderr
     assert "a real warning from a plugin library" in r.stderr
+
+
+def test_library_users_get_the_plugin_filter_on_import(tmp_path):
+    """`import nemo_jax` (the README's "From Python" snippet) on a CPU-only host with a GPU plugin installed puts
+    the filter in place before jax is imported, as the CLI does (no environment variable needed)."""
+    (tmp_path / "jax_cuda12_plugin").mkdir()
+    (tmp_path / "jax_cuda12_plugin" / "__init__.py").write_text("")
+    env = {k: v for k, v in os.environ.items() if k != "NEMO_JAX_QUIET_PLUGINS"}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT]))
+    probe = ("import sys; import nemo_jax; from nemo_jax import hostmem; "
+             "print('jax' in sys.modules, any(isinstance(f, hostmem._QuietJaxImport) for f in sys.meta_path))")
+    r = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert r.stdout.split()[-1] == "True", r.stdout + r.stderr
+
+
+def test_plan_answers_after_the_compilers_log_lines():
+    """`plan --target gpu`: what native code logs to stderr while the plan compiles comes out first (less the
+    plugin noise), then the answer: never interleaved."""
+    code = ("import os, sys\nfrom nemo_jax.hostmem import answer_after_logs\n"
+            "def plan():\n"
+            "    print('answer line 1', flush=True)\n"
+            "    os.write(2, b'I0000 00:00:1.0 1 gpu_compiler.cc:1] an XLA log line\\n')\n"
+            "    print('answer line 2', flush=True)\n"
+            "    os.write(2, b'WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\\n')\n"
+            "    return 7\n"
+            "assert answer_after_logs(plan) == 7\n")
+    r = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=ROOT))
+    assert r.stdout.decode().splitlines() == ["I0000 00:00:1.0 1 gpu_compiler.cc:1] an XLA log line",
+                                              "answer line 1", "answer line 2"], r.stdout

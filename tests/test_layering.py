@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # docs/design.md's layers, bottom first: an area may import its own layer's areas and the layers below, never one
 # above (config <- model <- (lora, hf, checkpoint) <- train / generate <- rl / merge / plan <- cli).
 LAYERS = (
-    ("config", "paramspec", "vision_layout", "fsutil", "runlock", "extras", "hostmem"),
+    ("config", "paramspec", "vision_layout", "fsutil", "runlock", "extras", "hostmem", "threads"),
     ("parallel", "data"),  # the data pipeline needs no model; parallel does not import the model
     ("kernels",),
     ("model",),

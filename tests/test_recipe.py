@@ -72,3 +72,39 @@ def test_shipped_recipes_load():
         c = load_recipe_config(os.path.join(ROOT, "configs/recipes", name))
         assert c.experts and all(os.path.exists(os.path.join(ROOT, e.config)) for e in c.experts), name
         assert all(e.env for e in c.eval.envs)
+
+
+def _without_matplotlib(monkeypatch):
+    for m in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg"):
+        monkeypatch.setitem(sys.modules, m, None)  # import raises ImportError, as on the base install
+
+
+def test_without_matplotlib_the_recipe_says_so_before_it_starts_and_writes_report_md_without_the_figure(
+        tmp_path, monkeypatch, capsys):
+    from nemo_jax.recipe import Recipe, load_recipe_config
+
+    path = os.path.join(ROOT, "configs/recipes/tiny-cpu.yaml")
+    r = Recipe(load_recipe_config(path, [f"run_dir={tmp_path / 'run'}"]), path)
+    assert r.preflight() == []  # (matplotlib is installed here)
+    _without_matplotlib(monkeypatch)
+    notes = r.preflight()
+    assert len(notes) == 1 and "matplotlib" in notes[0] and "report.md" in notes[0]
+    os.makedirs(tmp_path / "run")
+    (tmp_path / "run" / "report.png").write_bytes(b"an earlier run's figure")
+    r.write_report(["# table", "| stage | x |"], {"base": {"x": 0.5}, "final": {"x": 0.7}})
+    md = (tmp_path / "run" / "report.md").read_text()
+    assert md.startswith("# table") and "matplotlib is not installed" in md
+    assert sorted(os.listdir(tmp_path / "run")) == ["report.md"]  # no stale figure, no temporary left
+    said = [x for x in capsys.readouterr().out.splitlines() if "matplotlib" in x]
+    assert len(said) == 1
+
+
+def test_the_recipe_refuses_a_missing_extra_before_any_stage(tmp_path, monkeypatch):
+    from nemo_jax.recipe import Recipe, load_recipe_config
+
+    path = os.path.join(ROOT, "configs/recipes/tiny-cpu.yaml")
+    r = Recipe(load_recipe_config(path, [f"run_dir={tmp_path / 'run'}", 'eval.envs=[{"env": "mcp"}]']), path)
+    monkeypatch.setitem(sys.modules, "mcp", None)
+    with pytest.raises(ValueError, match="eval.envs: environment 'mcp': .*mcp"):
+        r.preflight()
+    assert not os.path.exists(tmp_path / "run")

@@ -152,7 +152,7 @@ def test_a_holder_elsewhere_is_gone_once_its_heartbeat_is_stale(tmp_path):
 _CONTENDER = """
 import sys, time
 from nemo_jax import runlock
-time.sleep(float(sys.argv[2]) - time.time())  # all start together
+time.sleep(max(0.0, float(sys.argv[2]) - time.time()))  # all start together (late ones at once)
 try:
     with runlock.hold(sys.argv[1], "contender"):
         print("won", flush=True)
@@ -282,3 +282,38 @@ def test_readers_need_no_lock_and_read_the_newest_good_step(tmp_path):
             safe_open(str(tmp_path / "want" / "model.safetensors"), "np") as want:
         assert set(got.keys()) == set(want.keys())
         assert all(np.array_equal(got.get_tensor(k), want.get_tensor(k)) for k in want.keys())
+
+
+def test_a_zombie_holder_is_judged_gone():
+    """A holder that exited but whose parent has not reaped it yet (a zombie: it writes nothing more) does not
+    block a rerun."""
+    import subprocess
+    import sys
+    import time
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    start = runlock._process_start(child.pid)
+    t0 = time.monotonic()
+    while runlock._stat_fields(child.pid)[0] != "Z" and time.monotonic() - t0 < 30:  # exited, not reaped
+        time.sleep(0.01)
+    holder = {**runlock._machine(), "pid": child.pid, "proc_start": start}
+    try:
+        assert runlock.judge(holder, 0.0) == "that process is gone"
+    finally:
+        child.wait()
+
+
+def test_a_holder_elsewhere_is_judged_by_the_folders_clock(tmp_path, monkeypatch):
+    """On NFS the heartbeat's mtime is the server's clock: a holder on another host is aged against a file
+    touched in the folder now (here the folder's clock is moved 1000 s ahead of this host's), not this host's
+    clock; a holder on this host by its pid."""
+    import json
+    import time
+
+    (tmp_path / runlock.LOCK_FILE).write_text(json.dumps({"command": "nemo-jax sft", "pid": 1, "host": "node-7",
+                                                          "boot_id": "x", "pid_ns": "y"}))
+    real = runlock._fs_now
+    assert abs(real(str(tmp_path)) - time.time()) < 5 and os.listdir(tmp_path) == [runlock.LOCK_FILE]
+    monkeypatch.setattr(runlock, "_fs_now", lambda folder: real(folder) + 1000.0)
+    holder, age = runlock.read(str(tmp_path))
+    assert holder["host"] == "node-7" and 990 < age < 1010

@@ -509,6 +509,17 @@ def test_rerun_with_other_settings_is_refused(tmp_path, capsys):
     (tmp_path / "g" / "config.yaml").write_text(dump_yaml(g))
     with pytest.raises(ValueError, match=r"rollout.group_size 8 -> 4"):
         check_rerun(dataclasses.replace(g, rollout=dataclasses.replace(g.rollout, group_size=4)), str(tmp_path / "g"))
+    # raising `steps` extends the run (sft and grpo), saying how the schedule changes; lowering it, or raising it
+    # together with a setting that changes what is trained, is refused
+    note = check_rerun(load_sft_config(None, [f"run_dir={run}", "steps=400"]), str(run))
+    assert "steps raised from 300 to 400" in note and "decay now ends at step 400" in note, note
+    assert check_rerun(load_sft_config(None, [f"run_dir={run}"]), str(run)) is None
+    with pytest.raises(ValueError, match=r"optim.lr 0.003 -> 0.001") as e:
+        check_rerun(load_sft_config(None, [f"run_dir={run}", "steps=400", "optim.lr=1e-3"]), str(run))
+    assert "steps" not in str(e.value).split("(")[1].split(")")[0]
+    assert "steps raised from" in check_rerun(dataclasses.replace(g, steps=g.steps + 10), str(tmp_path / "g"))
+    with pytest.raises(ValueError, match=rf"steps {g.steps} -> {g.steps - 1}"):
+        check_rerun(dataclasses.replace(g, steps=g.steps - 1), str(tmp_path / "g"))
     c = load_sft_config(None, [f"run_dir={run}", "steps=60"])
     start_run(str(run), c, "sft", new_run=True)
     assert "moved aside to" in capsys.readouterr().out
@@ -963,3 +974,13 @@ def test_grpo_killed_in_its_first_compile_and_in_a_save_then_stopped_then_rerun(
     p, out, err = _nemo(argv, tmp_path)
     assert p.wait(timeout=300) == 0, open(err).read()[-3000:]
     assert "done at step 3" in open(out).read() and (run / "adapters").is_dir()
+
+
+def test_the_mesh_error_is_two_sentences_properly_joined(tmp_path, capsys):
+    """A mesh that does not fit this CPU host's devices: one line, the mesh's reason, then how many devices the
+    host has (it used to splice "of this CPU host" after the reason's closing parenthesis)."""
+    for mesh, reason in (("mesh.fsdp=16", "mesh: fsdp=16 uses 16 devices, 8 are available (set one axis to -1 to "
+                                          "take the devices left over); this CPU host has 8 devices ("),
+                         ("mesh.tensor=3", "does not divide the 8 devices; this CPU host has 8 devices (")):
+        code, err = _cli(capsys, "sft", mesh, f"run_dir={tmp_path / 'r'}")
+        assert code == 2 and len(err.strip().splitlines()) == 1 and reason in err and ") of this" not in err, err

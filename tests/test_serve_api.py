@@ -118,10 +118,10 @@ def _cfg():
 class Running:
     """A ServerState over a FakeEngine, served by uvicorn on a thread; `.url`, `.engine`, `.state`, `.code`."""
 
-    def __init__(self, engine=None, *, api_key=None, max_body=1 << 20, **kw):
+    def __init__(self, engine=None, *, api_key=None, max_body=1 << 20, cfg=None, tok=None, **kw):
         self.engine = engine or FakeEngine()
         kw.setdefault("max_len", 4096)
-        self.state = ServerState(_cfg(), None, TOK, self.engine, model_name="tiny", bucket=8, **kw)
+        self.state = ServerState(cfg or _cfg(), None, tok or TOK, self.engine, model_name="tiny", bucket=8, **kw)
         app = make_app(self.state, api_key=api_key, max_body=max_body)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -139,12 +139,12 @@ class Running:
             up.set()
         self.thread = threading.Thread(target=run, daemon=True)
         self.thread.start()
-        assert up.wait(30), "the server did not start"
+        assert up.wait(120), "the server did not start"
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=api_key or "none", max_retries=0, timeout=30)
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=api_key or "none", max_retries=0, timeout=120)
 
     def post(self, path, body, **kw):
-        kw.setdefault("timeout", 30)
+        kw.setdefault("timeout", 120)
         return httpx.post(self.url + path, json=body, headers={**self.headers, **kw.pop("headers", {})}, **kw)
 
     def close(self):
@@ -355,39 +355,52 @@ def test_clients_that_go_away_free_their_rows_at_once(running):
     assert "nemo_jax_cancelled_total 3" in m and "nemo_jax_num_requests_running 0" in m
 
 
+def _until(pred, what: str, timeout: float = 60.0):
+    """Wait for an event (never for a guessed time): `pred()` true within `timeout` seconds."""
+    t0 = time.monotonic()
+    while not pred():
+        assert time.monotonic() - t0 < timeout, f"not reached within {timeout} s: {what}"
+        time.sleep(0.01)
+
+
 def test_bounded_queue_timeout_and_draining(running):
     """Past its rows and waiting queue the server answers 429 with Retry-After; a request past --request-timeout
     is cancelled with a 503; once draining (SIGTERM), new requests get 503 and /health 503 while running requests
-    finish, and the server stops with status 0."""
-    srv = running(FakeEngine(batch=1, delay=0.02), max_waiting=1, request_timeout=2.0)
+    finish, and the server stops with status 0. Each step waits for the state it needs (a row taken, a request
+    waiting), never for a guessed time: it holds on a loaded machine."""
+    srv = running(FakeEngine(batch=1, delay=0.02), max_waiting=1)
     long = {"prompt": "hi", "max_tokens": 40}
+    counts = srv.state.scheduler.counts
     pool, futs = [], []
-    for _ in range(2):  # one running, one waiting
-        t = threading.Thread(target=lambda: futs.append(srv.post("/v1/completions", long)))
+    for want in ({"running": 1, "waiting": 0}, {"running": 1, "waiting": 1}):  # one running, one waiting
+        t = threading.Thread(target=lambda: futs.append(srv.post("/v1/completions", long, timeout=300)))
         t.start()
         pool.append(t)
-        time.sleep(0.15)
+        _until(lambda: counts() == want, f"scheduler counts {want}")
     r = srv.post("/v1/completions", long)
     e = _error(r, 429)
     assert e["type"] == "RateLimitError" and 1 <= int(r.headers["retry-after"]) <= 60
     for t in pool:
         t.join()
     assert [f.status_code for f in futs] == [200, 200]
+    srv.state.request_timeout = 1.0  # (a 1000-token request takes 20 s here)
     t0 = time.monotonic()
-    e = _error(srv.post("/v1/completions", {"prompt": "hi", "max_tokens": 1000}), 503)
-    assert "--request-timeout" in e["message"] and time.monotonic() - t0 < 4
-    assert srv.engine.rows == [None]
+    e = _error(srv.post("/v1/completions", {"prompt": "hi", "max_tokens": 1000}, timeout=300), 503)
+    assert "--request-timeout" in e["message"] and time.monotonic() - t0 < 15
+    _until(lambda: srv.engine.rows == [None], "the timed-out request's row freed", 10)
+    srv.state.request_timeout = 0.0
     # draining: the one in flight finishes, new ones are refused
     done = []
-    t = threading.Thread(target=lambda: done.append(srv.post("/v1/completions", {"prompt": "hi", "max_tokens": 30})))
+    t = threading.Thread(target=lambda: done.append(srv.post("/v1/completions", {"prompt": "hi", "max_tokens": 30},
+                                                             timeout=300)))
     t.start()
-    time.sleep(0.2)
+    _until(lambda: counts()["running"] == 1, "the request in its row")
     srv.state.scheduler.draining = True
     assert httpx.get(srv.url + "/health").status_code == 503
     assert _error(srv.post("/v1/completions", long), 503)["type"] == "ServiceUnavailableError"
     srv.server.handle_exit(15, None)
-    t.join(10)
-    srv.thread.join(10)
+    t.join(120)
+    srv.thread.join(60)
     assert done[0].status_code == 200 and srv.code == 0
 
 
@@ -494,6 +507,186 @@ def test_local_images_only_under_the_allowed_media_path(tmp_path):
                 "media/a.png", "http://example.com/a.png"):
         with pytest.raises(APIError):
             local_image(bad, roots)
+
+
+def _vl_cfg():
+    with open(os.path.join(ROOT, "nemo_jax", "assets", "models", "tiny-vl.json")) as f:
+        return NemotronHConfig.from_hf_dict(json.load(f))
+
+
+def _png_header(width: int, height: int) -> bytes:
+    """A PNG that claims width x height pixels (a decompression bomb's header: tiny, huge once decoded)."""
+    import struct
+    import zlib
+
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b""))
+
+
+@pytest.fixture
+def logged(monkeypatch, caplog):
+    """What the server logs: the Guard's tracebacks (a 500) and every log record of WARNING or above (uvicorn,
+    asyncio) -> a list of lines. (Not capfd: the server threads outlive a failing test's capture.)"""
+    import logging
+    import traceback
+
+    import nemo_jax.serve.app as app
+
+    lines = []
+    monkeypatch.setattr(app, "traceback", type("T", (), {"print_exc": staticmethod(
+        lambda *a, **k: lines.append("Traceback: " + traceback.format_exc()))}))
+    caplog.set_level(logging.WARNING)
+    yield lambda: lines + [f"{r.name}: {r.getMessage()}" for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_hostile_inputs_are_400s_never_500s_or_hangs(running, tmp_path, logged, monkeypatch):
+    """A lone surrogate, an unknown role, a FIFO under --allowed-local-media-path, a decompression bomb: each one
+    400 in OpenAI's shape, at once, with no traceback; a local image whose read never ends: a 503 after
+    MEDIA_READ_TIMEOUT_S, while text requests and /health go on, and with more stuck reads than media threads."""
+    import base64
+
+    import nemo_jax.data.images as images
+    import nemo_jax.serve.app as app
+
+    media = tmp_path / "media"
+    media.mkdir()
+    os.mkfifo(media / "fifo.png")
+    (media / "ok.png").write_bytes(_png_header(8, 8))
+    srv = running(cfg=_vl_cfg(), tok=ChatTokenizer.load("builtin:tiny_vl"), media_roots=[str(media)])
+    surrogate = b'{"messages": [{"role": "user", "content": "a \\ud800 b"}], "max_tokens": 2}'
+    r = httpx.post(srv.url + "/v1/chat/completions", content=surrogate, headers={"content-type": "application/json"})
+    assert "surrogate" in _error(r, 400)["message"]
+    assert "unknown role 'wizard'" in _error(srv.post("/v1/chat/completions", {"messages": [
+        {"role": "wizard", "content": "hi"}], "max_tokens": 2}), 400)["message"]
+
+    def image(url):
+        return srv.post("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What?"}]}], "max_tokens": 2})
+    t0 = time.monotonic()
+    assert "not a regular file" in _error(image(str(media / "fifo.png")), 400)["message"]
+    assert time.monotonic() - t0 < 10
+    bomb = "data:image/png;base64," + base64.b64encode(_png_header(30000, 30000)).decode()
+    assert "more pixels than an image may have" in _error(image(bomb), 400)["message"]
+    big = "data:image/png;base64," + base64.b64encode(_png_header(9000, 9000)).decode()  # (below PIL's own limit)
+    assert "9000 x 9000 pixels, more than" in _error(image(big), 400)["message"]
+    assert image(str(media / "ok.png")).status_code == 200
+    # reads that never end: each a 503 after the read timeout, the media threads replaced, text goes on
+    stuck = threading.Event()
+    monkeypatch.setattr(images, "read_image_file", lambda path, max_bytes: stuck.wait() and b"")
+    monkeypatch.setattr(app, "MEDIA_READ_TIMEOUT_S", 0.5)
+    got = []
+    pool = [threading.Thread(target=lambda: got.append(image(str(media / "ok.png")).status_code)) for _ in range(9)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join(60)
+    assert got == [503] * 9
+    assert srv.post("/v1/chat/completions", {"messages": MSG, "max_tokens": 2}).status_code == 200
+    assert httpx.get(srv.url + "/health").status_code == 200
+    stuck.set()
+    assert not logged(), logged()
+
+
+def test_health_says_503_when_requests_cannot_be_served_and_one_sigterm_stops_a_stuck_server(running, monkeypatch):
+    """With every request thread held (calls that never end), /health is 503, not 200; one SIGTERM still stops
+    the server (status 0), its stuck threads left behind."""
+    import nemo_jax.serve.app as app
+
+    monkeypatch.setattr(app, "HEALTH_PROBE_S", 0.3)
+    srv = running()
+    assert httpx.get(srv.url + "/health").status_code == 200
+    stuck = threading.Event()
+    for _ in range(srv.state.work.limit):
+        srv.state.work.submit(stuck.wait)
+    assert httpx.get(srv.url + "/health").status_code == 503
+    srv.server.handle_exit(15, None)
+    srv.thread.join(30)
+    assert not srv.thread.is_alive() and srv.code == 0
+    stuck.set()
+
+
+def test_dropped_connections_are_counted_not_500s_and_not_logged(running, logged):
+    """Clients that close their connection mid-body, or right after sending a request: no status 500 in
+    /metrics, no traceback and no log line per connection; counted as disconnected / cancelled."""
+    srv = running(FakeEngine(batch=2, delay=0.01))
+    body = json.dumps({"messages": MSG, "max_tokens": 50}).encode()
+    for i in range(200):
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
+            req = _post_raw("/v1/chat/completions", body)
+            s.sendall(req[: len(req) - len(body) // 2] if i % 2 else req)  # half a body, or a whole request
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 30:
+        m = httpx.get(srv.url + "/metrics").text
+        if "nemo_jax_num_requests_running 0" in m and "nemo_jax_num_requests_waiting 0" in m:
+            break
+        time.sleep(0.1)
+    assert srv.post("/v1/chat/completions", {"messages": MSG, "max_tokens": 2}).status_code == 200
+    m = httpx.get(srv.url + "/metrics").text
+    assert 'status="500"' not in m, [x for x in m.splitlines() if "500" in x]
+    gone = sum(float(x.split()[-1]) for x in m.splitlines()
+               if x.startswith(("nemo_jax_disconnected_total", "nemo_jax_cancelled_total")))
+    assert gone >= 100, [x for x in m.splitlines() if "total" in x]
+    lines = logged()
+    assert not any("Traceback" in x or "never retrieved" in x for x in lines) and len(lines) < 20, lines[:5]
+
+
+def test_serve_checks_the_port_before_loading_warns_on_every_interface_and_says_ready_once_it_accepts(
+        monkeypatch, capsys):
+    """`nemo-jax serve` on a taken port: one line naming it, before the model is loaded; on 0.0.0.0 without an
+    API key: one warning line; the ready line is printed when the socket already accepts connections."""
+    import nemo_jax.generate as generate
+    import nemo_jax.serve.app as app
+    from nemo_jax.cli import main
+
+    loaded = []
+    monkeypatch.setattr(generate, "load_for_generation", lambda *a, **k: loaded.append(1) or (_cfg(), None, None))
+    monkeypatch.setattr(generate, "Engine", lambda *a, **k: FakeEngine())
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit) as e:
+            main(["serve", "--ckpt", "x", "--tokenizer", "builtin:tiny", "--port", str(port)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and not loaded and f"--port {port}" in err and len(err.strip().splitlines()) == 1, err
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    servers, said = [], []
+    real_serve = app.serve
+
+    def serve(*a, ready=None, **k):  # (keeps the server, to stop it)
+        return real_serve(*a, ready=lambda server: (servers.append(server), ready(server)), **k)
+    monkeypatch.setattr(app, "serve", serve)
+
+    import io
+
+    class Out(io.StringIO):  # the moment the ready line is written, a client connects
+        def write(self, text):
+            if "on http://" in text:
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=5).close()
+                    said.append("accepted")
+                except OSError as err:
+                    said.append(f"refused: {err}")
+            return super().write(text)
+    import contextlib
+
+    with contextlib.redirect_stdout(Out()):  # (restored before the capture fixtures close theirs)
+        t = threading.Thread(target=main, args=(["serve", "--ckpt", "x", "--tokenizer", "builtin:tiny", "--host",
+                                                 "0.0.0.0", "--port", str(port)],), daemon=True)
+        t.start()
+        t0 = time.monotonic()
+        while not servers and t.is_alive() and time.monotonic() - t0 < 60:
+            time.sleep(0.05)
+        assert servers, capsys.readouterr().err[-2000:]
+        servers[0].should_exit = True
+        t.join(30)
+    assert said == ["accepted"], said
+    warn = [x for x in capsys.readouterr().err.splitlines() if "warning" in x]
+    assert len(warn) == 1 and "every interface" in warn[0] and "--api-key" in warn[0], warn
 
 
 # ----------------------------------------------------------------------------- the stream's text

@@ -74,7 +74,7 @@ def _spawn(run_dir, steps, *extra):
     return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _wait_for(pred, proc, timeout=240):
+def _wait_for(pred, proc, timeout=900):
     t0 = time.time()
     while not pred():
         if proc.poll() is not None or time.time() - t0 > timeout:
@@ -221,3 +221,28 @@ def test_init_from_native_and_hf_checkpoints(tmp_path):
         for a, b in zip(flat(params), flat(t.state.params)):
             np.testing.assert_array_equal(a, b)
         assert len(t.state.params["lm_head"]["kernel"].sharding.device_set) == 2
+
+
+@pytest.mark.slow
+def test_a_finished_run_extended_by_raising_steps_resumes_and_rebuilds_the_schedule(tmp_path, micro, capsys):
+    """`steps=2` run to the end, then rerun with `steps=3`: it resumes at step 2 (one line says how the schedule
+    changes) and trains step 3 only, at the rate of the schedule rebuilt for 3 steps. With eval data and
+    `eval_every=0` no eval runs (not even at step 0) and `done` reports no eval_loss."""
+    from nemo_jax.train.optimizer import schedule
+    from nemo_jax.train.sft import main
+
+    args = BASE + [micro, f"run_dir={tmp_path}", "optim.decay=cosine", "optim.min_lr_ratio=0.0",
+                   "data.eval=builtin:tiny_chat/eval.jsonl", "eval_every=0"]
+    first = main(None, args + ["steps=2"])
+    assert "eval_loss" not in first
+    main(None, args + ["steps=3"])
+    out = capsys.readouterr().out
+    assert "sft: steps raised from 2 to 3: resuming" in out and "decay now ends at step 3" in out, out
+    assert "eval at step 0" not in out and "eval_loss" not in out
+    with open(tmp_path / "metrics.jsonl") as f:
+        recs = [r for r in map(json.loads, f) if "loss" in r]
+    assert [r["step"] for r in recs] == [1, 2, 3]
+    c = cfg_for(tmp_path, "steps=3", "optim.decay=cosine", "optim.min_lr_ratio=0.0")
+    assert recs[1]["lr"] == pytest.approx(float(schedule(load_config(SFTConfig, None, BASE + ["steps=2"]).optim,
+                                                                  2)(1)))
+    assert recs[2]["lr"] == pytest.approx(float(schedule(c.optim, 3)(2))) and recs[2]["lr"] > 0

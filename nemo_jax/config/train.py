@@ -71,7 +71,8 @@ class ModelSection:
     SECTION = "model"  # where it sits in a run config (named in errors)
     config: str = "tiny"  # name in configs/model, a model config JSON path
     init: str = "random"  # "random" | path to a native model dir | an HF dir | an SFT run dir
-    init_sft_config: str | None = None  # when `init` does not exist yet: an SFT config that trains it first
+    init_sft_config: str | None = None  # when `init` does not exist yet: an SFT config that trains it first (a
+    # relative path: from the config file's folder or one above it, else the working directory)
     dtype: str = "float32"  # compute dtype: float32 | bfloat16
     remat: str = "none"  # none | layer | save_matmuls
     moe_dispatch: str = "sorted"
@@ -462,7 +463,31 @@ def load_sft_config(path: str | None, overrides=()) -> SFTConfig:
     c = load_config(SFTConfig, path, list(overrides))
     if path and c.name == "sft":
         c = dataclasses.replace(c, name=os.path.splitext(os.path.basename(path))[0])
-    return c
+    return _init_config_from(c, path, overrides)
+
+
+def _init_config_from(c, path: str | None, overrides):
+    """`model.init_sft_config` as written in the config file at `path`: a relative path is looked up from that
+    file's folder and then each folder above it (the shipped configs name `configs/sft/...` from the repository
+    root), the working directory last; made absolute, so the run finds it from any directory. Given as an
+    override, it is the working directory's."""
+    import dataclasses
+    import os
+
+    rel = c.model.init_sft_config
+    if not (path and rel) or os.path.isabs(rel) or any(str(o).startswith("model.init_sft_config=")
+                                                       for o in overrides):
+        return c
+    d = os.path.dirname(os.path.abspath(path))
+    while True:
+        if os.path.isfile(os.path.join(d, rel)):
+            found = os.path.join(d, rel)
+            break
+        if os.path.dirname(d) == d:
+            found = os.path.abspath(rel)
+            break
+        d = os.path.dirname(d)
+    return dataclasses.replace(c, model=dataclasses.replace(c.model, init_sft_config=found))
 
 
 def load_grpo_config(path: str | None, overrides=()) -> GRPOConfig:
@@ -475,7 +500,7 @@ def load_grpo_config(path: str | None, overrides=()) -> GRPOConfig:
     c = load_config(GRPOConfig, path, list(overrides))
     if path and c.name == "grpo":  # runs/<config name> by default
         c = dataclasses.replace(c, name=os.path.splitext(os.path.basename(path))[0])
-    return c
+    return _init_config_from(c, path, overrides)
 
 
 def load_plan_config(path: str | None, overrides=()):
@@ -562,12 +587,29 @@ def rerun_conflicts(saved: dict, config) -> list[tuple[str, object, object]]:
     ours = _flat(json.loads(json.dumps(dataclasses.asdict(config))))
     theirs = _flat(json.loads(json.dumps(saved)))
     return [(k, theirs[k], v) for k, v in ours.items()
-            if k in theirs and theirs[k] != v and not any(fnmatch.fnmatchcase(k, p) for p in RESUMABLE_KEYS)]
+            if k in theirs and theirs[k] != v and not any(fnmatch.fnmatchcase(k, p) for p in RESUMABLE_KEYS)
+            and not (k == "steps" and _raised(theirs[k], v))]
 
 
-def check_rerun(config, run_dir: str) -> None:
+def _raised(before, after) -> bool:
+    return isinstance(before, int) and isinstance(after, int) and after > before
+
+
+def extension_note(saved: dict, config) -> str | None:
+    """The line a rerun that raises `steps` says (None when it does not): it resumes from the run's latest good
+    checkpoint, and the learning-rate schedule is rebuilt for the new total, so its decay now ends at the new
+    last step (a finished cosine / linear decay steps back up to the rebuilt schedule's value there)."""
+    before, after = saved.get("steps"), getattr(config, "steps", None)
+    if not _raised(before, after):
+        return None
+    return (f"steps raised from {before} to {after}: resuming from the run's latest good checkpoint; the learning-"
+            f"rate schedule is rebuilt for {after} steps (warmup unchanged, the decay now ends at step {after})")
+
+
+def check_rerun(config, run_dir: str) -> str | None:
     """Refuse (ValueError, one line naming the differing keys) to resume a run dir that holds checkpoints of a
-    run with other settings (`rerun_conflicts` against RUN/config.yaml). Nothing is read but that file."""
+    run with other settings (`rerun_conflicts` against RUN/config.yaml). Nothing is read but that file. A rerun
+    may raise `steps` (the run is extended) -> the line that says so (`extension_note`), else None."""
     import os
 
     import yaml
@@ -575,7 +617,7 @@ def check_rerun(config, run_dir: str) -> None:
     ckpts = os.path.join(run_dir, "checkpoints")
     path = os.path.join(run_dir, "config.yaml")
     if not (os.path.isdir(ckpts) and any(n.isdigit() for n in os.listdir(ckpts))) or not os.path.isfile(path):
-        return
+        return None
     try:
         with open(path) as f:
             saved = yaml.safe_load(f)
@@ -589,6 +631,7 @@ def check_rerun(config, run_dir: str) -> None:
         raise ValueError(f"{run_dir} holds a run with other settings ({shown}): its checkpoints were trained with "
                          f"its own ({path}); rerun with those to continue it, give another run_dir, or pass --new-run "
                          "to move it aside and start afresh")
+    return extension_note(saved if isinstance(saved, dict) else {}, config)
 
 
 def read_mesh_sizes(spec: str) -> dict:

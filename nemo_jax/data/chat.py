@@ -239,6 +239,8 @@ def parse_record(raw, tok: ChatTokenizer, vocab_size: int, base_dir: str | None 
     Document; DataError says what is wrong."""
     if isinstance(raw, bytes):
         raw = utf8(raw)
+    if isinstance(raw, str) and raw.startswith("\ufeff"):  # a UTF-8 BOM (a file saved by some editors): not data
+        raw = raw[1:]
     try:
         return _parse(json.loads(raw) if isinstance(raw, str) else raw, tok, vocab_size, base_dir)
     except json.JSONDecodeError as e:

@@ -14,6 +14,7 @@ import dataclasses
 import io
 import math
 import os
+import stat
 
 import numpy as np
 
@@ -53,30 +54,75 @@ def image_grid(v: VisionConfig, height: int, width: int, n_images: int = 1) -> t
     return grid_size(height, width, v.patch_size, v.merge, v.min_num_patches, patch_budget(v, n_images))
 
 
-def load_image(src: str, base_dir: str | None = None):
-    """A path (relative to base_dir), `file://` URL or `data:image/...;base64,` URL -> RGB PIL image."""
+MAX_IMAGE_PIXELS = 1 << 26  # 67M pixels (8192 x 8192): a larger picture is refused before it is decoded
+MAX_IMAGE_BYTES = 1 << 28  # 256 MiB: a larger image file is refused before it is read
+
+
+def read_image_file(path: str, max_bytes: int = MAX_IMAGE_BYTES) -> bytes:
+    """The bytes of the image file `path`: a regular file of at most `max_bytes`, else ImageError naming it.
+    Opened without blocking and checked on the open file, so a FIFO, socket or device (one that never ends)
+    is refused at once, never read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
+    except OSError as e:
+        raise ImageError(f"{path}: cannot read image ({e.strerror or e})") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ImageError(f"{path}: not a regular file (a FIFO, socket or device is never read as an image)")
+        if st.st_size > max_bytes:
+            raise ImageError(f"{path}: {st.st_size:,} bytes, more than the {max_bytes:,} an image may have")
+        os.set_blocking(fd, True)
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise ImageError(f"{path}: more than the {max_bytes:,} bytes an image may have (it grew while read)")
+    return data
+
+
+def open_image(data: bytes, name: str):
+    """Encoded image bytes -> RGB PIL image; ImageError naming `name` for bytes that are no image, or a picture
+    of more than MAX_IMAGE_PIXELS pixels (a decompression bomb: refused from its header, before decoding)."""
+    import warnings
+
     from PIL import Image, UnidentifiedImageError
 
     try:
-        if src.startswith("data:"):
-            head, _, payload = src.partition(",")
-            if ";base64" not in head:
-                raise ImageError(f"{head}: only base64 data URLs are supported")
-            img = Image.open(io.BytesIO(base64.b64decode(payload, validate=True)))
-            where = head
-        else:
-            path = src[len("file://"):] if src.startswith("file://") else src
-            if "://" in path:
-                raise ImageError(f"{src}: remote images are not fetched; download them and give a local path")
-            where = path if os.path.isabs(path) or base_dir is None else os.path.join(base_dir, path)
-            img = Image.open(where)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            img = Image.open(io.BytesIO(data))
+        w, h = img.size
+        if w * h > MAX_IMAGE_PIXELS:
+            raise ImageError(f"{name}: {w} x {h} pixels, more than the {MAX_IMAGE_PIXELS:,} an image may have")
         img.load()
     except ImageError:
         raise
-    except (OSError, UnidentifiedImageError, ValueError) as e:  # missing, unreadable or corrupt
-        name = src.partition(",")[0] if src.startswith("data:") else src  # a path whole, a data URL by its head
+    except Image.DecompressionBombError as e:
+        raise ImageError(f"{name}: more pixels than an image may have ({e})") from None
+    except (OSError, UnidentifiedImageError, ValueError, SyntaxError, EOFError) as e:  # corrupt or truncated
         raise ImageError(f"{name}: cannot read image ({e})") from None
     return img.convert("RGB")
+
+
+def load_image(src: str, base_dir: str | None = None):
+    """A path (relative to base_dir), `file://` URL or `data:image/...;base64,` URL -> RGB PIL image (ImageError
+    naming it when it cannot be read; see `read_image_file` and `open_image` for what is refused)."""
+    if src.startswith("data:"):
+        head, _, payload = src.partition(",")
+        if ";base64" not in head:
+            raise ImageError(f"{head}: only base64 data URLs are supported")
+        try:
+            data = base64.b64decode(payload, validate=True)
+        except ValueError as e:
+            raise ImageError(f"{head}: cannot read image ({e})") from None
+        return open_image(data, head)
+    path = src[len("file://"):] if src.startswith("file://") else src
+    if "://" in path:
+        raise ImageError(f"{src}: remote images are not fetched; download them and give a local path")
+    where = path if os.path.isabs(path) or base_dir is None else os.path.join(base_dir, path)
+    try:
+        return open_image(read_image_file(where), src)
+    except ImageError as e:
+        raise ImageError(str(e).replace(where, src, 1) if where != src else str(e)) from None
 
 
 def _resize(x: np.ndarray, height: int, width: int) -> np.ndarray:

@@ -64,6 +64,7 @@ class ImageAblation:
         self.max_turns = getattr(env, "max_turns", 1)
         self._donor: dict[str, object] = {}  # task id -> the task whose opening picture it is shown (shuffle)
         self._pictures: dict[str, object] = {}  # task id -> its opening picture
+        self.replaced = 0  # pictures replaced so far
 
     def tasks(self, split: str):
         tasks = self.env.tasks(split)
@@ -134,6 +135,7 @@ class _AblatedEpisode:
         def swap(p):
             if not _is_picture(p):
                 return p
+            self.owner.replaced += 1
             return {"type": "image", "image": self.owner.picture_for(self.task, _pil(_image_ref(p, "observation")))}
 
         obs.messages = [dict(m, content=[swap(p) for p in m["content"]])
@@ -154,3 +156,12 @@ class _AblatedEpisode:
 def ablate(env, mode: str, seed: int = 0):
     """`env` as it is (`real`) or wrapped (`blank`, `shuffle`)."""
     return env if mode == "real" else ImageAblation(env, mode, seed)
+
+
+def ablation_note(env) -> str | None:
+    """After an eval: the line that says an ablation changed nothing (an environment that showed no picture, e.g.
+    a text one), else None."""
+    if isinstance(env, ImageAblation) and env.replaced == 0:
+        return (f"--images {env.mode}: the {env.name} environment showed no pictures, so nothing was replaced: "
+                "these figures are those of --images real")
+    return None

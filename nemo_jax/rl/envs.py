@@ -25,8 +25,8 @@ import re
 import numpy as np
 
 from nemo_jax.data.chat import tool_calls
-from nemo_jax.rl.episode import (Environment, Episode, HistoryEnv, HistoryEpisode, Observation, Score,  # noqa: F401
-                                  SyncForm, Task, as_environment)
+from nemo_jax.rl.episode import (BUILTIN_ENVS, Environment, Episode, HistoryEnv, HistoryEpisode,  # noqa: F401
+                                 Observation, Score, SyncForm, Task, as_environment, env_forms)
 
 
 def last_assistant(history: list[dict]) -> str:
@@ -278,7 +278,7 @@ class JsonlTasks(SingleTurn):
     def __init__(self, path: str):
         self.name = f"jsonl:{path}"
         self._split = {"train": [], "eval": []}
-        with open(path) as f:
+        with open(path, encoding="utf-8-sig") as f:  # (a UTF-8 BOM at the start is not data)
             for n, line in enumerate(f, 1):
                 if not line.strip():
                     continue
@@ -325,22 +325,11 @@ class JsonlTasks(SingleTurn):
 
 
 def make_env(spec: str, **args) -> Environment:
-    """'arithmetic' | 'constraints' | 'inbox' | 'mcp' | 'gui' | 'jsonl:PATH' | 'package.module:Class' (built with
-    **args) -> an environment with `tasks` and `episode` (a user class of the synchronous form is wrapped)."""
-    if spec == "arithmetic":
-        return Arithmetic(**args)
-    if spec == "constraints":
-        return Constraints(**args)
-    if spec == "inbox":
-        return Inbox(**args)
-    if spec == "mcp":
-        from nemo_jax.rl.mcp_env import MCPEnv
-
-        return MCPEnv(**args)
-    if spec == "gui":
-        from nemo_jax.rl.gui_env import GUIEnv
-
-        return GUIEnv(**args)
+    """A built-in environment's name (`BUILTIN_ENVS`) | 'jsonl:PATH' | 'package.module:Class' (built with **args)
+    -> an environment with `tasks` and `episode` (a user class of the synchronous form is wrapped)."""
+    if spec in BUILTIN_ENVS:
+        mod, _, cls = BUILTIN_ENVS[spec].partition(":")
+        return getattr(importlib.import_module(mod), cls)(**args)
     if spec.startswith("jsonl:"):
         return JsonlTasks(spec[len("jsonl:"):], **args)
     if ":" in spec:
@@ -355,5 +344,4 @@ def make_env(spec: str, **args) -> Environment:
             return as_environment(env)
         except ValueError as e:
             raise ValueError(f"rl.env {spec!r}: {e}") from None
-    raise ValueError(f"rl.env: {spec!r} (expected arithmetic, constraints, inbox, mcp, gui, jsonl:PATH or "
-                     "package.module:Class)")
+    raise ValueError(f"rl.env: {spec!r} (expected {env_forms(', ')})")

@@ -30,6 +30,54 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 
+# The built-in environments by name (`rollout.env`, `nemo-jax eval --env`): where each class lives, imported only
+# when one is made (`nemo_jax.rl.envs.make_env`); the CLI's help lists them from here.
+BUILTIN_ENVS = {"arithmetic": "nemo_jax.rl.envs:Arithmetic", "constraints": "nemo_jax.rl.envs:Constraints",
+                "inbox": "nemo_jax.rl.envs:Inbox", "mcp": "nemo_jax.rl.mcp_env:MCPEnv",
+                "gui": "nemo_jax.rl.gui_env:GUIEnv"}
+
+
+def env_forms(sep: str = " | ") -> str:
+    """Every form an environment name may take (the built-in names, jsonl:PATH, package.module:Class)."""
+    return sep.join([*BUILTIN_ENVS, "jsonl:PATH", "package.module:Class"])
+
+
+class EnvironmentFailed(RuntimeError):
+    """An environment's method raised: the message names the environment, the episode, the method and the
+    environment author's own file and line (`where`); `author_traceback` holds only the author's frames (what
+    the CLI prints, instead of the sampler's internals)."""
+
+    def __init__(self, message: str, where: str | None = None, author_traceback: str = ""):
+        super().__init__(message)
+        self.where, self.author_traceback = where, author_traceback
+
+
+def author_frames(e: BaseException) -> list:
+    """The frames of `e`'s traceback outside nemo_jax and the standard library (the environment author's code),
+    innermost last."""
+    import os
+    import sysconfig
+    import traceback
+
+    pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    stdlib = tuple(os.path.realpath(sysconfig.get_paths()[k]) + os.sep for k in ("stdlib", "platstdlib"))
+    return [f for f in traceback.extract_tb(e.__traceback__)
+            if not os.path.realpath(f.filename).startswith((pkg, *stdlib)) and not f.filename.startswith("<frozen")]
+
+
+def environment_failed(env_name: str, rollout_id: str, method: str, e: BaseException) -> EnvironmentFailed:
+    """The EnvironmentFailed for `e` raised by an episode's `method`: its message opens with the author's file and
+    line where there is one."""
+    import traceback
+
+    frames = author_frames(e)
+    where = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else None
+    at = f" at {where} (in {frames[-1].name})" if frames else ""
+    tb = "".join(traceback.format_list(frames)) if frames else ""
+    return EnvironmentFailed(f"environment {env_name}: episode {rollout_id}: {method}() failed{at}: "
+                             f"{type(e).__name__}: {e}", where, tb)
+
+
 @dataclass(frozen=True)
 class Task:
     id: str

@@ -156,7 +156,10 @@ class GRPORunner:
                 if self.board is not None:
                     for gid, why in self.pool.drain_dropped():
                         self.board.cancel(gid, why)
-                if len(self.pool.ready) >= need:
+                inline = producer is not None and self.c.rollout.producer == "inline"
+                if len(self.pool.ready) >= need and not (inline and producer.pending()):
+                    # (inline: every group in flight is finished first, so no group is part-sampled when the
+                    # policy changes: the run repeats exactly, docs/grpo.md#reproducibility)
                     return time.perf_counter() - t0
             if self.stop_requested:
                 return time.perf_counter() - t0
@@ -285,7 +288,8 @@ class GRPORunner:
                 last.update(self._one_step(producer, logger, bar) or {})
                 bar.update(1)
                 if first:  # rate and ETA from here on (the first step compiled the learner and sampler)
-                    bar.initial, bar.start_t, first = bar.n, bar._time(), False
+                    rate_from_here(bar)
+                    first = False
                 if c.eval_every and self.step % c.eval_every == 0:
                     last.update(self._log_eval(logger, bar))
                 if c.checkpoint.every and self.step % c.checkpoint.every == 0:
@@ -402,6 +406,15 @@ class GRPORunner:
         return rec
 
 
+def rate_from_here(bar) -> None:
+    """A tqdm bar's rate and ETA count from now on: its start time, last print and smoothed rate are reset at its
+    current count (after the step that compiled: its minutes must not enter the steps' rate)."""
+    n = bar.n
+    bar.reset(total=bar.total)  # (clears the exponential moving averages of tqdm's rate, and the start time)
+    bar.n = bar.last_print_n = bar.initial = n
+    bar.refresh()
+
+
 # ----------------------------------------------------------------------------- eval
 def evaluate_env(engine, tok, cfg, env, attempts: int, max_new_tokens: int, temperature: float, *,
                  split: str = "eval", tasks=None, timeout_s: float = 0.0, progress: bool = False,
@@ -466,6 +479,10 @@ def cli_eval(a) -> dict:
         "(the first attempts finish after the sampler compiles)")
     out = evaluate_env(engine, tok, cfg, env, a.attempts, a.max_new_tokens, a.temperature, split=a.split,
                        progress=True, seed=a.seed)
+    from nemo_jax.rl.ablation import ablation_note
+
+    if ablation_note(env):
+        say(ablation_note(env))
     out.update(env=a.env, images=a.images, ckpt=a.ckpt, adapters=a.adapters)
     width = max(len(k) for k in out)
     for k, v in out.items():

@@ -29,9 +29,11 @@ class RolloutPool:
         self.counts = Counter()  # groups opened / finished / trained / stale_dropped, rollouts added / rejected
         self.staleness = Counter()  # versions behind at training time -> rollouts
         self._next = 0
+        self._opened: dict[str, int] = {}  # group id -> when it was opened (in open_group calls)
 
     def open_group(self, task_id: str, group_id: str | None = None, *, external: bool = False) -> str:
         gid = group_id or f"g{self._next}"
+        self._opened[gid] = self._next  # (take: the oldest opened first)
         self._next += 1
         if gid in self.in_flight or gid in self.ready:
             raise ValueError(f"rollout pool: group {gid!r} already open")
@@ -58,7 +60,9 @@ class RolloutPool:
         if len(g["rollouts"]) < self.group_size:
             return None
         del self.in_flight[r.group_id]
-        self.ready[r.group_id] = g["rollouts"]
+        # the in-process sampler's rollouts (ids GROUP/J) in J order, not in arrival order (which environment threads
+        # decide): a batch is then the same each run; others as they arrived
+        self.ready[r.group_id] = sorted(g["rollouts"], key=lambda x: _index(x.rollout_id, r.group_id))
         self.counts["groups_finished"] += 1
         return r.group_id
 
@@ -104,8 +108,10 @@ class RolloutPool:
         """Up to n_groups ready groups (oldest first, stale ones dropped first), staleness recorded."""
         self.drop_stale(version)
         out = []
-        while self.ready and len(out) < n_groups:
-            _, rs = self.ready.popitem(last=False)
+        order = sorted(self.ready, key=lambda g: self._opened.get(g, float("inf")))  # opened first (then finished)
+        for gid in order[:n_groups]:
+            rs = self.ready.pop(gid)
+            self._opened.pop(gid, None)
             for r in rs:
                 self.staleness[version - r.version] += 1
             out.append(rs)
@@ -130,3 +136,9 @@ class RolloutPool:
                  "failed": v["failed"]}) for g, v in state.get("in_flight", {}).items())
         self.dropped = []
         self._next = state["next"]
+
+
+def _index(rollout_id, group_id: str) -> int:
+    """J of an in-process rollout id GROUP/J, else -1 (a stable sort keeps those in arrival order)."""
+    head, _, j = (rollout_id or "").rpartition("/")
+    return int(j) if head == group_id and j.isdigit() else -1

@@ -27,7 +27,7 @@ import tempfile
 import threading
 import time
 import zlib
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
 import jax
@@ -35,8 +35,9 @@ import jax.numpy as jnp
 
 from nemo_jax.data.chat import content_text
 from nemo_jax.generate import Engine, SamplingParams, chunk_images, widen_images
-from nemo_jax.rl.episode import Observation, Task, as_environment
+from nemo_jax.rl.episode import EnvironmentFailed, Observation, Task, as_environment, environment_failed
 from nemo_jax.rl.rollout import ImageStore, Rollout
+from nemo_jax.threads import DaemonPool
 
 
 def stop_ids(cfg, tok) -> tuple[int, ...]:
@@ -91,6 +92,7 @@ class _Live:
     cut: bool = False  # its last turn hit max_new_tokens
     seq: int | None = None  # its engine sequence
     pending: Future | None = None
+    pending_what: str = ""  # the episode method `pending` runs
     obs: Observation | None = None
     timed_out: bool = False
     ended: bool = False
@@ -150,12 +152,24 @@ class Conversation:
 
 
 class EnvCalls:
-    """Runs episode methods off the decode loop: plain ones on a thread pool, coroutines on one event-loop thread.
-    Each finished call is put on `done` as (token, future)."""
+    """Runs episode methods off the decode loop: plain ones on worker threads, coroutines on one event-loop thread.
+    Each finished call is put on `done` as (token, future).
 
-    def __init__(self, workers: int):
-        self.pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="episode")
+    `workers` daemon threads (nemo_jax.threads.DaemonPool: they never keep a finished process alive) serve the
+    plain calls. A call its episode's time limit abandoned while it still runs (a `start()` that hangs) keeps its
+    thread, so `abandon` adds a thread in its place: a hung episode costs one thread, never the pool, up to
+    `workers * ABANDONED_PER_WORKER` replacements (each said in one line, the bound too); past the bound, later
+    calls wait for a free thread."""
+
+    ABANDONED_PER_WORKER = 4
+
+    def __init__(self, workers: int, name: str = "environment"):
+        self.name = name
+        self.pool = DaemonPool(workers, "episode")
+        self.bound = self.pool.limit * self.ABANDONED_PER_WORKER
         self.done: queue.Queue = queue.Queue()
+        self.replaced = 0  # threads added in place of abandoned ones
+        self._said_bound = False
         self._loop = None
         self._lock = threading.Lock()
 
@@ -180,8 +194,28 @@ class EnvCalls:
         fut.add_done_callback(lambda f: self.done.put((token, f)))
         return fut
 
+    def abandon(self, fut: Future, what: str) -> None:
+        """`fut`'s call outlived its episode (timed out): cancelled if it has not started (a coroutine's: on its
+        loop), else its thread is left to it and a new one takes its place (up to the bound)."""
+        if fut.cancel() or fut.done():
+            return
+        with self._lock:
+            n = None
+            if self.replaced < self.bound:
+                self.replaced += 1
+                n = self.replaced
+            said, self._said_bound = self._said_bound, self._said_bound or n is None
+        if n is not None:
+            self.pool.add_thread()
+            print(f"{self.name}: {what} is still running past the episode's time limit (rollout.episode_timeout_s); "
+                  f"its worker thread is left to it and a new one takes its place ({n} replaced so far, at most "
+                  f"{self.bound})", flush=True)
+        elif not said:
+            print(f"{self.name}: {self.bound} worker threads were replaced after hung calls (the bound): calls "
+                  "that hang from now on hold a worker each, and the others wait for a free one", flush=True)
+
     def close(self):
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.pool.shutdown()
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
 
@@ -210,7 +244,7 @@ class EpisodeDriver:
         self.conv = Conversation(tok, cfg, images)
         self.max_turns = max(1, int(getattr(env, "max_turns", 1)))
         self.timeout_s = float(timeout_s or getattr(env, "timeout_s", 0) or 0)
-        self.calls = EnvCalls(workers)
+        self.calls = EnvCalls(workers, f"environment {getattr(env, 'name', type(env).__name__)}")
         self.live: dict[str, _Live] = {}
         self.closing: set = set()  # close() calls not finished yet
         self.report_failures = report_failures
@@ -224,7 +258,7 @@ class EpisodeDriver:
         ep = self.env.episode()
         r = _Live(task, group_id, rollout_id, ep, time.monotonic() + self.timeout_s if self.timeout_s else 0.0, sp=sp)
         self.live[rollout_id] = r
-        r.pending = self.calls.call((r, "start"), ep.start, task, rollout_id)
+        r.pending, r.pending_what = self.calls.call((r, "start"), ep.start, task, rollout_id), "start"
 
     @property
     def running(self) -> int:
@@ -258,6 +292,8 @@ class EpisodeDriver:
         for r in [r for r in self.live.values() if r.deadline and now > r.deadline]:
             r.timed_out = True
             self.counts["timed_out"] += 1
+            if r.pending is not None:  # a hung call costs its own thread, not the pool's
+                self.calls.abandon(r.pending, f"episode {r.rollout_id}: {r.pending_what}()")
             self._finish(r, out)  # (its pending call: an async one is cancelled, a thread's result ignored)
         if self.engine.busy or self.engine.queued:
             for end in self.engine.step():
@@ -265,7 +301,7 @@ class EpisodeDriver:
                 if r.ended:  # (ended while its turn was sampled)
                     continue
                 msg = self.conv.sampled(r, end.tokens, end.logprobs, end.finish_reason, end.versions)
-                r.pending = self.calls.call((r, "step"), r.episode.step, msg)
+                r.pending, r.pending_what = self.calls.call((r, "step"), r.episode.step, msg), "step"
         elif self.live or self.closing:
             try:
                 self._handle(*self.calls.done.get(timeout=wait_s), out)
@@ -289,11 +325,10 @@ class EpisodeDriver:
         r.pending = None
         e = fut.exception()
         if e is not None:
-            msg = f"environment {getattr(self.env, 'name', '?')}: episode {r.rollout_id}: {what}() failed: " \
-                  f"{type(e).__name__}: {e}"
+            err = environment_failed(getattr(self.env, "name", "?"), r.rollout_id, what, e)
             if not self.report_failures:
-                raise RuntimeError(msg) from e
-            return self._end(r, msg)
+                raise err from e
+            return self._end(r, str(err))
         obs = fut.result()
         if not isinstance(obs, Observation):
             msg = (f"environment {getattr(self.env, 'name', '?')}: {what}() returned {type(obs).__name__}, not an "
@@ -357,6 +392,11 @@ class EpisodeDriver:
                 self._handle(*self.calls.done.get(timeout=0.05), [])
             except queue.Empty:
                 pass
+        if self.closing:
+            ids = sorted(r.rollout_id for r, _ in self.closing)
+            print(f"{self.calls.name}: gave up waiting {wait_s:g} s for close() of {len(ids)} episode(s) "
+                  f"({', '.join(ids[:5])}{', ...' if len(ids) > 5 else ''}); they are left to finish on their own",
+                  flush=True)
         self.calls.close()
 
 
@@ -455,7 +495,7 @@ class ThreadProducer:
         self.client, self.tok, self.env, self.pool, self.cur = client, tok, env, pool, curriculum
         self.r, self.temperature, self.lock = rcfg, temperature, lock
         self.by_id = {t.id: t for t in env.tasks("train")}
-        self.key = jax.random.key(seed)
+        self.key, self.seed = jax.random.key(seed), seed
         self.images = ImageStore(image_dir) if image_dir else None
         self.draw_p = draw_p if draw_p is not None else {}  # group id -> the curriculum's probability of its task
         self.mine: set = set()  # ids of the groups this producer opened
@@ -499,9 +539,10 @@ class ThreadProducer:
                 opened.append((self.by_id[t], gid))
         if policy is not None:
             d.engine.set_adapters(policy[1], policy[0])
-        for task, gid in opened:
-            for j in range(self.r.group_size):
-                d.add(task, gid, f"{gid}/{j}")
+        for task, gid in opened:  # each rollout's draws from (seed, its id) alone: not from the order rollouts
+            for j in range(self.r.group_size):  # reach the sampler (environment threads), so runs can repeat
+                rid = f"{gid}/{j}"
+                d.add(task, gid, rid, replace(d.sp, seed=zlib.crc32(f"{self.seed}/{rid}".encode())))
         t0 = time.perf_counter()
         rollouts = d.pump()
         self.busy_s += time.perf_counter() - t0
@@ -511,6 +552,10 @@ class ThreadProducer:
                     if self.pool.add(x) not in (None, "unknown_group"):  # a finished group: curriculum statistics
                         self.cur.update(x.task_id, [y.reward for y in self.pool.ready[x.group_id]])
         return len(rollouts)
+
+    def pending(self) -> bool:
+        """Whether groups this producer opened are still being sampled (call under `lock`)."""
+        return bool(self.mine & set(self.pool.in_flight)) or (self.driver is not None and self.driver.running > 0)
 
     def _run(self):
         try:
@@ -523,6 +568,8 @@ class ThreadProducer:
         self.thread.start()
 
     def check(self):
+        if isinstance(self.error, EnvironmentFailed):  # (already names the environment and its author's line)
+            raise self.error
         if self.error is not None:
             raise RuntimeError(f"rollout producer failed: {type(self.error).__name__}: {self.error}") from self.error
 

@@ -36,11 +36,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 from nemo_jax.extras import require
 from nemo_jax.serve.metrics import Metrics
-from nemo_jax.serve.openai import (SSE_DONE, APIError, ChoiceStream, Prompt, check_fields, local_image, options,
-                                   response, sampling, sse, template_messages, token_bytes, usage)
+from nemo_jax.serve.openai import (SSE_DONE, APIError, ChoiceStream, Prompt, check_fields, check_text, local_image,
+                                   options, response, sampling, sse, template_messages, token_bytes, usage)
 from nemo_jax.serve.scheduler import Adapter, Job, Scheduler
+from nemo_jax.threads import DaemonPool
 
 ADAPTER_LOAD_TIMEOUT_S = 300.0
+MEDIA_READ_TIMEOUT_S = 30.0  # one local image file read, at most (a slow or stuck file: 503, its thread replaced)
+HEALTH_PROBE_S = 2.0  # /health is 503 when the request threads cannot take a call within this
 
 
 class ServerState:
@@ -52,7 +55,7 @@ class ServerState:
 
     def __init__(self, cfg, params, tok, engine, *, model_name: str, max_len: int, bucket: int,
                  tokens_as_ids: bool = False, mesh=None, max_waiting: int = 256, adapter_roots=None,
-                 media_roots=(), request_timeout: float = 0.0, vocab_bytes=None):
+                 media_roots=(), request_timeout: float = 0.0, vocab_bytes=None, max_media_bytes: int = 32 << 20):
         self.cfg, self.params, self.tok, self.model_name = cfg, params, tok, model_name
         self.max_len, self.bucket, self.tokens_as_ids, self.mesh = max_len, bucket, tokens_as_ids, mesh
         self.metrics = Metrics()
@@ -67,6 +70,12 @@ class ServerState:
         self.media_roots = [os.path.realpath(r) for r in media_roots]
         self.request_timeout = request_timeout
         self._adapter_io = ThreadPoolExecutor(1, thread_name_prefix="adapter-io")  # never the shared executor
+        # requests' CPU work off the event loop (templates, tokenising, pictures, responses) and local image reads,
+        # on daemon threads (nemo_jax.threads: a stuck call never keeps a stopped server alive); a read past
+        # MEDIA_READ_TIMEOUT_S is given up and its thread replaced, so stuck files never take the request threads
+        self.work = DaemonPool(16, "serve")
+        self.media_io = DaemonPool(4, "media-io")
+        self.max_media_bytes = max_media_bytes
         self.stop_ids = tuple(sorted({*cfg.eos_ids, *tok.eos_ids()}))
         longest = max((len(b) for b in vocab_bytes), default=1) if vocab_bytes else 64
         self.max_prompt_bytes = max_len * max(longest, 1) + 4096  # more text than this cannot fit max_len tokens
@@ -246,11 +255,55 @@ class ServerState:
         ids = self.encode(text, "messages")
         if not refs:
             return ids, []
-        refs = [r if r.startswith("data:") else local_image(r, self.media_roots) for r in refs]
+        pics = [self.picture(r) for r in refs]
         try:
-            return widen_images(self.cfg, ids, refs)
+            return widen_images(self.cfg, ids, pics)
         except ValueError as e:
             raise APIError(str(e), param="messages") from None
+
+    def picture(self, ref: str):
+        """An image part's reference -> RGB PIL image. A local file: only under --allowed-local-media-path, a
+        regular file (a FIFO is refused, never opened), at most --max-request-mb, read within
+        MEDIA_READ_TIMEOUT_S; any picture of more than `MAX_IMAGE_PIXELS` is refused from its header."""
+        import concurrent.futures
+
+        from nemo_jax.data.images import ImageError, load_image, open_image, read_image_file
+
+        try:
+            if ref.startswith("data:"):
+                return load_image(ref)
+            real = local_image(ref, self.media_roots)
+            fut = self.media_io.submit(read_image_file, real, self.max_media_bytes)
+            try:
+                data = fut.result(timeout=MEDIA_READ_TIMEOUT_S)
+            except concurrent.futures.TimeoutError:
+                if not fut.cancel():
+                    self.media_io.add_thread()  # (the stuck read keeps its thread)
+                raise APIError(f"{ref[:120]}: reading the image did not finish within {MEDIA_READ_TIMEOUT_S:g} s",
+                               status=503, param="messages") from None
+            return open_image(data, ref[:120])
+        except ImageError as e:
+            raise APIError(str(e)[:500], param="messages") from None
+
+    async def off_loop(self, fn, *args):
+        """fn(*args) on the request threads, within --request-timeout (503 past it)."""
+        fut = asyncio.get_running_loop().run_in_executor(self.work, fn, *args)
+        try:
+            return await asyncio.wait_for(fut, self.request_timeout or None)
+        except asyncio.TimeoutError:
+            raise APIError(f"the request did not finish within {self.request_timeout:g} s (--request-timeout)",
+                           status=503) from None
+
+    async def serving(self) -> bool:
+        """Whether requests can be served now: the engine runs, the server is not draining, and the request
+        threads take a call within HEALTH_PROBE_S."""
+        if not self.scheduler.alive or self.scheduler.draining:
+            return False
+        try:
+            await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(self.work, int), HEALTH_PROBE_S)
+            return True
+        except asyncio.TimeoutError:
+            return False
 
     def completion_prompts(self, body: dict) -> list[list[int]]:
         p = body.get("prompt")
@@ -289,12 +342,12 @@ class ServerState:
                 ids, pics = self.chat_tokens(body)
                 return [self.prompt(ids, pics, body, opt.top_logprobs)]
             return [self.prompt(ids, [], body, opt.top_logprobs) for ids in self.completion_prompts(body)]
-        prompts = await asyncio.to_thread(prepare)
+        prompts = await self.off_loop(prepare)
         model = body.get("model") or self.model_name
         if opt.stream:
             return self._stream(request, prompts, adapter, opt, chat, model)
         samples = await self._run(request, prompts, adapter)
-        return await asyncio.to_thread(response, self.tok, model, prompts, samples, opt, chat=chat)
+        return await self.off_loop(functools.partial(response, self.tok, model, prompts, samples, opt, chat=chat))
 
     def _jobs(self, prompts: list[Prompt], adapter, progress=None) -> tuple[list[Job], list]:
         """Jobs of the prompts, submitted together (all or none), each with a future its result settles."""
@@ -319,7 +372,7 @@ class ServerState:
         """Every prompt through the scheduler -> each prompt's samples. A client that goes away, or the request
         timeout, cancels them (their rows are freed at once)."""
         jobs, futures = self._jobs(prompts, adapter)
-        results = asyncio.gather(*futures)
+        results = asyncio.gather(*futures, return_exceptions=True)  # (a cancelled one: no unretrieved exception)
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             done, _ = await asyncio.wait([results, gone], timeout=self.request_timeout or None,
@@ -327,6 +380,8 @@ class ServerState:
             if results in done:
                 out = results.result()
                 for r in out:
+                    if isinstance(r, asyncio.CancelledError):
+                        raise _ClientGone()
                     if isinstance(r, BaseException):
                         raise r
                 return out
@@ -338,7 +393,8 @@ class ServerState:
                            status=503)
         finally:
             gone.cancel()
-            results.cancel()
+            for f in futures:  # (the gather then ends with their CancelledErrors as results, nothing unretrieved)
+                f.cancel()
             self._cancel(jobs, "cancelled")
 
     def _stream(self, request, prompts: list[Prompt], adapter, opt, chat: bool, model: str):
@@ -481,8 +537,11 @@ class Guard:
     """The outermost ASGI layer (see the module docstring)."""
 
     def __init__(self, app, state: ServerState, *, api_key: str | None, max_body: int, routes: set[str]):
+        from starlette.requests import ClientDisconnect
+
         self.app, self.state, self.max_body, self.routes = app, state, max_body, routes
         self.key = api_key.encode() if api_key else None
+        self.gone = (ClientDisconnect, _ClientGone, ConnectionError)  # a client that left: counted, not logged
 
     async def _send_error(self, send, e: APIError) -> None:
         import json
@@ -532,6 +591,9 @@ class Guard:
         except _TooLarge as e:
             if not started[0]:
                 await self._send_error(sending, e)
+        except self.gone:  # nobody to answer: counted as nginx counts a client that left (499)
+            status[0] = 499
+            self.state.metrics.events["disconnected"] += 1
         except Exception:  # a bug: logged, answered in OpenAI's shape, the connection kept
             traceback.print_exc()
             if not started[0]:
@@ -564,6 +626,13 @@ def make_app(state: ServerState, *, api_key: str | None = None, max_body: int = 
     async def client_gone(request, e):
         return Response(status_code=499)  # (nobody reads it: counted as nginx counts a client that left)
 
+    from starlette.requests import ClientDisconnect
+
+    @app.exception_handler(ClientDisconnect)
+    async def disconnected(request, e):  # the client left while its body was read: no log line, no 500
+        state.metrics.events["disconnected"] += 1
+        return Response(status_code=499)
+
     @app.exception_handler(Exception)
     async def internal(request, e: Exception):  # (Starlette re-raises it after: the Guard logs it)
         return error(APIError("internal server error", status=500))
@@ -578,12 +647,12 @@ def make_app(state: ServerState, *, api_key: str | None = None, max_body: int = 
             raise APIError("the request body is not JSON") from None
         if not isinstance(body, dict):
             raise APIError("the request body must be a JSON object", status=422)
+        check_text(body)
         return body
 
     @app.get("/health")
     async def health():
-        ok = state.scheduler.alive and not state.scheduler.draining
-        return Response(status_code=200 if ok else 503)
+        return Response(status_code=200 if await state.serving() else 503)
 
     @app.get("/v1/models")
     async def models():
@@ -612,7 +681,7 @@ def make_app(state: ServerState, *, api_key: str | None = None, max_body: int = 
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        return await asyncio.to_thread(state.tokenize, await body_of(request))
+        return await state.off_loop(state.tokenize, await body_of(request))
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
@@ -626,10 +695,37 @@ def make_app(state: ServerState, *, api_key: str | None = None, max_body: int = 
     return Guard(app, state, api_key=api_key, max_body=max_body, routes=routes)
 
 
+def bind(host: str, port: int):
+    """The server's socket, bound now (not yet listening: a client is refused until the server is ready) -> a
+    socket; ValueError naming the address when it is taken or not this host's. `nemo-jax serve` binds before it
+    loads the model, so a taken port fails in a second, not after the load and the compiles."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host}: {e.strerror or e}") from None
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as uvicorn: a restart reuses the port at once)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e}; is another server "
+                         "on that port?)") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def serve(state: ServerState, app, *, host: str, port: int, log_level: str = "warning",
-          shutdown_timeout: float = 30.0, ready=None) -> int:
+          shutdown_timeout: float = 30.0, ready=None, sock=None) -> int:
     """Run the app with uvicorn until SIGTERM / SIGINT (-> 0: stop accepting, let running requests finish for up to
-    `shutdown_timeout` seconds, cancel the rest) or the engine dies (-> 1: a supervisor restarts the server)."""
+    `shutdown_timeout` seconds, cancel the rest) or the engine dies (-> 1: a supervisor restarts the server).
+    `sock`: a socket from `bind` (default: uvicorn binds host:port); `ready(server)` is called once it accepts
+    connections."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -641,7 +737,7 @@ def serve(state: ServerState, app, *, host: str, port: int, log_level: str = "wa
 
         async def startup(self, sockets=None):
             await super().startup(sockets)
-            if ready is not None:
+            if ready is not None and not self.should_exit:
                 ready(self)
 
     server = Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
@@ -653,8 +749,10 @@ def serve(state: ServerState, app, *, host: str, port: int, log_level: str = "wa
     state.on_fatal = fatal
     if state.fatal is not None:
         return 1
-    server.run()
+    server.run(sockets=[sock] if sock is not None else None)
     state.scheduler.close()
+    state.work.shutdown()
+    state.media_io.shutdown()
     return 1 if state.fatal is not None else 0
 
 
@@ -663,6 +761,11 @@ def cli_serve(a, adapters: dict[str, str]) -> None:
     """`nemo-jax serve` (arguments checked by the CLI; `adapters`: {name: dir} from --adapters)."""
     require("fastapi", "serve", "nemo-jax serve")
     require("uvicorn", "serve", "nemo-jax serve")
+    sock = bind(a.host, a.port)  # a taken port fails now, before the model is loaded
+    if a.host in ("0.0.0.0", "::", "") and not a.api_key:
+        print(f"nemo-jax serve: warning: listening on every interface (--host {a.host}) without --api-key: anyone "
+              "who can reach this port can use the model (set --api-key or NEMO_JAX_API_KEY)", file=sys.stderr,
+              flush=True)
     import jax
 
     from nemo_jax.config.train import cast_dtype
@@ -688,7 +791,8 @@ def cli_serve(a, adapters: dict[str, str]) -> None:
     state = ServerState(cfg, params, tok, engine, model_name=name, max_len=a.max_model_len, bucket=a.bucket,
                         tokens_as_ids=a.return_tokens_as_token_ids, mesh=mesh, max_waiting=a.max_waiting_queue_length,
                         adapter_roots=a.adapter_root if a.enable_runtime_lora_updating else None,
-                        media_roots=a.allowed_local_media_path, request_timeout=a.request_timeout, vocab_bytes=vocab)
+                        media_roots=a.allowed_local_media_path, request_timeout=a.request_timeout, vocab_bytes=vocab,
+                        max_media_bytes=int(a.max_request_mb * 2 ** 20))
     for n, path in adapters.items():
         try:
             state.load_adapter(n, path)
@@ -706,9 +810,10 @@ def cli_serve(a, adapters: dict[str, str]) -> None:
     app = make_app(state, api_key=a.api_key, max_body=int(a.max_request_mb * 2 ** 20))
     gates = [f"API key {'on' if a.api_key else 'off'}",
              f"runtime adapters {'under ' + ', '.join(a.adapter_root) if state.adapter_roots is not None else 'off'}"]
-    print(f"nemo-jax serve: {name} ({len(adapters)} adapter(s)) on http://{a.host}:{a.port}/v1 "
-          f"({a.max_num_seqs} rows x {a.max_model_len} positions; {'; '.join(gates)})", flush=True)
-    code = serve(state, app, host=a.host, port=a.port, log_level=a.log_level, shutdown_timeout=a.shutdown_timeout)
+    line = (f"nemo-jax serve: {name} ({len(adapters)} adapter(s)) on http://{a.host}:{a.port}/v1 "
+            f"({a.max_num_seqs} rows x {a.max_model_len} positions; {'; '.join(gates)})")
+    code = serve(state, app, host=a.host, port=a.port, log_level=a.log_level, shutdown_timeout=a.shutdown_timeout,
+                 sock=sock, ready=lambda server: print(line, flush=True))  # (said once the socket accepts)
     if code:
         e = state.fatal
         print(f"nemo-jax serve: the engine failed ({type(e).__name__}: {e}); exiting with status 1 so that a "

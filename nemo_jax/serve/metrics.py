@@ -120,6 +120,8 @@ class Metrics:
                "engine_dead: 503)", [({"reason": k[len("rejected/"):]}, n) for k, n in sorted(events.items())
                                      if k.startswith("rejected/")])
         for key, help_ in (("cancelled", "requests whose client went away before the end (rows freed at once)"),
+                           ("disconnected", "connections the client closed before its request was read whole "
+                                            "(counted here, never as a 500)"),
                            ("timed_out", "requests past --request-timeout (cancelled)"),
                            ("decode_steps", "engine decode steps (each samples a token in every busy row)"),
                            ("adapter_switches", "times the engine changed adapter set")):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -220,7 +221,7 @@ def template_messages(messages, vision: bool) -> tuple[list[dict], list[str]]:
     """OpenAI chat messages -> (messages the chat template renders, image references in order). Content parts
     become text with one `<img><image></img>` marker per image part (`image_url` with a data URL, a `file://`
     URL or a path); tool calls' JSON-string arguments become objects (what chat templates iterate)."""
-    from nemo_jax.data.chat import DataError, content_text
+    from nemo_jax.data.chat import ROLES, DataError, content_text
 
     if not isinstance(messages, list) or not messages:
         raise APIError("'messages' must be a non-empty list", param="messages")
@@ -228,6 +229,9 @@ def template_messages(messages, vision: bool) -> tuple[list[dict], list[str]]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise APIError(f"messages[{i}] needs a string 'role'", param="messages")
+        if m["role"] not in ROLES:  # (as the data pipeline refuses it: a chat template may render it as anything)
+            raise APIError(f"messages[{i}]: unknown role {m['role'][:40]!r} (expected one of {', '.join(ROLES)})",
+                           param="messages")
         m = dict(m)
         content = m.get("content")
         if content is not None:
@@ -281,7 +285,23 @@ def local_image(ref: str, roots: list[str]) -> str:
     real = os.path.realpath(path)
     if not any(os.path.commonpath([real, r]) == r for r in roots):
         raise APIError(f"{ref[:120]}: not under --allowed-local-media-path", param="messages")
+    try:
+        mode = os.stat(real).st_mode
+    except OSError:
+        raise APIError(f"{ref[:120]}: no such image file", param="messages") from None
+    if not stat.S_ISREG(mode):  # a FIFO or device would never end: refused before it is opened
+        raise APIError(f"{ref[:120]}: not a regular file", param="messages")
     return real
+
+
+def check_text(body) -> None:
+    """A request body's strings are valid Unicode: a lone surrogate escape ("\\ud800", which JSON allows) is a
+    400 here, not an encoding error deep in the tokenizer."""
+    try:
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = e.object[e.start:e.end].encode("utf-8", "backslashreplace").decode()
+        raise APIError(f"the request holds a lone surrogate escape ({bad}): not valid Unicode text") from None
 
 
 # ----------------------------------------------------------------------------- samples -> response JSON

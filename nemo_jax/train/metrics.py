@@ -119,7 +119,8 @@ class MetricsLogger:
         os.makedirs(run_dir, exist_ok=True)
         self.f = open(os.path.join(run_dir, "metrics.jsonl"), "a")
         if logging.tensorboard:
-            tbx = require("tensorboardX", "tensorboard", "logging.tensorboard")
+            import tensorboardX as tbx  # (a core dependency)
+
             self.tb = tbx.SummaryWriter(os.path.join(run_dir, "tensorboard"))
             if config is not None:
                 self.tb.add_text("config", "```\n" + yaml.safe_dump(config, sort_keys=False) + "```", 0)

@@ -367,7 +367,7 @@ class Trainer:
         show = not self.quiet and jax.process_index() == 0
         say = print if show else (lambda *a, **k: None)
         last = {}
-        if start == 0 and self.eval_docs:
+        if start == 0 and self.eval_docs and c.eval_every:  # (eval_every=0: no eval at all, nor its compile)
             t = time.perf_counter()
             ev = self.evaluate()
             logger.log({"step": 0, "eval_loss": ev})
@@ -448,7 +448,9 @@ def start_run(run_dir: str, c, command: str, new_run: bool = False) -> None:
     if jax.process_index() == 0:
         check_free(run_dir)
     if not new_run:
-        check_rerun(c, run_dir)
+        note = check_rerun(c, run_dir)
+        if note and jax.process_index() == 0:
+            print(f"{command}: {note}", flush=True)
         return
     if jax.process_index() == 0 and os.path.lexists(run_dir) and os.listdir(run_dir):
         print(f"{command}: --new-run: the earlier run in {run_dir} moved aside to {move_aside(run_dir, 'prev')}",
