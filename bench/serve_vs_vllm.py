@@ -1,7 +1,7 @@
 """`nemo-jax serve` vs vLLM (CPU) on the same host, the same model and the same prompts: sampled tokens/s at 1 and
 16 concurrent requests, the base model and with a LoRA adapter, runs interleaved, ratios side by side.
 
-    python bench/serve_vs_vllm.py [--vllm-venv /work/venvs/vllm] [--runs 3] [--json OUT]
+    python bench/serve_vs_vllm.py [--vllm-venv DIR] [--runs 3] [--json OUT]
     python bench/serve_vs_vllm.py --pattern 'M-M*--'       # the MoE-free variant (stock vLLM serves it)
 
 The model is the tiny Nemotron-H MoE of `nemo-jax sft` (`tiny.json`, pattern `MEM*E-`: Mamba-2, relu2 MoE, attention,
@@ -203,7 +203,9 @@ def median(xs):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--vllm-venv", default=os.environ.get("NEMO_JAX_VLLM_VENV", "/work/venvs/vllm"))
+    ap.add_argument("--vllm-venv", default=os.environ.get("NEMO_JAX_VLLM_VENV") or os.path.join(
+        os.path.expanduser("~"), ".cache", "nemo_jax", "vllm-cpu"), help="a vLLM CPU venv (tools/vllm_cpu.py venv; "
+        "default: $NEMO_JAX_VLLM_VENV, else ~/.cache/nemo_jax/vllm-cpu, as that tool's)")
     ap.add_argument("--pattern", default=None, help="layer pattern instead of tiny.json's MEM*E- (e.g. M-M*--)")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--waves", type=int, default=2, help="waves of the 16 prompts per measurement")
