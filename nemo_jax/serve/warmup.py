@@ -140,6 +140,10 @@ def warm_up(engine, adapters=(), *, say=lambda line: print(line, flush=True)) ->
     if 2 * engine.bucket + n_new > engine.max_len:
         prompt, n_new = prompt[:1], 1
     plain = SamplingParams(max_new_tokens=n_new, temperature=1.0, seed=0)
+    if not engine._room(len(prompt), plain):  # (no prompt fits at all: nothing a request could run either)
+        say(f"nemo-jax serve: warm-up skipped: {engine.max_len} positions per row hold no {engine.bucket}-token "
+            "piece and a token")
+        return WarmUp(time.perf_counter() - t0, 0, 0, 0)
     extras = dict(top_k=4, top_p=0.9, top_logprobs=2, presence_penalty=0.1, frequency_penalty=0.1,
                   repetition_penalty=1.1, logit_bias=((1, 0.5),), min_tokens=1)
     if engine._token_bytes is not None:
