@@ -5,6 +5,7 @@ length 1k / 4k / 16k against the reference (all logits, whole-chunk attention), 
 1 / 16 / 64 with the state donated (updated in place).
 
     python bench/decode.py [--quick]   # --quick: skip the 16k prefill and the reference at 16k
+    python bench/decode.py --engine    # only the serving Engine: steps per dispatch vs a dispatch per step
 """
 
 import common
@@ -87,7 +88,53 @@ def decode_rows(cfg, params, batches, ctx: int = 512, steps: int = 16) -> list[d
     return rows
 
 
+def engine_rows(batch: int = 16, steps: int = 8, new: int = 64, waves: int = 3) -> list[dict]:
+    """The serving Engine on the tiny model (`tiny.json`, the model `nemo-jax sft` trains): decode tokens/s of
+    `batch` rows sampling `new` tokens each (prefill included), `steps` decode steps per dispatch (its fast path)
+    vs one dispatch per step (its reference), interleaved, median of `waves` waves after a warm-up wave."""
+    import json
+    import os
+    import time
+
+    import numpy as np
+
+    from nemo_jax.generate import Engine, SamplingParams
+
+    with open(os.path.join(os.path.dirname(common.__file__), "..", "nemo_jax", "assets", "models", "tiny.json")) as f:
+        cfg = NemotronHConfig.from_hf_dict(json.load(f))
+    params = init(cfg, jax.random.key(0))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(10, cfg.vocab_size, int(n)).tolist() for n in rng.integers(14, 42, batch)]
+    sp = SamplingParams(max_new_tokens=new, temperature=1.0)
+    engines = {fused: Engine(params, cfg, batch=batch, max_len=2048, check_every=steps, fused=fused)
+               for fused in (False, True)}
+
+    def wave(eng) -> float:
+        left = {eng.submit(p, sp) for p in prompts}
+        t, n0 = time.perf_counter(), eng.tokens_sampled
+        while left:
+            for end in eng.step():
+                left.discard(end.seq_id)
+                eng.release(end.seq_id)
+        return (eng.tokens_sampled - n0) / (time.perf_counter() - t)
+
+    got = {fused: [] for fused in engines}
+    for i in range(waves + 1):
+        for fused, eng in engines.items():
+            r = wave(eng)
+            if i:
+                got[fused].append(r)
+    med = {k: sorted(v)[len(v) // 2] for k, v in got.items()}
+    return [{"engine, tiny model": f"{batch} rows x {new} tokens, 2048 positions",
+             "a dispatch per step tok/s": " / ".join(f"{x:,.0f}" for x in got[False]),
+             f"{steps} steps per dispatch tok/s": " / ".join(f"{x:,.0f}" for x in got[True]),
+             "ratio of medians": f"{med[True] / med[False]:.2f}x"}]
+
+
 def main():
+    if "--engine" in sys.argv:  # the serving Engine's fast path vs its reference only
+        common.table(engine_rows())
+        return
     quick = "--quick" in sys.argv
     mixed = cfg_for("MEM*EM*E")
     params = init(mixed, jax.random.key(0))

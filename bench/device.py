@@ -286,7 +286,11 @@ def plan_step(rows: list[dict], peak: float | None):
 COLUMNS = (("row", "row", "{}"), ("kernels", "kernels", "{}"), ("tokens/s", "tokens_per_s", "{:,.0f}"),
            ("step s", "step_s", "{:.4f}"), ("MFU", "mfu", "{:.1%}"), ("peak GiB", "peak_gib", "{:.2f}"),
            ("plan GiB", "plan_gib", "{:.2f}"), ("plan step s", "plan_step_s", "{:.4f}"),
-           ("plan tokens/s", "plan_tokens_per_s", "{:,.0f}"), ("compile s", "compile_s", "{:.0f}"))
+           ("plan tokens/s", "plan_tokens_per_s", "{:,.0f}"), ("compile s", "compile_s", "{:.0f}"),
+           # the engine decode row (bench/decode_row.py): memory traffic per decode step, its ratio to the bytes of
+           # the parameters + decode state, and that traffic's time at the device's HBM bandwidth
+           ("GiB/step", "traffic_gib_per_step", "{:.2f}"), ("/ (params+state)", "bytes_ratio", "{:.2f}x"),
+           ("HBM-bound s", "hbm_step_s", "{:.5f}"))
 
 
 MARKS = {"hlo": "", "reference": "+", "model": "*"}
@@ -313,7 +317,7 @@ def main():
     _check_imports()
     from nemo_jax.hostmem import tune_xla_gpu  # no jax import: the XLA:GPU flags a GPU run sets, before jax starts
 
-    tune_xla_gpu()
+    tune_xla_gpu(force="--dry-run" in sys.argv)  # (a dry run compiles for the GPU with its flags, as it will run)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", help="directory for device_bench.json / .md and the compilation cache")
     ap.add_argument("--tiny", action="store_true", help="toy sizes (CPU)")
@@ -366,7 +370,8 @@ def main():
     specs = [("sft_step kernels=auto", lambda: b.train_step("sft_step kernels=auto", "auto")),
              ("sft_step kernels=reference", lambda: b.train_step("sft_step kernels=reference", "reference")),
              (f"lora_step r{a.lora_rank}", lambda: b.train_step(f"lora_step r{a.lora_rank}", "auto", a.lora_rank)),
-             ("sampler", b.sampler)]
+             ("sampler", b.sampler),
+             ("engine decode", lambda: __import__("decode_row").engine_decode_row(b))]  # bench/decode_row.py
     rows, jobs = [], []
     for name, prepare in specs:  # lowering (Python) here, one row at a time
         try:

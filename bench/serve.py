@@ -15,6 +15,12 @@ that many concurrent clients; every level is bounded by --time-limit seconds. Pe
   after as many again: no growth beyond noise.
 
 --runs repeats the levels on the same (warm) server: each run is printed (this machine is noisy).
+
+First, a cold start (skip with --no-cold): the server is started on an empty compilation cache (its warm-up
+compiles everything before it says ready), and right after ready --burst concurrent streamed completions are sent,
+then as many one at a time (goal: the burst >= 2x faster), then the first request of each common kind (sampling,
+logprobs with top 5, tools, stop strings, penalties with n=2), each timed. The server is then restarted on the
+cache its first start filled (the time to ready printed) and serves the levels.
 """
 
 import argparse
@@ -60,13 +66,14 @@ def save_model(path: str) -> None:
     save(path, cfg, init(cfg, jax.random.key(0)), tokenizer_dir=resolve("builtin:tiny"))
 
 
-def start_server(model: str, port: int, key: str, rows: int, log) -> subprocess.Popen:
+def start_server(model: str, port: int, key: str, rows: int, log, cache: str | None = None) -> subprocess.Popen:
     import httpx
 
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), NEMO_JAX_API_KEY=key)
     proc = subprocess.Popen([sys.executable, "-m", "nemo_jax.cli", "serve", "--ckpt", model, "--host", "127.0.0.1",
                              "--port", str(port), "--max-num-seqs", str(rows), "--max-model-len", "256",
-                             "--bucket", "32", "--served-model-name", "tiny"], env=env, stdout=log,
+                             "--bucket", "32", "--served-model-name", "tiny"]
+                            + (["--compilation-cache", cache] if cache else []), env=env, stdout=log,
                             stderr=subprocess.STDOUT)
     deadline = time.time() + 900
     while time.time() < deadline:
@@ -121,6 +128,36 @@ async def level(client, concurrency: int, requests: int, max_tokens: int, time_l
     return {"concurrency": concurrency, "requests": len(out), "tokens": tokens, "tok/s": tokens / wall,
             "ttft p50 ms": 1e3 * np.percentile(ttft, 50), "ttft p99 ms": 1e3 * np.percentile(ttft, 99),
             "per-token p50 ms": 1e3 * np.percentile(tpot, 50), "per-token p99 ms": 1e3 * np.percentile(tpot, 99)}
+
+
+async def first_requests(port: int, key: str, burst: int, max_tokens: int, rng) -> list[dict]:
+    """On a server that has just said ready: `burst` concurrent streamed completions, then as many one at a time
+    (the same workload), then the first request of each common kind -> rows of seconds."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0, timeout=600)
+    prompts = [rng.integers(10, 480, int(rng.integers(16, 49))).tolist() for _ in range(burst)]
+    t = time.perf_counter()
+    await asyncio.gather(*(one(client, p, max_tokens) for p in prompts))
+    t_burst = time.perf_counter() - t
+    t = time.perf_counter()
+    for p in prompts:
+        await one(client, p, max_tokens)
+    t_seq = time.perf_counter() - t
+    rows = [{"what": f"first {burst} concurrent (after ready)", "s": t_burst},
+            {"what": f"then {burst} one at a time", "s": t_seq, "speed-up": t_seq / t_burst}]
+    msg = [{"role": "user", "content": "What is the capital of France?"}]
+    tools = [{"type": "function", "function": {"name": "weather", "description": "the weather in a city", "parameters":
+                                                {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+    kinds = {"sampling (chat)": dict(messages=msg), "logprobs (top 5)": dict(messages=msg, logprobs=True, top_logprobs=5),
+             "tools": dict(messages=msg, tools=tools), "stop strings": dict(messages=msg, stop=["e.", "zz"]),
+             "penalties, n=2": dict(messages=msg, presence_penalty=0.5, n=2)}
+    for what, kw in kinds.items():
+        t = time.perf_counter()
+        await client.chat.completions.create(model="tiny", max_tokens=max_tokens, temperature=1.0, **kw)
+        rows.append({"what": f"first request: {what}", "s": time.perf_counter() - t})
+    await client.close()
+    return rows
 
 
 async def many(client, n: int, concurrency: int, rng) -> None:
@@ -178,13 +215,35 @@ def main():
     ap.add_argument("--time-limit", type=float, default=300.0, help="seconds per level at most")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--rss-requests", type=int, default=1000)
+    ap.add_argument("--burst", type=int, default=32, help="the cold start's first burst (and its sequential twin)")
+    ap.add_argument("--no-cold", action="store_true", help="skip the cold start (empty compilation cache) phase")
     a = ap.parse_args()
     rows = max(int(x) for x in a.levels.split(","))
     with tempfile.TemporaryDirectory() as tmp:
         save_model(os.path.join(tmp, "model"))
         port, key = free_port(), os.urandom(8).hex()
+        cache = os.path.join(tmp, "xla")  # a fresh compilation cache: the first start is cold
+        if not a.no_cold:
+            with open(os.path.join(tmp, "cold.log"), "w+") as log:
+                t = time.perf_counter()
+                proc = start_server(os.path.join(tmp, "model"), port, key, rows, log, cache)
+                ready = time.perf_counter() - t
+                try:
+                    got = asyncio.run(first_requests(port, key, a.burst, a.max_tokens, np.random.default_rng(1)))
+                finally:
+                    proc.terminate()
+                    proc.wait(60)
+                log.seek(0)
+                said = [x for x in log.read().splitlines() if "warm-up done" in x]
+            print(f"cold start (empty compilation cache): ready in {ready:.1f} s; {said[0] if said else ''}")
+            common.table([{k: (f"{v:.2f}x" if k == "speed-up" else f"{v:.2f}" if isinstance(v, float) else v)
+                           for k, v in r.items()} for r in got])
+            print(f"first burst of {a.burst} concurrent vs {a.burst} one at a time: {got[1]['speed-up']:.2f}x (goal >= 2x)")
         with open(os.path.join(tmp, "serve.log"), "w+") as log:
-            proc = start_server(os.path.join(tmp, "model"), port, key, rows, log)
+            t = time.perf_counter()
+            proc = start_server(os.path.join(tmp, "model"), port, key, rows, log, cache)
+            print(f"{'restart on the filled compilation cache' if not a.no_cold else 'start'}: ready in "
+                  f"{time.perf_counter() - t:.1f} s")
             try:
                 print(f"nemo-jax serve on 127.0.0.1:{port}, {rows} rows (pid {proc.pid})")
                 asyncio.run(bench(a, port, key, proc.pid))

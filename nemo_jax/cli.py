@@ -496,6 +496,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tinker-max-rank", type=int, default=128, help="the largest LoRA rank a Tinker client may ask for")
     s.add_argument("--tinker-max-tokens", type=int, default=16384, help="tokens (rows x padded length) per learner "
                    "call; larger forward_backward batches run in several calls (gradients summed)")
+    s.add_argument("--no-warmup", action="store_true", help="say ready without compiling every row count and "
+                   "sampling variant first (tests; the first requests then wait on compiles)")
+    s.add_argument("--compilation-cache", default=None, metavar="DIR", help="persistent compilation cache (default: "
+                   "$NEMO_JAX_COMPILATION_CACHE, else ~/.cache/nemo_jax/xla; 'off': none): a restart loads its "
+                   "programs")
     s.set_defaults(fn=cmd_serve)
 
     s = sub.add_parser("rollout-worker", help="sample a GRPO run's requested groups (rollout.spool=true) on an "

@@ -26,7 +26,8 @@ import numpy as np
 
 from nemo_jax.lora import attach
 from nemo_jax.model import model as M
-from nemo_jax.model.cache import DecodeState, init_decode_state, state_shardings
+from nemo_jax.model.cache import (DecodeState, init_decode_state, state_shardings, unstack_shardings,
+                                  unstack_state)
 from nemo_jax.model.vision import check_images
 from nemo_jax.model.mamba2 import MambaState
 
@@ -80,6 +81,9 @@ class SamplingParams:
 
 _I32 = 2 ** 31
 MAX_STOP_BYTES = 256  # the longest stop string the Engine matches in its decode step
+TOP_LOGPROBS = 20  # the Engine's step with extras returns this many alternatives (more when a row asks for more)
+# the least widths of the Engine's per-row arrays (rounded up to powers of two beyond): few compiled shapes
+MIN_WIDTHS = {"stops": 8, "bias": 16, "stop_strings": 4, "stop_bytes": 32, "prompt": 256}
 
 
 @dataclass
@@ -141,16 +145,23 @@ def row_sampling_logprobs(logits: jax.Array, temperature: jax.Array, top_k: jax.
                           k_max: int = 0, nucleus: bool = False) -> jax.Array:
     """`sampling_logprobs` with per-row parameters: logits [b, V], temperature / top_k / top_p [b] (a row with
     temperature 0 is greedy: its distribution is the untempered one, as `sample_token` gives). Static `k_max` >=
-    every row's top_k (0: no row truncates to its top k) and `nucleus` (some row has top_p < 1) leave the
-    truncations out of the compiled step when no row asks for them."""
+    every row's top_k (0: no row truncates to its top k; >= V: any top k, read off the sort the nucleus uses) and
+    `nucleus` (some row has top_p < 1) leave the truncations out of the compiled step when no row asks for them."""
     t = jnp.where(temperature > 0, temperature, 1.0).astype(jnp.float32)
     x = logits.astype(jnp.float32) / t[:, None]
-    if k_max:
-        kth = jnp.take_along_axis(jax.lax.top_k(x, k_max)[0], jnp.clip(top_k - 1, 0, k_max - 1)[:, None], axis=-1)
-        x = jnp.where((top_k[:, None] > 0) & (x < kth), -jnp.inf, x)
-    if nucleus:
+    V = x.shape[-1]
+    order = sorted_x = None
+    if nucleus or k_max >= V:  # one sort serves both truncations (k_max >= V: any row's top k, read off it)
         order = jnp.argsort(-x, axis=-1)
         sorted_x = jnp.take_along_axis(x, order, axis=-1)
+    if k_max:
+        top = sorted_x if k_max >= V else jax.lax.top_k(x, k_max)[0]
+        kth = jnp.take_along_axis(top, jnp.clip(top_k - 1, 0, min(k_max, V) - 1)[:, None], axis=-1)
+        cut = (top_k[:, None] > 0)
+        x = jnp.where(cut & (x < kth), -jnp.inf, x)
+        if sorted_x is not None:  # (the same order: the cut entries are the sorted tail)
+            sorted_x = jnp.where(cut & (sorted_x < kth), -jnp.inf, sorted_x)
+    if nucleus:
         p = jax.nn.softmax(sorted_x, axis=-1)
         before = jnp.cumsum(p, axis=-1) - p  # mass strictly before each token
         keep_sorted = (before < top_p[:, None]) | (top_p[:, None] >= 1.0)
@@ -293,18 +304,29 @@ def _mesh_of(tree):
 
 
 def _keep_sharded(state: DecodeState, cfg, mesh) -> DecodeState:
-    """Constrain a state (inside jit) to its `state_shardings`, so the donated buffers are reused in place."""
+    """Constrain a state (inside jit) to its `state_shardings` (held per layer: `unstack_shardings`), so the donated
+    buffers are reused in place."""
     if mesh is None:
         return state
+    per_layer = state.row_axis == 0
+    kv = state.kv[0] if per_layer and state.kv else state.kv
     sh = state_shardings(cfg, state.valid.shape[0], state.valid.shape[1], mesh,
-                         dtype=state.kv.k.dtype if state.kv is not None else jnp.float32)
-    return jax.lax.with_sharding_constraint(state, sh)
+                         dtype=kv.k.dtype if kv is not None else jnp.float32)
+    return jax.lax.with_sharding_constraint(state, unstack_shardings(sh, cfg) if per_layer else sh)
+
+
+def _committed(tree):
+    """`tree`'s arrays committed to the default device. A jitted function's outputs are committed and its compiled
+    programs are keyed by their arguments' placement: the Engine commits what it makes too, so that a first call
+    (made arrays) and the later ones (outputs) share one compiled program."""
+    return jax.device_put(tree, jax.config.jax_default_device or jax.devices()[0])
 
 
 def _rows_on(x, mesh):
-    """Put a [b, ...] host array on `mesh` with its rows over the batch axes (or as is without a mesh)."""
+    """Put a [b, ...] host array on `mesh` with its rows over the batch axes (without a mesh: committed to the
+    default device, see `_committed`)."""
     if mesh is None:
-        return x
+        return _committed(x)
     from nemo_jax.parallel.rules import Rules
 
     return jax.device_put(x, Rules().sharding(mesh, ("batch",) + (None,) * (x.ndim - 1), x.shape))
@@ -514,6 +536,15 @@ class _Seq:
     turn_stop: bool = False  # the turn ended at a stop token or stop string
 
 
+def chunk_rows(n: int, batch: int) -> int:
+    """The rows an Engine prefill chunk of n sequences runs: the next power of 4 (at most `batch`). Few row counts,
+    so few compiled prefills; a chunk is `bucket` tokens wide, so its padding rows cost little."""
+    k = 1
+    while k < n:
+        k *= 4
+    return min(k, batch)
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
@@ -532,8 +563,7 @@ def chunk_images(v, rows_pics: list[list]) -> dict | None:
     return {k: np.stack([x[k] for x in rows]) for k in rows[0]}
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "opts", "how", "mesh"), donate_argnames=("state", "hist"))
-def _decode_rows(params, logits, state, done, budget, rows, hist, tables, cfg, opts, how, mesh=None):
+def _decode_one(params, logits, state, done, budget, rows, hist, tables, cfg, opts, how, mesh=None):
     """One step over every row with per-row sampling parameters `rows` (temperature, top_k, top_p [b], stops [b, S]
     (-1 pads), key [b, 2] key data, count [b] tokens the row's sequence has drawn, and what `how` asks for: see
     `sample_step`): sample, append for the rows still going; a row is done after a stop token or stop string, or
@@ -550,6 +580,61 @@ def _decode_rows(params, logits, state, done, budget, rows, hist, tables, cfg, o
     count = rows["count"] + active.astype(jnp.int32)
     return (tok, lp, active, stop & active, new_logits[:, 0], _keep_sharded(state, cfg, mesh), done | stop | (budget <= 0),
             budget, count, hist, top)
+
+
+# the reference: one decode step per dispatch (the Engine's `fused=False`)
+_decode_rows = jax.jit(_decode_one, static_argnames=("cfg", "opts", "how", "mesh"), donate_argnames=("state", "hist"))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "opts", "how", "mesh", "steps"), donate_argnames=("state", "hist"))
+def _decode_steps(params, logits, state, done, budget, rows, hist, tables, cfg, opts, how, mesh=None, steps=1):
+    """Up to `steps` steps of `_decode_one` in one dispatch (a device loop; stops, budgets and the rows' counts
+    stay on the device), ending early once every row is done. -> (stacked per step: token, logprob, active,
+    stopped [steps, b] and top (ids, logprobs) [steps, b, top_n] or None; steps past the end are inactive;
+    logits, state, done, budget, count, hist as after the last step)."""
+    b = done.shape[0]
+    outs = (jnp.zeros((steps, b), jnp.int32), jnp.zeros((steps, b), jnp.float32), jnp.zeros((steps, b), bool),
+            jnp.zeros((steps, b), bool))
+    if how.top_n:
+        outs += (jnp.zeros((steps, b, how.top_n), jnp.int32), jnp.zeros((steps, b, how.top_n), jnp.float32))
+
+    def step(i, c):
+        logits, state, done, budget, count, hist, outs = c
+        tok, lp, act, hit, logits, state, done, budget, count, hist, top = _decode_one(
+            params, logits, state, done, budget, dict(rows, count=count), hist, tables, cfg, opts, how, mesh)
+        outs = tuple(o.at[i].set(x) for o, x in zip(outs, (tok, lp, act, hit) + (tuple(top) if top else ())))
+        return logits, state, done, budget, count, hist, outs
+
+    def body(c):
+        i, *rest = c
+        return (i + 1,) + step(i, rest)
+
+    c = (jnp.zeros((), jnp.int32), logits, state, done, budget, rows["count"], hist, outs)
+    _, logits, state, done, budget, count, hist, outs = jax.lax.while_loop(
+        lambda c: (c[0] < steps) & jnp.any(~c[3]), body, c)
+    top = (outs[4], outs[5]) if how.top_n else None
+    return outs[:4] + (top,), logits, state, done, budget, count, hist
+
+
+def decode_program(params, cfg, *, rows: int, max_len: int, steps: int, opts: M.Options = M.Options(),
+                   place=lambda tree: tree):
+    """The Engine's decode dispatch as it runs in a server or sampler: `steps` decode steps in one program
+    (`_decode_steps`, plain sampling) over `rows` rows of `max_len` positions, the layers' weights and the state held
+    one layer at a time, lowered for abstract inputs: `params` a tree of arrays or ShapeDtypeStructs (stacked, as
+    `init` makes them; cast them first for another dtype), `place` puts each abstract input where it runs (e.g. onto
+    a deviceless target's device). Nothing is allocated. -> (the lowered program, {"params": bytes of the
+    weights, "state": bytes of the decode state}) for plans and device benches (compiled memory, traffic per step)."""
+    sds = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)  # noqa: E731
+    p = place(sds(jax.eval_shape(M.unstack_layers, sds(params))))
+    state = place(sds(jax.eval_shape(lambda: unstack_state(init_decode_state(cfg, rows, max_len, opts.dtype)))))
+    f32, i32, SD = jnp.float32, jnp.int32, jax.ShapeDtypeStruct
+    rowp = place({"temperature": SD((rows,), f32), "top_k": SD((rows,), i32), "top_p": SD((rows,), f32),
+                  "stops": SD((rows, MIN_WIDTHS["stops"]), i32), "key": SD((rows, 2), jnp.uint32),
+                  "count": SD((rows,), i32)})
+    logits, done, budget = place((SD((rows, cfg.vocab_size), f32), SD((rows,), bool), SD((rows,), i32)))
+    lowered = _decode_steps.lower(p, logits, state, done, budget, rowp, {}, {}, cfg, opts, RowSampling(), None, steps)
+    size = lambda t: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(t))  # noqa: E731
+    return lowered, {"params": size(p), "state": size(state)}
 
 
 @functools.partial(jax.jit, donate_argnames=("hist",))
@@ -571,12 +656,10 @@ def _reset_hist(hist, reset, prompt):
 def _empty_rows(state, rows, cfg, mesh=None):
     """Forget rows [b] (bool) of a state: zero Mamba conv/SSM state, no valid KV slot, position 0 (a new
     sequence starts there)."""
-    keep = ~rows
-    mamba = state.mamba
-    if mamba is not None:
-        mamba = MambaState(mamba.conv * keep[None, :, None, None].astype(mamba.conv.dtype),
-                           mamba.ssm * keep[None, :, None, None, None].astype(mamba.ssm.dtype))
-    return _keep_sharded(state._replace(mamba=mamba, valid=state.valid & keep[:, None],
+    ax = state.row_axis
+    mask = lambda x: x * (~rows).reshape((1,) * ax + (-1,) + (1,) * (x.ndim - ax - 1)).astype(x.dtype)  # noqa: E731
+    mamba = None if state.mamba is None else jax.tree.map(mask, state.mamba)
+    return _keep_sharded(state._replace(mamba=mamba, valid=state.valid & ~rows[:, None],
                                         pos=jnp.where(rows, 0, state.pos)), cfg, mesh)
 
 
@@ -585,15 +668,39 @@ def _append_rows(params, tokens, valid, state, rows, cfg, opts, mesh=None, image
     """Append a chunk [k, n] (with its per-row `images`, or None) to rows `rows` [k] of a [b]-row state only: their
     state is gathered, run and scattered back, so refilling one row costs one row's prefill, not the batch's.
     -> (logits [k, V], state)."""
-    # Mamba conv/SSM and KV leaves hold rows on axis 1 ([layers, b, ...]), `valid` on axis 0
-    take = lambda x: jnp.take(x, rows, axis=1)  # noqa: E731
+    # Mamba conv/SSM and KV leaves hold rows on axis 1 ([layers, b, ...]; held per layer: axis 0), `valid` on 0
+    ax = state.row_axis
+    take = lambda x: jnp.take(x, rows, axis=ax)  # noqa: E731
     sub = state._replace(mamba=jax.tree.map(take, state.mamba), kv=jax.tree.map(take, state.kv),
                          valid=jnp.take(state.valid, rows, axis=0), pos=jnp.take(state.pos, rows))
     logits, sub = M.forward_cached(params, tokens, valid, sub, cfg, opts=opts, positions="last", images=images)
-    put = lambda x, y: x.at[:, rows].set(y)  # noqa: E731
+    put = lambda x, y: x.at[(slice(None),) * ax + (rows,)].set(y)  # noqa: E731
     state = state._replace(mamba=jax.tree.map(put, state.mamba, sub.mamba), kv=jax.tree.map(put, state.kv, sub.kv),
                            valid=state.valid.at[rows].set(sub.valid), pos=state.pos.at[rows].set(sub.pos))
     return logits[:, 0], _keep_sharded(state, cfg, mesh)
+
+
+_unstack = jax.jit(M.unstack_layers)  # (one compiled program per tree structure, not one per layer and leaf)
+
+
+def _unstacked(adapters):
+    """An adapter tree with its layers held one by one, as the Engine holds the params (`unstack_layers`)."""
+    return _unstack(adapters) if adapters and "layers" in adapters else adapters
+
+
+@jax.jit
+def _set_rows(logits, rows, sub):
+    """logits [b, V] with rows `rows` [k] set to sub [k, V]."""
+    return logits.at[rows].set(sub)
+
+
+def _left_pad_host(rows: list[list[int]], n: int) -> tuple[np.ndarray, np.ndarray]:
+    """`left_pad` on the host (numpy: slicing its pieces compiles nothing)."""
+    toks, valid = np.zeros((len(rows), n), np.int32), np.zeros((len(rows), n), bool)
+    for i, r in enumerate(rows):
+        if r:
+            toks[i, n - len(r):], valid[i, n - len(r):] = r, True
+    return toks, valid
 
 
 @jax.jit
@@ -621,9 +728,13 @@ class Engine:
     Parked rows never hold the others up: `step` decodes the rows that have a turn to sample.
 
     Each row holds `max_len` positions (the KV cache per row). Chunks fed together are left-padded to a
-    multiple of `bucket` (few compiled shapes); a continuation that does not fit its row's remaining positions
-    is prefilled afresh with the whole conversation. `step` decodes `check_every` steps between looks at
-    which rows finished (a finished row idles at most that long). Tokens and logprobs are exactly those
+    multiple of `bucket` and prefilled `bucket` tokens at a time, in chunks of 1, 4, 16, ... rows (`chunk_rows`:
+    few compiled shapes, whatever the prompts); a continuation that does not fit its row's remaining positions
+    is prefilled afresh with the whole conversation. `step` runs `check_every` decode steps in one dispatch (a
+    device loop checking stops and budgets, ending once every row is done; `fused=False`: a dispatch per step,
+    the reference), then looks at which rows finished (a finished row idles at most that long). The layers'
+    weights and the decode state are held one layer at a time (a copy of the weights at start): each step reads
+    and updates every layer's buffers in place. Tokens and logprobs are exactly those
     `generate` gives the same sequence alone (up to the random draws: a sequence's draws depend on its own
     seed and position only, never on the batch around it).
 
@@ -639,18 +750,24 @@ class Engine:
     """
 
     def __init__(self, params, cfg, *, batch: int, max_len: int, opts: M.Options = M.Options(), adapters=None,
-                 bucket: int = 32, check_every: int = 4, key=None, token_bytes=None):
+                 bucket: int = 32, check_every: int = 4, key=None, token_bytes=None, fused: bool = True):
         import threading
         from collections import deque
 
         if batch < 1 or max_len < 2 or bucket < 1 or check_every < 1:
             raise ValueError(f"engine: batch >= 1, max_len >= 2, bucket >= 1, check_every >= 1 (got {batch}, "
                              f"{max_len}, {bucket}, {check_every})")
-        self.params, self.cfg, self.opts = params, cfg, opts
+        self.cfg, self.opts = cfg, opts
         self.batch, self.max_len, self.bucket, self.check_every = batch, max_len, bucket, check_every
-        self._p = attach(params, adapters)
+        self.fused = fused  # check_every decode steps per dispatch (False: one per dispatch, the reference)
+        # the layers' weights held one by one, and the decode state too (`unstack_layers`, `unstack_state`): the
+        # steps read and update each layer's buffers as they are, never a slice of a stack (a copy)
+        self.params = _unstack(params)
+        self.mesh = _mesh_of(self.params)
+        if self.mesh is None:
+            self.params = _committed(self.params)
+        self._p = attach(self.params, _unstacked(adapters))
         self.version = 0
-        self.mesh = _mesh_of(self._p)
         key = jax.random.key(0) if key is None else key
         self._rng = np.random.default_rng(np.asarray(jax.random.key_data(key)).ravel().tolist())
         self._lock = threading.RLock()
@@ -664,7 +781,9 @@ class Engine:
         self._pos = np.zeros(batch, np.int64)  # positions each row's state holds
         self.decode_steps = 0
         self.tokens_sampled = 0  # tokens drawn by every row, in all
-        self.state = init_decode_state(cfg, batch, max_len, opts.dtype, mesh=self.mesh)
+        self.state = jax.jit(unstack_state)(init_decode_state(cfg, batch, max_len, opts.dtype, mesh=self.mesh))
+        if self.mesh is None:
+            self.state = _committed(self.state)
         self._logits = _rows_on(jnp.zeros((batch, cfg.vocab_size), jnp.float32), self.mesh)
         self._done = _rows_on(jnp.ones((batch,), bool), self.mesh)
         self._budget = _rows_on(jnp.zeros((batch,), jnp.int32), self.mesh)
@@ -778,9 +897,12 @@ class Engine:
 
     def set_adapters(self, adapters, version: int) -> None:
         """Sample with these LoRA adapters (None: the base alone) from the next decode step on; turns record
-        `version`. The engine keeps a reference: pass a copy when the caller's buffers will be donated."""
+        `version`. The layers' adapters are copied one layer at a time; others (e.g. the lm_head's) are kept by
+        reference: pass a copy when the caller's buffers will be donated."""
         with self._lock:
-            self._p = attach(self.params, adapters)
+            self._p = attach(self.params, _unstacked(adapters))
+            if self.mesh is None:
+                self._p = _committed(self._p)
             self.version = int(version)
 
     def _pictures(self, tokens: list[int], images, what: str) -> list:
@@ -854,28 +976,37 @@ class Engine:
             self.state = _empty_rows(self.state, onb(fresh), self.cfg, mesh)
             self._pos[list(fresh)] = 0
         if chunk:
-            k = min(b, _pow2(len(chunk)))  # rows run: the fed ones, padded to a power of 2
+            k = chunk_rows(len(chunk), b)  # rows run: the fed ones, padded
             rows = sorted(chunk) + [r for r in range(b) if r not in chunk][:k - len(chunk)]
             if k == b:  # every row runs, in the state's order (the chunk's row i is the state's row i)
                 rows = list(range(b))
             toks = [chunk[r].new if r in chunk else [] for r in rows]
             v = self.cfg.vision
             images = None if v is None else chunk_images(v, [chunk[r].new_pics if r in chunk else [] for r in rows])
+            # prefilled `bucket` tokens at a time (one compiled prefill per row count, whatever the prompts'
+            # lengths; a row whose tokens start in a later piece appends nothing before it); pictures in one piece
+            t, valid = _left_pad_host(toks, width)
+            step = width if images is not None else self.bucket
+            if images is not None:
+                check_images(images, self.cfg)
+                images = {n: _rows_on(jnp.asarray(x), mesh) for n, x in images.items()}
+            on = lambda x: _rows_on(jnp.asarray(x), mesh)  # noqa: E731
             if k < b:  # + rows appending nothing (their state comes back unchanged)
-                t, valid = left_pad(toks, 0, width)
-                if images is not None:
-                    check_images(images, self.cfg)
-                    images = {n: _rows_on(jnp.asarray(x), mesh) for n, x in images.items()}
-                sub, self.state = _append_rows(p, _rows_on(t, mesh), _rows_on(valid, mesh), self.state,
-                                               jnp.asarray(rows, jnp.int32), self.cfg, self.opts, mesh, images)
-                new_logits = self._logits.at[jnp.asarray(rows, jnp.int32)].set(sub)
+                ridx = jnp.asarray(rows, jnp.int32)
+                ridx = ridx if mesh is not None else _committed(ridx)
+                for j in range(0, width, step):
+                    sub, self.state = _append_rows(p, on(t[:, j:j + step]), on(valid[:, j:j + step]), self.state,
+                                                   ridx, self.cfg, self.opts, mesh, images)
+                new_logits = _set_rows(self._logits, ridx, sub)
             else:
-                new_logits, self.state = _run_chunk(p, toks, self.state, self.cfg, self.opts, None, 0, width, images)
+                for j in range(0, width, step):
+                    new_logits, self.state = _append(p, on(t[:, j:j + step]), on(valid[:, j:j + step]), self.state,
+                                                     self.cfg, self.opts, mesh, images)
             for r, s in chunk.items():
+                self._pos[r] += width if images is not None else rnd(len(s.new))  # (the pieces it had tokens in)
                 s.held, s.pics = s.held + s.new, s.pics + s.new_pics
                 s.new, s.new_pics = None, []
                 s.turn_t, s.turn_l, s.turn_v, s.turn_top, s.turn_stop = [], [], {version}, [], False
-                self._pos[r] += width
                 self._decoding.add(r)
         max_new = np.zeros(b, np.int32)
         for r, s in chunk.items():
@@ -894,7 +1025,7 @@ class Engine:
         b, V = self.batch, self.cfg.vocab_size
         live = {r: self._seqs_row(r) for r in sorted(self._decoding)}
         sps = [s.sp for s in live.values()]
-        S = _pow2(max([len(sp.stop_token_ids) for sp in sps] + [1]))
+        S = _pow2(max([len(sp.stop_token_ids) for sp in sps] + [MIN_WIDTHS["stops"]]))
         temp, top_k, top_p = np.zeros(b, np.float32), np.zeros(b, np.int32), np.ones(b, np.float32)
         stops, count = np.full((b, S), -1, np.int32), np.zeros(b, np.int32)
         key = np.zeros((b,) + next(iter(live.values())).key.shape if live else (b, 2), np.uint32)
@@ -904,16 +1035,10 @@ class Engine:
                 temp[r], top_k[r], top_p[r] = sp.temperature, sp.top_k, sp.top_p
             stops[r, :len(sp.stop_token_ids)] = sp.stop_token_ids
             key[r], count[r] = s.key, s.sampled
-        k = int(top_k.max()) if b else 0
-        how = RowSampling(
-            k_max=min(_pow2(k), V) if k else 0, nucleus=bool((top_p < 1).any()),
-            adjust=any(sp.presence_penalty or sp.frequency_penalty or sp.repetition_penalty != 1.0 or sp.logit_bias
-                       or sp.min_tokens for sp in sps),
-            top_n=min(_pow2(max(sp.top_logprobs for sp in sps)), V) if any(sp.top_logprobs for sp in sps) else 0,
-            stop_strings=any(sp.stop for sp in sps))
+        how = self.row_sampling(sps)
         rows = dict(temperature=temp, top_k=top_k, top_p=top_p, stops=stops, key=key, count=count)
         if how.adjust:
-            B = _pow2(max(len(sp.logit_bias) for sp in sps) or 1)
+            B = _pow2(max([len(sp.logit_bias) for sp in sps] + [MIN_WIDTHS["bias"]]))
             ids, bias = np.full((b, B), V, np.int32), np.zeros((b, B), np.float32)
             for r, s in live.items():
                 for j, (t, x) in enumerate(s.sp.logit_bias):
@@ -927,7 +1052,8 @@ class Engine:
                                          "repetition") for r in range(b)], np.float32)
         if how.stop_strings:
             enc = {r: [x.encode() for x in s.sp.stop] for r, s in live.items()}
-            n, W = _pow2(max(len(x) for x in enc.values())), _pow2(max(len(y) for x in enc.values() for y in x))
+            n = _pow2(max([len(x) for x in enc.values()] + [MIN_WIDTHS["stop_strings"]]))
+            W = _pow2(max([len(y) for x in enc.values() for y in x] + [MIN_WIDTHS["stop_bytes"]]))
             sb, sl = np.full((b, n, W), -1, np.int32), np.zeros((b, n), np.int32)
             for r, xs in enc.items():
                 for j, x in enumerate(xs):
@@ -936,7 +1062,7 @@ class Engine:
             rows.update(stop_bytes=sb, stop_lens=sl)
             if not self._tables:
                 tb, tl = token_table(self._token_bytes, V)
-                self._tables = {"bytes": jnp.asarray(tb), "lens": jnp.asarray(tl)}
+                self._tables = _committed({"bytes": jnp.asarray(tb), "lens": jnp.asarray(tl)})
         self._static = how
         self._rowp = {n: _rows_on(jnp.asarray(x), self.mesh) for n, x in rows.items()}
         # running arrays: made the first time a row needs them, reset for the rows whose turn starts now
@@ -949,13 +1075,26 @@ class Engine:
         if self._hist and started:
             pen = [r for r in started if live[r].sp.presence_penalty or live[r].sp.frequency_penalty
                    or live[r].sp.repetition_penalty != 1.0]
-            P = _pow2(max([len(live[r].held) for r in pen] + [1]))
+            P = _pow2(max([len(live[r].held) for r in pen] + [MIN_WIDTHS["prompt"]]))
             prompt = np.full((b, P), V, np.int32)
             for r in pen:
                 prompt[r, :len(live[r].held)] = live[r].held
             reset = np.isin(np.arange(b), started)
             self._hist = _reset_hist(self._hist, _rows_on(jnp.asarray(reset), self.mesh),
                                      _rows_on(jnp.asarray(prompt), self.mesh))
+
+    def row_sampling(self, sps) -> RowSampling:
+        """The decode step's static variant for rows sampling with `sps`: the plain step when every row samples
+        with temperature (or greedily) alone, else one step that serves every extra for any row (top-k and top-p
+        from one sort, penalties, logit_bias, min_tokens, stop strings, TOP_LOGPROBS alternatives), so that a
+        server compiles two decode steps, not one per combination of what its requests ask for."""
+        sps = list(sps)
+        if not any(sp.processed or (sp.temperature > 0 and (sp.top_k or sp.top_p < 1)) for sp in sps):
+            return RowSampling()
+        V = self.cfg.vocab_size
+        top = max([sp.top_logprobs for sp in sps] + [TOP_LOGPROBS])
+        return RowSampling(k_max=V, nucleus=True, adjust=True, top_n=min(_pow2(top), V),
+                           stop_strings=self._token_bytes is not None)
 
     def _stop_string(self, s: _Seq) -> str | None:
         """The stop string a turn that ended on a stop-string hit ends with (the one completed earliest)."""
@@ -978,19 +1117,33 @@ class Engine:
             return []
         with self._lock:
             p, version = self._p, self.version
-        steps, tops = [], []
         how = self._static
-        for _ in range(self.check_every):
-            tok, lp, act, hit, self._logits, self.state, self._done, self._budget, count, self._hist, top = \
-                _decode_rows(p, self._logits, self.state, self._done, self._budget, self._rowp, self._hist,
-                             self._tables, self.cfg, self.opts, how, self.mesh)
+        # the running arrays and byte table go in only where the variant reads them (one program per variant)
+        extras = how.adjust or how.stop_strings
+        hist, tables = (self._hist, self._tables) if extras else ({}, {})
+        if self.fused:  # check_every steps in one dispatch, stops checked on the device
+            (T, L, A, H, top), self._logits, self.state, self._done, self._budget, count, hist = \
+                _decode_steps(p, self._logits, self.state, self._done, self._budget, self._rowp, hist, tables,
+                              self.cfg, self.opts, how, self.mesh, self.check_every)
             self._rowp = dict(self._rowp, count=count)
-            steps.append((tok, lp, act, hit))
-            tops.append(top)
-            self.decode_steps += 1
-        T, L, A, H = (np.asarray(jnp.stack(x, 0)) for x in zip(*steps))
+            T, L, A, H, top = jax.device_get((T, L, A, H, top))
+            self.decode_steps += int(A.any(axis=1).sum())
+        else:  # the reference: a dispatch per step
+            steps, tops = [], []
+            for _ in range(self.check_every):
+                tok, lp, act, hit, self._logits, self.state, self._done, self._budget, count, hist, top = \
+                    _decode_rows(p, self._logits, self.state, self._done, self._budget, self._rowp, hist, tables,
+                                 self.cfg, self.opts, how, self.mesh)
+                self._rowp = dict(self._rowp, count=count)
+                steps.append((tok, lp, act, hit))
+                tops.append(top)
+                self.decode_steps += 1
+            T, L, A, H = (np.asarray(jnp.stack(x, 0)) for x in zip(*steps))
+            top = tuple(np.asarray(jnp.stack(x, 0)) for x in zip(*tops)) if how.top_n else None
+        if extras:
+            self._hist = hist
         if how.top_n:
-            TI, TV = (np.asarray(jnp.stack(x, 0)) for x in zip(*tops))
+            TI, TV = top
         D = np.asarray(self._done)
         self._pos += A.sum(0)
         self.tokens_sampled += int(A.sum())

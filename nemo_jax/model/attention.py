@@ -335,16 +335,33 @@ def _attend_cached_blocked(q, kc, vc, valid_cache, pos, dtype, block: int):
     return jnp.moveaxis(out, 0, 1).reshape(b, n * block, -1)[:, :l]
 
 
-def _attend_cached_split(q, cache: KVCache, new: KVCache, valid_cache, valid, pos, dtype):
+KEY_BLOCK = 128  # cache slots per step of a decode chunk's loop over the cache
+
+
+def _attend_cached_split(q, cache: KVCache, new: KVCache, valid_cache, valid, pos, dtype, block: int = KEY_BLOCK):
     """Cached attention of a short chunk (decode): q [b, l, kv, r, hd] over the cache's valid slots before each
     row's position pos [b] (cache.k/v [b, S, kv, hd], read as stored, never copied with the chunk written in) and
     the chunk's own keys/values new.k/v [b, l, kv, hd] (causal, `valid` [b, l]), by one online softmax over the
-    two. Equal to `_attend` over the cache with the chunk written in. -> [b, l, kv*r*hd]."""
+    two. The cache is read `block` slots at a time up to the furthest row's position only (a loop whose trip count
+    is known at run time): a decode step's work grows with the context used, not with the cache's capacity.
+    Equal to `_attend` over the cache with the chunk written in. -> [b, l, kv*r*hd]."""
     b, l, kv, r, hd = q.shape
     S = cache.k.shape[1]
     before = valid_cache & (jnp.arange(S)[None] < pos[:, None])  # [b, S]
-    st = _online_step(_online_init(b, l, kv, r, hd), q, cache.k.astype(dtype), cache.v.astype(dtype),
-                      jnp.broadcast_to(before[:, None], (b, l, S)), dtype)
+    st = _online_init(b, l, kv, r, hd)
+    if S <= block:
+        st = _online_step(st, q, cache.k.astype(dtype), cache.v.astype(dtype),
+                          jnp.broadcast_to(before[:, None], (b, l, S)), dtype)
+    else:
+        def one(j, st):
+            start = jnp.minimum(j * block, S - block)  # (the last block overlaps the one before: its slots masked)
+            take = lambda x: jax.lax.dynamic_slice_in_dim(x, start, block, axis=1)  # noqa: E731
+            mine = take(before) & (start + jnp.arange(block) >= j * block)[None]
+            return _online_step(st, q, take(cache.k).astype(dtype), take(cache.v).astype(dtype),
+                                jnp.broadcast_to(mine[:, None], (b, l, block)), dtype)
+
+        used = (jnp.max(pos) + block - 1) // block  # the blocks holding any row's slots before its position
+        st = jax.lax.fori_loop(0, jnp.minimum(used, -(-S // block)).astype(jnp.int32), one, st)
     causal = jnp.arange(l)[:, None] >= jnp.arange(l)[None]  # [l, l]
     st = _online_step(st, q, new.k.astype(dtype), new.v.astype(dtype), causal[None] & valid[:, None], dtype)
     return _online_out(st, dtype).reshape(b, l, -1)

@@ -26,6 +26,12 @@ class DecodeState(NamedTuple):
     def max_len(self) -> int:
         return self.valid.shape[1]
 
+    @property
+    def row_axis(self) -> int:
+        """The axis of the rows in the Mamba and KV leaves: 1 when stacked [layers, b, ...], 0 when held per layer
+        (`unstack_state`)."""
+        return 0 if isinstance(self.mamba if self.mamba is not None else self.kv, list) else 1
+
     def written(self, stack: jax.Array, x: jax.Array, valid: jax.Array, axis: int = 0) -> jax.Array:
         """`stack` (rows at `axis`, slots next) with a chunk x [.., b, l, ..] written at each row's position; rows
         appending nothing (no `valid` [b, l] token) write nothing."""
@@ -35,9 +41,12 @@ class DecodeState(NamedTuple):
         """The state after a chunk valid [b, l]: `new` {kind: per-layer stacks} from the layers (Mamba: the whole
         new conv/SSM state; attention: the chunk's KV entries [nA, b, l, nkv, hd], written at each row's
         position into the cache stack, in place when the state is donated), `valid_cache` [b, S] after it.
-        A row appending nothing keeps its position."""
+        A row appending nothing keeps its position. A state held per layer (`unstack_state`) gets lists back."""
         kv = self.kv
-        if kv is not None:
+        if isinstance(kv, list):
+            kv = [KVCache(*(self.written(c, x, valid, axis=0) for c, x in zip(layer, entries)))
+                  for layer, entries in zip(kv, new["attention"])]
+        elif kv is not None:
             kv = KVCache(*(self.written(c, x, valid, axis=1) for c, x in zip(kv, new["attention"])))
         return DecodeState(new.get("mamba"), kv, valid_cache, self.pos + jnp.where(valid.any(1), valid.shape[1], 0))
 
@@ -48,6 +57,31 @@ class DecodeState(NamedTuple):
         if self.kv is not None:
             out["attention"] = self.kv
         return out
+
+
+def unstack_state(state: DecodeState) -> DecodeState:
+    """The state with its per-kind stacks held as lists of each layer's own (MambaState / KVCache per layer, rows
+    at axis 0): a cached forward reads and updates each layer's buffers in place, no slice of a stack copied."""
+    per = lambda t: None if t is None or isinstance(t, list) else [  # noqa: E731
+        type(t)(*(x[i] for x in t)) for i in range(t[0].shape[0])]
+    return state._replace(mamba=per(state.mamba), kv=per(state.kv))
+
+
+def unstack_shardings(sh: DecodeState, cfg) -> DecodeState:
+    """`state_shardings` `sh` of a state held per layer (`unstack_state`): each layer's leaves sharded as the
+    stack's, without the layers axis."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    counts = cfg.kind_counts()
+    drop = lambda x: NamedSharding(x.mesh, PartitionSpec(*tuple(x.spec)[1:]))  # noqa: E731
+    per = lambda t, n: None if t is None else [type(t)(*(drop(x) for x in t)) for _ in range(n)]  # noqa: E731
+    return sh._replace(mamba=per(sh.mamba, counts.get("mamba", 0)), kv=per(sh.kv, counts.get("attention", 0)))
+
+
+def stack_state(state: DecodeState) -> DecodeState:
+    """The inverse of `unstack_state`."""
+    st = lambda t: t if not isinstance(t, list) else type(t[0])(*(jnp.stack(x) for x in zip(*t)))  # noqa: E731
+    return state._replace(mamba=st(state.mamba), kv=st(state.kv))
 
 
 # Logical axes of each state leaf (see nemo_jax.parallel.rules): rows over the batch axes, KV heads and the

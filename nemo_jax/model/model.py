@@ -208,6 +208,8 @@ def run_layers(stacks: dict, h: jax.Array, kinds: tuple[str, ...], ctx: _Ctx, ca
     caches = caches or {}
     if not ctx.opts.scan:
         return _run_unrolled(stacks, h, kinds, ctx, caches)
+    if any(isinstance(v, list) for v in stacks.values()):  # layers held one by one (`unstack_layers`): inline
+        return _run_unrolled(stacks, h, kinds, ctx, caches, _layer_fn(ctx))
     us = units(kinds)
     if len(us) <= INLINE_UNITS:
         return _run_unrolled(stacks, h, kinds, ctx, caches, _layer_fn(ctx))
@@ -422,20 +424,38 @@ def _run_unrolled(stacks, h, kinds, ctx, caches, layer=None):
     seen: dict[str, int] = {}
     new_caches = {k: [] for k in caches}
     auxs: dict[str, list] = {}
-    per_layer = {k: jax.tree.map(unstack, v) for k, v in stacks.items() if k in kinds}
+    # a kind's params (and caches) are stacked [n, ...] leaves, or a list of the n layers' own (`unstack_layers`,
+    # `cache.unstack_state`): those are read as they are, never sliced out of a stack (a copy on XLA:GPU)
+    per_layer = {k: v if isinstance(v, list) else jax.tree.map(unstack, v) for k, v in stacks.items() if k in kinds}
     for kind in kinds:
         i = seen.get(kind, 0)
         seen[kind] = i + 1
-        p = jax.tree.map(lambda a: a[i], per_layer[kind], is_leaf=lambda a: isinstance(a, tuple))
-        c = jax.tree.map(lambda a: a[i], caches[kind]) if kind in caches else None
+        v = per_layer[kind]
+        p = v[i] if isinstance(v, list) else jax.tree.map(lambda a: a[i], v, is_leaf=lambda a: isinstance(a, tuple))
+        c = None
+        if kind in caches:
+            c = caches[kind][i] if isinstance(caches[kind], list) else jax.tree.map(lambda a: a[i], caches[kind])
         h, new, aux = layer(kind, p, h, c)
         if kind in caches:
             new_caches[kind].append(new)
         if aux:
             auxs.setdefault(kind, []).append(aux)
-    new_caches = {k: jax.tree.map(lambda *xs: jnp.stack(xs), *v) for k, v in new_caches.items()}
+    new_caches = {k: v if isinstance(caches[k], list) else jax.tree.map(lambda *xs: jnp.stack(xs), *v)
+                  for k, v in new_caches.items()}
     aux = {k: jax.tree.map(lambda *xs: jnp.stack(xs), *v) for k, v in auxs.items()}
     return h, new_caches, aux
+
+
+def unstack_layers(params: dict) -> dict:
+    """`params` with each layer kind's stacked leaves [n, ...] held as a list of the n layers' own trees (adapters
+    attached beside their weights go along). A cached forward over such params runs the layers inline and reads
+    each layer's weights as they are: no slice of a stack (on XLA:GPU a copy of the weights per step). Arrays are
+    sliced once, here (a copy: call it outside the step)."""
+    out = dict(params)
+    out["layers"] = {k: v if isinstance(v, list) else [jax.tree.map(lambda a, i=i: a[i], v)
+                                                        for i in range(jax.tree.leaves(v)[0].shape[0])]
+                     for k, v in params["layers"].items()}
+    return out
 
 
 # --------------------------------------------------------------------------- public entry points
@@ -553,6 +573,7 @@ def hidden_cached(params: dict, tokens: jax.Array, valid: jax.Array, state: Deco
         # by a zero per row (0 * its sum; NaN only in a row whose output is NaN already), so XLA orders the reads
         # first and updates the donated cache in place instead of copying it around them (2 copies a step)
         tie = 0.0 * jnp.sum(h.astype(jnp.float32), axis=(1, 2))  # [b]
-        new = dict(new, attention=jax.tree.map(lambda x: x + tie[None, :, None, None, None].astype(x.dtype),
-                                               new["attention"]))
+        new = dict(new, attention=jax.tree.map(  # (stacked [nA, b, l, ...] or per layer [b, l, ...])
+            lambda x: x + tie.reshape((-1,) + (1,) * 3 if x.ndim == 4 else (1, -1) + (1,) * 3).astype(x.dtype),
+            new["attention"]))
     return h, state.advance(new, valid, valid_cache)

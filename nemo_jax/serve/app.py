@@ -80,6 +80,7 @@ class ServerState:
         longest = max((len(b) for b in vocab_bytes), default=1) if vocab_bytes else 64
         self.max_prompt_bytes = max_len * max(longest, 1) + 4096  # more text than this cannot fit max_len tokens
         self.started = time.time()
+        self.compiles = None  # a warmup.CompileCounter from ready on (serve): compiles on a request's path
 
     def next_version(self) -> int:
         """A new adapter version (the scheduler tells adapter sets apart by it): for adapters of other services."""
@@ -487,7 +488,10 @@ class ServerState:
             "num_requests_running": ("sequences in decode rows (sampling or about to)", c["running"]),
             "num_requests_waiting": ("sequences waiting for a decode row or an adapter switch", c["waiting"]),
             "lora_adapters_loaded": ("adapters loaded by name", len(self.adapters)),
-            "engine_alive": ("1 while the engine runs", int(self.scheduler.alive))})
+            "engine_alive": ("1 while the engine runs", int(self.scheduler.alive)),
+            "compiles_since_ready": ("XLA programs compiled since the server said ready (a request met a shape or "
+                                     "adapter structure the warm-up did not compile)",
+                                     self.compiles.compiled if self.compiles is not None else 0)})
 
 
 class _ClientGone(Exception):
@@ -778,8 +782,11 @@ def cli_serve(a, adapters: dict[str, str]) -> None:
 
     from nemo_jax.config.train import cast_dtype
     from nemo_jax.data.chat import ChatTokenizer
-    from nemo_jax.generate import Engine, SamplingParams, load_for_generation
+    from nemo_jax.generate import Engine, load_for_generation
+    from nemo_jax.serve.warmup import cache_dir, compilation_cache
 
+    cache = cache_dir(a.compilation_cache)
+    compilation_cache(cache)  # (before the first compile)
     mesh = None
     if a.mesh:
         from nemo_jax.parallel.mesh import make_mesh, read_mesh_sizes
@@ -791,6 +798,7 @@ def cli_serve(a, adapters: dict[str, str]) -> None:
     vocab = token_bytes(tok.tokenizer)
     engine = Engine(params, cfg, batch=a.max_num_seqs, max_len=a.max_model_len, bucket=a.bucket,
                     check_every=a.check_every, key=jax.random.key(a.seed), token_bytes=vocab)
+    params = engine.params  # (the engine's copy, its layers one by one: the loaded stack can be freed)
     name = a.served_model_name or os.path.basename(os.path.normpath(a.ckpt))
     state = ServerState(cfg, params, tok, engine, model_name=name, max_len=a.max_model_len, bucket=a.bucket,
                         tokens_as_ids=a.return_tokens_as_token_ids, mesh=mesh, max_waiting=a.max_waiting_queue_length,
@@ -802,11 +810,15 @@ def cli_serve(a, adapters: dict[str, str]) -> None:
             state.load_adapter(n, path)
         except APIError as e:
             raise ValueError(f"--adapters {n}={path}: {e}") from None
-    # compile the common path once before the first request (a one-token greedy prompt)
-    done = threading.Event()
-    state.scheduler.submit(Job(Prompt([0], [], [SamplingParams(max_new_tokens=1, temperature=0.0)]), None,
-                               lambda r: done.set()))
-    done.wait()
+    if not a.no_warmup:  # every program a request can run, compiled (or loaded from the cache) before ready
+        from nemo_jax.serve.warmup import warm_up
+
+        w = warm_up(engine, [ad.tree for ad in state.adapters.values()])
+        print(f"nemo-jax serve: warm-up done in {w.seconds:.1f} s ({w.compiled} programs compiled, {w.loaded} loaded "
+              f"from the compilation cache{' at ' + cache if cache else ': off'})", flush=True)
+    from nemo_jax.serve.warmup import CompileCounter
+
+    state.compiles = CompileCounter().__enter__()  # (for the server's life)
     tinker = None
     if getattr(a, "tinker_root", None):  # the Tinker API under /api/v1 (nemo_jax.tinker)
         from nemo_jax.tinker import start
