@@ -7,9 +7,6 @@ the checkpoint paths."""
 import asyncio
 import json
 import os
-import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -24,7 +21,7 @@ pytest.importorskip("fastapi", reason="nemo-jax serve needs fastapi + uvicorn")
 import httpx  # noqa: E402
 from tinker import types  # noqa: E402
 
-from helpers import FAST_COMPILE  # noqa: E402
+from test_serve import Server as ServeProcess  # noqa: E402
 
 from nemo_jax.config.model import NemotronHConfig  # noqa: E402
 from nemo_jax.tinker import wire  # noqa: E402
@@ -294,51 +291,16 @@ def test_a_new_client_compiles_nothing():
 
 
 # ============================================================================= a real server, the official SDK
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class Server(ServeProcess):
+    """`nemo-jax serve` with the Tinker API under `root` and the tests' key (test_serve's server process)."""
 
-
-class Server:
     def __init__(self, tmp, hf: str, root: str, extra=()):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(tmp / f"serve-{self.port}.log", "w+")
-        env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS=FAST_COMPILE, JAX_PLATFORMS="cpu", NEMO_JAX_API_KEY=KEY)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "nemo_jax.cli", "serve", "--ckpt", hf, "--tinker-root", root, "--port",
-             str(self.port), "--served-model-name", "tiny", "--max-model-len", "128", "--max-num-seqs", "4",
-             "--bucket", "32", "--max-request-mb", "1", "--tinker-max-rank", "16", "--shutdown-timeout", "1",
-             *extra],
-            env=env, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.time() + 600
-        while time.time() < deadline:
-            assert self.proc.poll() is None, self.output()
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        else:
-            raise AssertionError("server did not come up:\n" + self.output())
+        super().__init__(tmp, ["--ckpt", hf, "--tinker-root", root, "--served-model-name", "tiny", "--max-model-len",
+                               "128", "--max-num-seqs", "4", "--bucket", "32", "--max-request-mb", "1",
+                               "--tinker-max-rank", "16", "--shutdown-timeout", "1", *extra], api_key=KEY)
 
-    def client(self):
+    def sdk(self):
         return tinker.ServiceClient(base_url=self.url, api_key="tml-" + KEY)
-
-    def output(self) -> str:
-        self.log.flush()
-        self.log.seek(0)
-        return self.log.read()[-6000:]
-
-    def close(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
 
 
 @pytest.fixture(scope="module")
@@ -409,7 +371,7 @@ def test_sl_loop_loss_halves_and_logprobs_are_the_base(served):
     srv = served
     caps = tinker.RestClient(base_url=srv.url, api_key="tml-" + KEY).get_server_capabilities().result()
     assert [m.model_name for m in caps.supported_models] == ["tiny"]
-    sc = srv.client()
+    sc = srv.sdk()
     tc = sc.create_lora_training_client(base_model="tiny", rank=8, seed=1).result()
     info = tc.get_info()
     assert info.lora_rank == 8 and info.model_data.tokenizer_id == srv.hf
@@ -439,13 +401,13 @@ def test_resume_matches_step_for_step_and_checkpoints_are_nemo_jax_adapters(serv
 
     srv = served
     data = [_datum(s) for s in _seqs(1)]
-    sc = srv.client()
+    sc = srv.sdk()
     tc = sc.create_lora_training_client("tiny", rank=8, seed=2).result()
     _train(tc, data, 2)
     path = tc.save_state("two").result().path
     ahead = _train(tc, data, 2)
     after = [np.asarray(o["logprobs"].data) for o in tc.forward(data, "cross_entropy").result().loss_fn_outputs]
-    sc2 = srv.client()  # another session, as after a restart of the training script
+    sc2 = srv.sdk()  # another session, as after a restart of the training script
     resumed = sc2.create_training_client_from_state_with_optimizer(path).result()
     assert resumed.get_info().lora_rank == 8
     assert _train(resumed, data, 2) == pytest.approx(ahead, rel=1e-5)
@@ -464,7 +426,7 @@ def test_resume_matches_step_for_step_and_checkpoints_are_nemo_jax_adapters(serv
     assert run_info.result().lora_rank == 8
     main(["lora", "export", ckpt, str(srv.tmp / "peft"), "--format", "peft"])
     assert os.path.exists(srv.tmp / "peft" / "adapter_config.json")
-    resumed2 = srv.client().create_training_client_from_state(path).result()
+    resumed2 = srv.sdk().create_training_client_from_state(path).result()
     lp2 = [np.asarray(o["logprobs"].data) for o in resumed2.forward(data[:1], "cross_entropy").result()
            .loss_fn_outputs]
     np.testing.assert_allclose(lp2[0], _base_logprobs(srv, _seqs(1)[0], jax.tree.map(jnp.asarray, ad)), atol=1e-4)
@@ -478,7 +440,7 @@ def test_resume_matches_step_for_step_and_checkpoints_are_nemo_jax_adapters(serv
 @pytest.mark.slow
 def test_sampling_logprobs_stops_and_importance_sampling(served):
     srv = served
-    sc = srv.client()
+    sc = srv.sdk()
     tc = sc.create_lora_training_client("tiny", rank=8, seed=3).result()
     sampler = tc.save_weights_and_get_sampling_client().result()
     prompt = _seqs(2, n=1, length=10)[0]
@@ -532,7 +494,7 @@ def test_rl_loop_reward_rises(served):
     """REINFORCE with group-centred advantages on a reward the model can learn: the share of sampled tokens from
     the lower half of the vocabulary."""
     srv = served
-    sc = srv.client()
+    sc = srv.sdk()
     tc = sc.create_lora_training_client("tiny", rank=8, seed=4).result()
     prompt = _seqs(3, n=1, length=8)[0]
     half = srv.cfg.vocab_size // 2
@@ -562,7 +524,7 @@ def test_two_clients_at_once_and_a_new_client_starts_at_the_base(served):
 
     def client(k):
         try:
-            sc = srv.client()
+            sc = srv.sdk()
             base = "tiny" if k == 0 else srv.hf  # by its served name, and by the --ckpt path (as the cookbook)
             tc = sc.create_lora_training_client(base, rank=8, seed=10 + k).result()
             out[k] = (tc, _train(tc, [_datum(s) for s in seqs[k]], 3))
@@ -576,7 +538,7 @@ def test_two_clients_at_once_and_a_new_client_starts_at_the_base(served):
     assert not errors, errors
     for k in (0, 1):
         assert out[k][1][-1] < out[k][1][0], out[k][1]
-    fresh = srv.client().create_lora_training_client("tiny", rank=8, seed=99).result()
+    fresh = srv.sdk().create_lora_training_client("tiny", rank=8, seed=99).result()
     lp = np.asarray(fresh.forward([_datum(seqs[0][0])], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].data)
     np.testing.assert_allclose(lp, _base_logprobs(srv, seqs[0][0]), atol=1e-4)
     a = out[0][0].forward([_datum(seqs[0][0])], "cross_entropy").result().metrics["loss:sum"]
@@ -589,7 +551,7 @@ def test_hostile_client_errors_and_the_server_lives_on(served):
     srv = served
     from tinker import RequestFailedError
 
-    sc = srv.client()
+    sc = srv.sdk()
     tc = sc.create_lora_training_client("tiny", rank=8, seed=7).result()
     ok = _datum(_seqs(7, n=1)[0])
 
