@@ -349,11 +349,12 @@ def _plugin(target):
 
 
 @pytest.mark.parametrize("target,kind,names", [
-    ("gpu", "h100", ("__gpu$xla.gpu.triton", "flash_fwd", "flash_bwd_dq", "flash_bwd_dkv", "gmm", "tgmm")),
-    ("tpu", "tpu-v5e", ("tpu_custom_call", "splash_mqa", "gmm", "tgmm")),
+    ("gpu", "h100", ("__gpu$xla.gpu.triton", "flash_fwd", "flash_bwd_dq", "flash_bwd_dkv", "gmm", "tgmm", "ssd_fwd",
+                     "ssd_bwd")),
+    ("tpu", "tpu-v5e", ("tpu_custom_call", "splash_mqa", "gmm", "tgmm", "ssd_fwd", "ssd_bwd")),
 ])
 def test_deviceless_compiles_contain_the_kernels(target, kind, names):
-    """The model's loss gradient (packed segments, bf16, MoE) compiled for 2 (GPU) / 4 (TPU) compile-only devices
+    """The model's loss gradient (packed segments, bf16, Mamba, MoE) compiled for 2 (GPU) / 4 (TPU) compile-only devices
     with kernels: auto picks the target's kernels (the mesh's platform) and the compiled HLO holds them; on GPU a
     row without segment ids runs cuDNN's flash attention (forward and backward custom calls)."""
     if not _plugin(target):
@@ -369,7 +370,7 @@ def test_deviceless_compiles_contain_the_kernels(target, kind, names):
     mesh = target_mesh(target, kind, {"fsdp": n})
     opts = options_from(ModelSection(dtype="bfloat16"), mesh)
     assert opts.kernels == target
-    cfg = tiny_cfg("*E", head_dim=16)
+    cfg = tiny_cfg("M*E", head_dim=16)
     sh = param_shardings(param_specs(cfg), mesh, Rules())
     params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_params(cfg), sh)
     rows = Rules().sharding(mesh, ("batch", None), (n, 64))

@@ -549,6 +549,20 @@ def kernels(text: str) -> list[Kernel]:
     return visit(entry)
 
 
+def custom_calls(text: str) -> dict[str, int]:
+    """The custom calls of a compiled program: {target, or target:kernel name for Pallas calls: instructions}
+    (cuBLAS GEMMs, `__gpu$xla.gpu.triton` calls, Mosaic `tpu_custom_call`s, cuDNN)."""
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        m = re.search(r'custom_call_target="([^"]+)"', line)
+        if not m or " custom-call(" not in line:
+            continue
+        k = re.search(r'op_name="[^"]*/(\w+)/pallas_call"', line)
+        key = f"{m.group(1)}:{k.group(1)}" if k else m.group(1)
+        out[key] = out.get(key, 0) + 1
+    return dict(sorted(out.items()))
+
+
 def cost_analysis_flops(compiled) -> float:
     """XLA's own FLOP count of a compiled program (loop bodies once; 0 where the compiler reports none, e.g. a
     deviceless XLA:GPU compile)."""
