@@ -7,7 +7,7 @@ row's figures) and DIR/device_bench.md.
     python bench/device.py --out /tmp/device_bench            # on the GPU / TPU host (< 10 min on an H200)
     python bench/device.py --tiny --out /tmp/device_bench     # toy size, any machine (CPU included)
     python bench/device.py --dry-run --out /tmp/dry            # compile every program for a deviceless H200 here
-    python bench/device.py --dry-run --fit                     # + the table's shares fitted on the recorded SFT rows
+    python bench/device.py --dry-run --fit                     # + the table's fitted share, from the recorded SFT row
 
 Rows (columns: docs/performance.md, "Device bench"):
   sft_step kernels=auto | reference   full SFT step (forward, backward, clipping, AdamW; fp32 master weights,
@@ -53,7 +53,7 @@ RECORDED = {"commit": "06b0d16", "device_kind": "h200", "date": "2026-12-04", "j
             "rows": {"sft_auto": ("sft_step kernels=auto", 0.3472), "sft_reference": ("sft_step kernels=reference",
                                                                                       0.5654),
                      "lora": ("lora_step r16", 0.3460), "decode": ("sampler decode (batch 64)", 0.0064)}}
-FIT_ROWS = ("sft_reference", "sft_auto")  # mma from the first (no Pallas kernels), then pallas from the second
+FIT_ROWS = ("sft_auto",)  # the table's one fitted entry, `pallas`, comes from this row (nemo_jax.plan.roofline)
 PLAN_TOLERANCE = 0.25  # the plan's step time against a measurement: within 25%
 
 
@@ -189,9 +189,14 @@ class Bench:
 
         return device_peak_flops(self.device)
 
-    def figures(self, compiled) -> dict:
+    def figures(self, compiled, name: str | None = None) -> dict:
         """The plan's figures of a compiled program: its memory (arguments + temporaries + unaliased outputs,
-        as a deviceless compile for this device reports it) and `hlo_figures` of its HLO."""
+        as a deviceless compile for this device reports it) and `hlo_figures` of its HLO (written to
+        `--hlo-dir`/NAME.hlo when given)."""
+        if self.a.hlo_dir and name:
+            os.makedirs(self.a.hlo_dir, exist_ok=True)
+            with open(os.path.join(self.a.hlo_dir, name.replace(" ", "_").replace("/", "-") + ".hlo"), "w") as f:
+                f.write(compiled.as_text())
         mem = compiled.memory_analysis()
         total = (mem.argument_size_in_bytes + mem.temp_size_in_bytes
                  + max(0, mem.output_size_in_bytes - mem.alias_size_in_bytes))
@@ -263,7 +268,7 @@ class Bench:
         def compile_():
             t = time.perf_counter()
             held["compiled"] = lowered.compile()
-            row.update(compile_s=time.perf_counter() - t, **self.figures(held["compiled"]))
+            row.update(compile_s=time.perf_counter() - t, **self.figures(held["compiled"], name))
 
         def run():
             compiled, peak = held.pop("compiled"), self.peak()
@@ -318,7 +323,7 @@ class Bench:
 
         def compile_():
             t = time.perf_counter()
-            row.update(self.figures(lowered.compile()))  # the per-token program, as the plan compiles it
+            row.update(self.figures(lowered.compile(), row["row"]))  # the per-token program
             if not a.dry_run:  # generate's own programs (prefill, decode and sample), compiled by a first run
                 held["params"] = jax.device_put(new_params(), self.device)
                 decode(0, *prefill())
@@ -408,10 +413,9 @@ def recorded_rows(kind, device_kind: str, cache: str | None = None, hlo_dir: str
 
 
 def fit_table(rows: list[dict], kind) -> dict:
-    """The table's two fitted shares from the recorded SFT rows (FIT_ROWS): `mma` so that the reference row's
-    plan equals its measured time (it runs no Pallas kernel), then `pallas` so that the kernels row's does. ->
-    {"mma", "pallas", "rows": {row: plan step s with the fitted table}} (every recorded row: the rest are
-    predictions)."""
+    """The table's fitted entry from the recorded rows: `pallas` (the share of the peak the Pallas kernels reach)
+    so that the plan of FIT_ROWS' program equals its measured time, every other entry as the table has it. ->
+    {"pallas", "rows": {row: plan step s with it}} (every recorded row: those not in FIT_ROWS are predictions)."""
     import dataclasses
 
     from nemo_jax.plan.hlo import kernels
@@ -420,10 +424,9 @@ def fit_table(rows: list[dict], kind) -> dict:
     by = {r["recorded"]: r for r in rows if "hlo" in r}
     ks = {n: kernels(r["hlo"]) for n, r in by.items()}
     a = ACHIEVABLE[kind.key]
-    a = dataclasses.replace(a, mma=fit_share(ks[FIT_ROWS[0]], kind, a, "mma", by[FIT_ROWS[0]]["measured_step_s"]))
-    a = dataclasses.replace(a, pallas=fit_share(ks[FIT_ROWS[1]], kind, a, "pallas",
-                                                by[FIT_ROWS[1]]["measured_step_s"]))
-    return {"mma": a.mma, "pallas": a.pallas, "rows": {n: kernels_time(k, kind, a)["total"] for n, k in ks.items()}}
+    (row,) = FIT_ROWS
+    a = dataclasses.replace(a, pallas=fit_share(ks[row], kind, a, "pallas", by[row]["measured_step_s"]))
+    return {"pallas": a.pallas, "rows": {n: kernels_time(k, kind, a)["total"] for n, k in ks.items()}}
 
 
 # ----------------------------------------------------------------------------- the table
@@ -488,8 +491,9 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=None, help="sampled tokens per row (default 256; --tiny 8)")
     ap.add_argument("--recorded", choices=("auto", "yes", "no"), default="auto", help="the recorded run's rows "
                     "(compiled from its commit's code): auto = with --dry-run")
-    ap.add_argument("--fit", action="store_true", help="fit the table's mma and pallas shares on the recorded "
-                    "SFT rows and print them (with the recorded rows)")
+    ap.add_argument("--fit", action="store_true", help="fit the table's pallas share on the recorded SFT row with "
+                    "the GPU kernels and print it (with the recorded rows)")
+    ap.add_argument("--hlo-dir", help="write each compiled program's HLO text here (ROW.hlo; recorded/ROW.hlo)")
     ap.add_argument("--jobs", type=int, default=4, help="programs compiled at once (threads)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--iters", type=int, default=5)
@@ -570,7 +574,8 @@ def main():
         print(f"  {row['row']}: {time.perf_counter() - t:.0f} s", flush=True)
     if (a.recorded == "yes" or (a.recorded == "auto" and a.dry_run) or a.fit) and not a.tiny and b.kind:
         t = time.perf_counter()
-        rows += recorded_rows(b.kind, RECORDED["device_kind"] if a.dry_run else b.kind.key, cache)
+        rows += recorded_rows(b.kind, RECORDED["device_kind"] if a.dry_run else b.kind.key, cache,
+                              os.path.join(a.hlo_dir, "recorded") if a.hlo_dir else None)
         print(f"  recorded rows compiled in {time.perf_counter() - t:.0f} s", flush=True)
     finish_rows(rows)
     by_name = {r["row"]: r for r in rows}
@@ -600,7 +605,7 @@ def main():
             + f" ({'all' if info['plan_within_tolerance'] else 'NOT all'} within {PLAN_TOLERANCE:.0%})")
     if "fit" in info:
         f = info["fit"]
-        md += (f"\nfit on {', '.join(FIT_ROWS)}: mma {f['mma']:.3f}, pallas {f['pallas']:.3f}; with it: "
+        md += (f"\nfit on {', '.join(FIT_ROWS)}: pallas {f['pallas']:.3f}; with it: "
                + ", ".join(f"{n} {t:.4f} s" for n, t in f["rows"].items()))
     print(md)
     print(f"total {time.perf_counter() - b.t0:.0f} s")

@@ -232,14 +232,15 @@ def _ssd_loss(scan):
 
 
 def test_ssd_kernel_forward_matches_reference():
-    """The Pallas SSD kernel's forward (GPU form, interpret mode) over packed segments from an initial state:
-    outputs and the final state equal the sequential recurrence's (the fast check; gradients below)."""
+    """The Pallas SSD kernel's forward (TPU form: a grid over chunks; interpret mode) over packed segments from an
+    initial state: outputs and the final state equal the sequential recurrence's (the fast check; both forms'
+    gradients below)."""
     from nemo_jax.kernels.ssd import ssd_scan
     from nemo_jax.model import mamba2
 
     args, seg, init = _ssd_inputs(l=24, h=2, g=1)
     y1, f1 = jax.jit(lambda *a: mamba2.ssd_sequential(*a, segment_ids=seg, initial_state=init))(*args)
-    y2, f2 = jax.jit(lambda *a: ssd_scan(*a, seg, init, impl="triton", interpret=True, chunk=16))(*args)
+    y2, f2 = jax.jit(lambda *a: ssd_scan(*a, seg, init, impl="mosaic", interpret=True, chunk=16))(*args)
     print(f"ssd forward: max |y diff| {_maxdiff(y1, y2):.2e}, max |state diff| {_maxdiff(f1, f2):.2e}")
     _close(y1, y2, 2e-5)
     _close(f1, f2, 2e-5)

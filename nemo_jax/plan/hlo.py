@@ -209,8 +209,11 @@ CAUSAL = 0.5
 KERNELS = (*FLASH_MATMULS, *SSD_MATMULS, "gmm", "tgmm")
 
 
+_PALLAS = re.compile(r'op_name="[^"]*/(?:\w+\()*(\w+)\)*/pallas_call"')  # .../flash_fwd/pallas_call, .../jvp(gmm)/...
+
+
 def _kernel_name(attrs: str) -> str | None:
-    m = re.search(r'op_name="[^"]*/(\w+)/pallas_call"', attrs)
+    m = _PALLAS.search(attrs)
     return m.group(1) if m and m.group(1) in KERNELS else None
 
 
@@ -424,12 +427,17 @@ def _read_bytes(name: str, users: dict, ty: dict, depth: int = 0) -> float:
     bitcasts), nothing when it is only the buffer an in-place update writes into, else all of it."""
     us = users.get(name, [])
     if us and depth < 4:
-        if all(u.opcode in _SLICING and u.operands[0] == name for u in us):
-            return float(sum(_bytes(u.type) for u in us))
-        if all(u.opcode == "dynamic-update-slice" and u.operands[0] == name for u in us):
-            return 0.0
-        if all(u.opcode == "bitcast" for u in us):
-            return sum(_read_bytes(u.name, users, ty, depth + 1) for u in us)
+        part = 0.0
+        for u in us:
+            if u.opcode in _SLICING and u.operands[0] == name:
+                part += _bytes(u.type)
+            elif u.opcode == "dynamic-update-slice" and u.operands[0] == name:
+                continue  # the buffer written in place: only its update moves (`_written_bytes`)
+            elif u.opcode == "bitcast":
+                part += _read_bytes(u.name, users, ty, depth + 1)
+            else:
+                return float(_bytes(ty.get(name, "")))
+        return part
     return float(_bytes(ty.get(name, "")))
 
 
@@ -464,10 +472,7 @@ def _fusion_kernel(ins, comps, types) -> Kernel:
                 prec = p if prec is None or prec == "bf16" else prec
             if i.opcode == "parameter":
                 read += _read_bytes(i.name, users, ty)
-        root = body[-1] if body else None
-        for i in body:
-            if i.attrs and "ROOT" in i.attrs:  # (not recorded by the parser; the last instruction is the root)
-                root = i
+        root = body[-1] if body else None  # XLA prints a computation's ROOT last
         written += _written_bytes(root, by_name, ty) if root is not None else _bytes(ins.type)
         if not mm and all(i.opcode in ("parameter", "constant", "bitcast", "copy", "transpose", "slice",
                                          "dynamic-slice", "dynamic-update-slice", "concatenate", "pad", "reshape",
@@ -557,7 +562,7 @@ def custom_calls(text: str) -> dict[str, int]:
         m = re.search(r'custom_call_target="([^"]+)"', line)
         if not m or " custom-call(" not in line:
             continue
-        k = re.search(r'op_name="[^"]*/(\w+)/pallas_call"', line)
+        k = _PALLAS.search(line)
         key = f"{m.group(1)}:{k.group(1)}" if k else m.group(1)
         out[key] = out.get(key, 0) + 1
     return dict(sorted(out.items()))

@@ -4,9 +4,11 @@ real step with abstract parameters on N simulated CPU devices (nothing is alloca
 Per device: bytes of parameters, optimiser state, gradients, activations / temporaries and the total (XLA's
 compiled memory analysis; the split of temporaries into gradients and activations is an estimate, and the
 CPU compiler schedules differently from the GPU / TPU ones), FLOPs per step with loop bodies multiplied by
-their trip counts (`hlo.analyse`) next to the model FLOPs, the bytes of each collective kind, and a roofline
-step time: compute at the device's dense bf16 peak, collectives at NVLink / InfiniBand / ICI bandwidth, with
-and without overlap, and the implied MFU.
+their trip counts (`hlo.analyse`) next to the model FLOPs, the bytes of each collective kind, and the step time:
+each kernel of the compiled program costed by its own roofline (`hlo.kernels`, `roofline.kernels_time`: FLOPs
+at the achievable share of the device's peak, bytes at the achievable share of its bandwidth, at least a
+launch), plus the collectives at NVLink / InfiniBand / ICI bandwidth not hidden behind compute; and the implied
+MFU.
 """
 
 from __future__ import annotations
@@ -66,7 +68,8 @@ _TRAFFIC = {"all-reduce": lambda n: 2 * (n - 1) / n, "all-gather": lambda n: (n 
 ESTIMATES = ("gradients and activations split the compiled temporaries by estimate (gradients = one fp32 copy of "
              "the trainable shards); on the cpu target the compiler schedules and fuses differently from GPU / TPU "
              "ones (and keeps collectives in fp32), so its temporaries are an estimate; step times are rooflines "
-             "(dense bf16 peak, ring collectives at the kind's link bandwidth), not measurements")
+             "per kernel (each at max(FLOPs / achievable FLOP/s, bytes / achievable bandwidth, launch), "
+             "nemo_jax.plan.roofline) plus ring collectives at the kind's link bandwidth, not measurements")
 
 
 def _shard_bytes(tree) -> int:
@@ -504,6 +507,11 @@ def format_plan(r: dict, kind: DeviceKind) -> str:
              f"{fmt_seconds(t['overlapped'])} overlapped and {fmt_seconds(t['exposed'])} exposed -> "
              f"{fmt_seconds(t['with_overlap'])} (serial {fmt_seconds(t['without_overlap'])}); "
              f"MFU {100 * m['with_overlap']:.1f}% (serial {100 * m['without_overlap']:.1f}%)"]
+    k = r.get("kernels")
+    if k:
+        lines.append(f"kernels: {k['count']:,.0f} launched, {fmt_bytes(k['bytes'])} moved; their time by kind "
+                     + ", ".join(f"{n} {fmt_seconds(v)}" for n, v in sorted(k["seconds_by_kind"].items()))
+                     + "; bound by " + ", ".join(f"{n} {fmt_seconds(v)}" for n, v in k["seconds_by_bound"].items()))
     if r.get("tokens_per_s"):
         lines.append(f"rollout tokens/s (roofline): {r['tokens_per_s']:,.0f}")
     if r.get("unknown_loop_trip_counts"):

@@ -8,6 +8,7 @@ behind compute.
 `launch` is the least time a kernel occupies the device: a step of many small kernels (a decode step) is bound
 by how fast they are issued, not by their work. Pallas kernels (flash attention, grouped matmuls, the SSD scan)
 use `pallas` in place of `mma`: they reach a smaller share of the peak than the vendor libraries' tuned GEMMs.
+Vector FLOPs (elementwise, reductions) run at the device's fp32 vector peak.
 
 ACHIEVABLE is the one table of what each device kind reaches of its datasheet peaks (`DeviceKind`), with where
 each number comes from. No figure depends on the program or the config: a plan's step time is this table applied
@@ -28,22 +29,24 @@ class Achievable:
     source: str = ""
 
 
-# Sources: [nv-gemm] NVIDIA's cuBLAS / Transformer Engine GEMM benchmarks on H100 SXM (large BF16 GEMMs at
-# 650-750 of 989 TFLOP/s: 0.66-0.76); [hopper-ubench] Luo et al., "Benchmarking and Dissecting the Nvidia Hopper
-# GPU Architecture" (IPDPS 2024): ~90% of HBM3 bandwidth in streaming kernels; [launch] CUDA kernel launch
-# latency without CUDA graphs (XLA's thunk runtime, `--xla_gpu_enable_command_buffer=` as nemo_jax sets it):
-# ~4-6 us per kernel issued back to back (NVIDIA CUDA Programming Guide, "CUDA Graphs" motivation; PyTorch and
-# XLA dispatch measurements); [fit] the two recorded H200 SFT rows of the device bench (docs/performance.md:
-# 0.347 s with the GPU kernels, 0.565 s with the reference), fitted by bench/device.py --fit: the Pallas share
-# only. TPU: [tpu-docs] Google Cloud TPU performance guide (MXU utilisation of large matmuls ~0.6-0.8, HBM
-# streaming ~0.85-0.9); Pallas on TPU as on GPU (not measured).
+# Sources. [cutlass] CUTLASS's published H100 benchmarks (docs "Performance / Benchmarks": BF16 tensor-core GEMMs
+# of 4096^3 at ~70% of peak, 8192^3 at ~75%): `mma`. [hbm-blog] "GPU Memory Bandwidth: What Your Profiler Isn't
+# Telling You" (mikamirai.com, 2026; Nsight Compute on H100 SXM: coalesced loads at 2.8 of 3.35 TB/s, 84%): `hbm`.
+# [cuda-graphs] NVIDIA Technical Blog, "Getting Started with CUDA Graphs" (short kernels issued back to back on a
+# stream take ~4 us each, launch included; nemo_jax runs XLA:GPU without CUDA graphs,
+# `--xla_gpu_enable_command_buffer=`): `launch_s`. [fit] `pallas` is the one fitted entry: the recorded H200 SFT
+# row with the GPU kernels (docs/performance.md, "Device bench": 0.347 s), its program recompiled from the measured
+# commit (`python bench/device.py --dry-run --fit`). The recorded reference SFT, LoRA and decode rows are then
+# predictions (docs/planning.md: within 25%). H100 and B200 share the H200's entries (same software stack, not
+# measured). TPU: XLA runs a TPU program as one executable (no per-kernel host launch): 1 us per op is an
+# estimate; the shares are the GPUs' (not measured on TPU).
 ACHIEVABLE = {
-    "h100": Achievable(mma=0.70, pallas=0.35, hbm=0.90, launch_s=5e-6, source="[nv-gemm] [hopper-ubench] [launch] [fit]"),
-    "h200": Achievable(mma=0.70, pallas=0.35, hbm=0.90, launch_s=5e-6, source="as h100 (same GH100 chip) [fit]"),
-    "b200": Achievable(mma=0.70, pallas=0.35, hbm=0.90, launch_s=5e-6, source="as h100 (not measured)"),
-    "tpu-v5p": Achievable(mma=0.70, pallas=0.35, hbm=0.85, launch_s=2e-6, source="[tpu-docs]"),
-    "tpu-v5e": Achievable(mma=0.70, pallas=0.35, hbm=0.85, launch_s=2e-6, source="[tpu-docs]"),
-    "tpu-v6e": Achievable(mma=0.70, pallas=0.35, hbm=0.85, launch_s=2e-6, source="[tpu-docs]"),
+    "h200": Achievable(mma=0.70, pallas=0.206, hbm=0.84, launch_s=4e-6, source="[cutlass] [hbm-blog] [cuda-graphs] [fit]"),
+    "h100": Achievable(mma=0.70, pallas=0.206, hbm=0.84, launch_s=4e-6, source="as h200 (same GH100 chip)"),
+    "b200": Achievable(mma=0.70, pallas=0.206, hbm=0.84, launch_s=4e-6, source="as h200 (not measured)"),
+    "tpu-v5p": Achievable(mma=0.70, pallas=0.206, hbm=0.84, launch_s=1e-6, source="as h200; launch estimated"),
+    "tpu-v5e": Achievable(mma=0.70, pallas=0.206, hbm=0.84, launch_s=1e-6, source="as h200; launch estimated"),
+    "tpu-v6e": Achievable(mma=0.70, pallas=0.206, hbm=0.84, launch_s=1e-6, source="as h200; launch estimated"),
 }
 # matrix-unit rate of each operand precision, as a share of the dense bf16 peak (H100 / H200 datasheets: TF32
 # tensor cores at half the BF16 rate; fp32 at HIGHEST precision runs on the vector units, `DeviceKind.vector`)
@@ -77,14 +80,17 @@ def kernels_time(kernels, kind, a: Achievable | None = None) -> dict:
 
 def fit_share(kernels, kind, a: Achievable, field: str, measured_s: float, lo: float = 0.02,
               hi: float = 1.0) -> float:
-    """The value of one share of `a` (`field`: "mma" or "pallas") at which `kernels_time` of a step equals its
-    measured seconds (bisection: the time falls as the share grows); clipped to [lo, hi]."""
+    """The value in [lo, hi] of one entry of `a` (`field`: "mma", "pallas", "hbm" or "launch_s") at which
+    `kernels_time` of a step equals its measured seconds (bisection: the time is monotonic in each entry);
+    clipped to [lo, hi]."""
     from dataclasses import replace
 
+    total = lambda v: kernels_time(kernels, kind, replace(a, **{field: v}))["total"]  # noqa: E731
+    rising = total(hi) > total(lo)
     for _ in range(60):
         mid = (lo + hi) / 2
-        if kernels_time(kernels, kind, replace(a, **{field: mid}))["total"] > measured_s:
-            lo = mid
-        else:
+        if (total(mid) > measured_s) == rising:
             hi = mid
+        else:
+            lo = mid
     return (lo + hi) / 2
