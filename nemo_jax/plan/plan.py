@@ -151,7 +151,7 @@ def analyse_compiled(compiled, n_devices: int, kind: DeviceKind, inputs: dict, m
         "flops_ratio": hlo.flops * n_devices / model_flops if model_flops else None,
         "collective_bytes": hlo.collective_bytes(),
         "step_time_s": t,
-        "kernels": {"count": timed["kernel_count"], "bytes": timed["bytes"],
+        "kernel_costs": {"count": timed["kernel_count"], "bytes": timed["bytes"],
                     "seconds_by_kind": timed["kernels"]["by_kind"], "seconds_by_bound": timed["kernels"]["bound"],
                     "custom_calls": timed["custom_calls"]},
         "mfu": {k: (model_flops / (t[k] * peak_all) if t[k] else None) for k in ("with_overlap", "without_overlap")},
@@ -507,7 +507,7 @@ def format_plan(r: dict, kind: DeviceKind) -> str:
              f"{fmt_seconds(t['overlapped'])} overlapped and {fmt_seconds(t['exposed'])} exposed -> "
              f"{fmt_seconds(t['with_overlap'])} (serial {fmt_seconds(t['without_overlap'])}); "
              f"MFU {100 * m['with_overlap']:.1f}% (serial {100 * m['without_overlap']:.1f}%)"]
-    k = r.get("kernels")
+    k = r.get("kernel_costs")
     if k:
         lines.append(f"kernels: {k['count']:,.0f} launched, {fmt_bytes(k['bytes'])} moved; their time by kind "
                      + ", ".join(f"{n} {fmt_seconds(v)}" for n, v in sorted(k["seconds_by_kind"].items()))
