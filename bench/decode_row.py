@@ -30,7 +30,7 @@ def hbm_bandwidth(device_kind: str) -> float | None:
 
 def engine_decode_row(bench, steps: int = 8):
     """-> (row, compile(), run()) for device.py's table. The row: bytes_per_step, param_bytes, state_bytes,
-    bytes_ratio (traffic / (params + state)), hbm_step_s (traffic at the device's bandwidth), and after a run on a
+    bytes_ratio (traffic / (params + state)), hbm_bound_s (traffic at the device's bandwidth), and after a run on a
     device step_s (median seconds per decode step inside the Engine's dispatches) and tokens_per_s."""
     import jax
     import jax.numpy as jnp
@@ -66,7 +66,7 @@ def engine_decode_row(bench, steps: int = 8):
         bw = hbm_bandwidth(bench.device.device_kind) or hbm_bandwidth(getattr(a, "device_kind", ""))
         row.update(bytes_per_step=per_step, traffic_gib_per_step=per_step / 2 ** 30,
                    bytes_ratio=per_step / (sizes["params"] + sizes["state"]),
-                   hbm_step_s=per_step / bw if bw else None)
+                   hbm_bound_s=per_step / bw if bw else None)
         if not a.dry_run:
             held["params"] = jax.device_put(new_params(), bench.device)
         row["compile_s"] = time.perf_counter() - t

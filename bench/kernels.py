@@ -1,8 +1,10 @@
-"""Kernel micro-bench on an accelerator: causal GQA attention with packed segments and the routed experts'
-grouped matmuls, forward + backward, each implementation side by side (TFLOP/s of the useful work), to choose
-`nemo_jax.kernels`' defaults (the flash kernel's block sizes, the experts' grouped-matmul implementation).
+"""Kernel micro-bench on an accelerator: causal GQA attention with packed segments, the routed experts' grouped
+matmuls and Mamba-2's chunked SSD scan, forward + backward, each implementation side by side (TFLOP/s of the
+useful work), to choose `nemo_jax.kernels`' defaults (the flash kernel's block sizes, the experts' grouped-matmul
+implementation, the SSD kernel's chunk).
 
-    python bench/kernels.py            # on the GPU host (attention 4 x 4096, 16 heads of 128; experts 65,536 rows)
+    python bench/kernels.py            # on the GPU host (attention 4 x 4096, 16 heads of 128; experts 65,536 rows;
+                                       # SSD 4 x 4096, 48 heads of 64, state 128 in 8 groups: the device bench's layer)
     python bench/kernels.py --tiny     # toy sizes, Pallas in interpret mode (CPU: checks the script runs)
 """
 import os, sys, time
@@ -69,5 +71,30 @@ for name, f in (("experts triton gmm", experts("triton")), ("experts ragged_dot"
     try:
         t = timeit(f, x, wu, wd)
         print(f"{name:34s} {t*1e3:8.2f} ms  {eflops/t/1e12:7.1f} TFLOP/s", flush=True)
+    except Exception as e:
+        print(f"{name:34s} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+# Mamba-2 SSD scan: the Pallas kernel (this platform's: Triton on GPU, Mosaic on TPU) at several kernel chunks
+# against the jnp chunked scan the model runs without it (kernels: reference), packed documents, fwd + bwd, fp32
+from nemo_jax.kernels import ssd as SSD
+from nemo_jax.model import mamba2
+sb, sl, sh, sp, sg, sn = (1, 128, 4, 16, 2, 16) if tiny else (4, 4096, 48, 64, 8, 128)
+ks = jax.random.split(jax.random.key(7), 5)
+sx = jax.random.normal(ks[0], (sb, sl, sh, sp)); sdt = jax.nn.softplus(jax.random.normal(ks[1], (sb, sl, sh)) - 2)
+sA = -jnp.exp(jax.random.normal(ks[2], (sh,)) * 0.3)
+sB, sC = (jax.random.normal(k, (sb, sl, sg, sn)) for k in ks[3:])
+sseg = jnp.asarray(np.repeat(np.arange(1, 5), sl // 4)[None].repeat(sb, 0), jnp.int32)
+impl = "mosaic" if jax.default_backend() == "tpu" else "triton"
+def ssd_grad(scan):
+    loss = lambda out: jnp.sum(out[0] ** 2) + jnp.sum(out[1] ** 2)  # noqa: E731  (y and the final state)
+    return jax.jit(jax.grad(lambda *a: loss(scan(*a)), argnums=(0, 1, 2, 3, 4)))
+sflops = lambda cs: 2 * sb * sh * sl * (cs * (4 * sn + 3 * sp) + 7 * sp * sn)  # fwd + bwd (nemo_jax.plan.hlo)
+srows = {"ssd jnp chunked (reference)": (ssd_grad(lambda *a: mamba2.ssd_chunked(*a, chunk_size=128, segment_ids=sseg)), 128)}
+for cs in (32, 64, 128):
+    srows[f"ssd pallas {impl} chunk={cs}"] = (ssd_grad(lambda *a, cs=cs: SSD.ssd_scan(
+        *a, sseg, impl=impl, interpret=tiny, chunk=cs)), cs)
+for name, (f, cs) in srows.items():
+    try:
+        t = timeit(f, sx, sdt, sA, sB, sC)
+        print(f"{name:34s} {t*1e3:8.2f} ms  {sflops(cs)/t/1e12:7.1f} TFLOP/s", flush=True)
     except Exception as e:
         print(f"{name:34s} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)

@@ -418,6 +418,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--headroom", type=_number(float, 0, 1, hi_open=True), default=0.1,
                    help="share of device memory kept free (default 0.1)")
     s.add_argument("--sampler", action="store_true", help="also plan the sampler's prefill and decode steps")
+    s.add_argument("--no-lora-ratio", action="store_true", help="a LoRA config: skip compiling the same step "
+                   "without LoRA (whose FLOPs the LoRA step's are printed against)")
     s.add_argument("--rollout-batch", type=POSITIVE, default=None,
                    help="sampler rows (default: data.batch_size; a GRPO config's rollout.sampler_rows or its rollouts)")
     s.add_argument("--prefill", type=POSITIVE, default=None,

@@ -209,6 +209,110 @@ def test_grouped_matmul_experts_match_sorted_reference(sel, path):
     _close(g1, g2, 1e-4)
 
 
+def _ssd_inputs(b=2, l=40, h=4, p=8, g=2, n=8, seed=0):
+    """SSD operands (as the mixer hands them over: dt after softplus, A negative) and packed segments: row 0
+    holds documents of 7, 16 and 15 tokens then 2 of padding (boundaries inside and on kernel chunks of 16),
+    row 1 one token then one long document."""
+    ks = jax.random.split(jax.random.key(seed), 6)
+    x = jax.random.normal(ks[0], (b, l, h, p))
+    dt = jax.nn.softplus(jax.random.normal(ks[1], (b, l, h)) - 1.0)
+    A = -jnp.exp(jax.random.normal(ks[2], (h,)) * 0.5)
+    B, C = (jax.random.normal(k, (b, l, g, n)) for k in ks[3:5])
+    seg = np.ones((b, l), np.int32)
+    seg[0, 7:], seg[0, 23:], seg[0, l - 2:] = 2, 3, 4
+    seg[1, 1:] = 2
+    return (x, dt, A, B, C), jnp.asarray(seg), jax.random.normal(ks[5], (b, h, p, n))
+
+
+def _ssd_loss(scan):
+    def f(x, dt, A, B, C, s):
+        y, final = scan(x, dt, A, B, C, s)
+        return jnp.sum(jnp.sin(y)) + jnp.sum(final ** 2), (y, final)
+    return f
+
+
+def test_ssd_kernel_forward_matches_reference():
+    """The Pallas SSD kernel's forward (TPU form: a grid over chunks; interpret mode) over packed segments from an
+    initial state: outputs and the final state equal the sequential recurrence's (the fast check; both forms'
+    gradients below)."""
+    from nemo_jax.kernels.ssd import ssd_scan
+    from nemo_jax.model import mamba2
+
+    args, seg, init = _ssd_inputs(l=24, h=2, g=1)
+    y1, f1 = jax.jit(lambda *a: mamba2.ssd_sequential(*a, segment_ids=seg, initial_state=init))(*args)
+    y2, f2 = jax.jit(lambda *a: ssd_scan(*a, seg, init, impl="mosaic", interpret=True, chunk=16))(*args)
+    print(f"ssd forward: max |y diff| {_maxdiff(y1, y2):.2e}, max |state diff| {_maxdiff(f1, f2):.2e}")
+    _close(y1, y2, 2e-5)
+    _close(f1, f2, 2e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", ["triton", "mosaic"])
+def test_ssd_kernel_matches_reference_values_and_gradients(impl):
+    """The SSD kernel (Triton's program-per-(row, head) loop, Mosaic's grid over chunks; interpret mode) against
+    the sequential recurrence: 40 tokens in kernel chunks of 16 (the last padded), packed documents (a state
+    reset inside a chunk and on a chunk boundary, padding at the end), an initial state; y, the final state and
+    the gradients of x, dt, A, B, C and the initial state."""
+    from nemo_jax.kernels.ssd import ssd_scan
+    from nemo_jax.model import mamba2
+
+    args, seg, init = _ssd_inputs()
+    ref = _ssd_loss(lambda *a: mamba2.ssd_sequential(*a[:5], segment_ids=seg, initial_state=a[5]))
+    ker = _ssd_loss(lambda *a: ssd_scan(*a[:5], seg, a[5], impl=impl, interpret=True, chunk=16))
+    grad = lambda f: jax.jit(jax.value_and_grad(f, argnums=range(6), has_aux=True))(*args, init)  # noqa: E731
+    (_, out1), g1 = grad(ref)
+    (_, out2), g2 = grad(ker)
+    print(f"ssd {impl}: max |out diff| {_maxdiff(out1, out2):.2e}, max |grad diff| {_maxdiff(g1, g2):.2e}")
+    _close(out1, out2, 2e-5)
+    for a, b in zip(g1, g2):  # the flash kernel's 1e-4, relative where a gradient is large (dt's reach ~260)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_mamba_layer_with_the_ssd_kernel_matches_reference(monkeypatch):
+    """A Mamba layer through `apply_layer` with kernels forced (the SSD kernel, interpret mode) on a mesh of
+    fsdp 2 x tensor 2 (per device in shard_map, heads and groups split over tensor): the packed forward's output
+    and the gradients of the input and every weight equal the reference's; a cached prefill continued from a
+    state too."""
+    from nemo_jax.kernels import ssd
+    from nemo_jax.model.mamba2 import MambaState, mamba_mixer
+    from nemo_jax.parallel.mesh import make_mesh
+
+    monkeypatch.setitem(ssd.CHUNK, "triton", 16)  # the 36 tokens span three kernel chunks
+    cfg = tiny_cfg("M", mamba_head_dim=16, ssm_state_size=16, chunk_size=16)
+    specs = mixer_specs(cfg, "mamba")
+    leaves, tree = jax.tree.flatten(specs, is_leaf=lambda s: hasattr(s, "init"))
+    p = jax.tree.unflatten(tree, [s.init(k, s.shape, s.dtype) for s, k in
+                                  zip(leaves, jax.random.split(jax.random.key(2), len(leaves)))])
+    mesh = make_mesh(dict(fsdp=2, tensor=2), jax.devices()[:4])
+    l = 36
+    u = jax.random.normal(jax.random.key(3), (2, l, cfg.hidden_size))
+    seg = jnp.asarray(np.stack([np.repeat([1, 2, 3], [11, 20, 5]), np.repeat([1, 2], [30, 6])]), jnp.int32)
+
+    def loss(p, u, sel):
+        y, st = mamba_mixer(p, u, cfg, jnp.float32, segment_ids=seg, mesh=mesh, kernels=sel)
+        return jnp.sum(jnp.sin(y)) + jnp.sum(st.ssm ** 2), y
+
+    f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True), static_argnums=2)
+    sel = Selection("gpu", interpret=True)
+    assert sel.impl("ssd") == "triton" and TPU.impl("ssd") == "mosaic"
+    (_, y1), g1 = f(p, u, kernels_lib.REFERENCE)
+    (_, y2), g2 = f(p, u, sel)
+    print(f"mamba layer: max |y diff| {_maxdiff(y1, y2):.2e}, max |grad diff| {_maxdiff(g1, g2):.2e}")
+    _close(y1, y2, 2e-5)
+    _close(g1, g2, 1e-4)
+    # a prefill chunk (left padding) continuing a cached state: the kernel takes the initial state
+    state = MambaState(jax.random.normal(jax.random.key(4), (2, cfg.conv_kernel - 1, cfg.conv_dim)),
+                       jax.random.normal(jax.random.key(5), (2, cfg.mamba_num_heads, cfg.mamba_head_dim,
+                                                             cfg.ssm_state_size)))
+    valid = jnp.asarray(np.stack([np.ones(20, bool), np.arange(20) >= 3]))
+    run = jax.jit(lambda sel: mamba_mixer(p, u[:, :20], cfg, jnp.float32, state=state, valid=valid, kernels=sel),
+                  static_argnums=0)
+    (y1, s1), (y2, s2) = run(kernels_lib.REFERENCE), run(sel)
+    _close(y1[valid], y2[valid], 2e-5)
+    _close(s1, s2, 2e-5)
+
+
 def test_auto_runs_the_reference_on_cpu_and_kernels_when_forced():
     """kernels: auto on CPU devices resolves to the reference (no Pallas call in the model's jaxpr); forcing a
     platform puts its kernels in (so the check can fail), with the reference's logits; the config key is
@@ -246,11 +350,12 @@ def _plugin(target):
 
 
 @pytest.mark.parametrize("target,kind,names", [
-    ("gpu", "h100", ("__gpu$xla.gpu.triton", "flash_fwd", "flash_bwd_dq", "flash_bwd_dkv", "gmm", "tgmm")),
-    ("tpu", "tpu-v5e", ("tpu_custom_call", "splash_mqa", "gmm", "tgmm")),
+    ("gpu", "h100", ("__gpu$xla.gpu.triton", "flash_fwd", "flash_bwd_dq", "flash_bwd_dkv", "gmm", "tgmm", "ssd_fwd",
+                     "ssd_bwd")),
+    ("tpu", "tpu-v5e", ("tpu_custom_call", "splash_mqa", "gmm", "tgmm", "ssd_fwd", "ssd_bwd")),
 ])
 def test_deviceless_compiles_contain_the_kernels(target, kind, names):
-    """The model's loss gradient (packed segments, bf16, MoE) compiled for 2 (GPU) / 4 (TPU) compile-only devices
+    """The model's loss gradient (packed segments, bf16, Mamba, MoE) compiled for 2 (GPU) / 4 (TPU) compile-only devices
     with kernels: auto picks the target's kernels (the mesh's platform) and the compiled HLO holds them; on GPU a
     row without segment ids runs cuDNN's flash attention (forward and backward custom calls)."""
     if not _plugin(target):
@@ -266,7 +371,7 @@ def test_deviceless_compiles_contain_the_kernels(target, kind, names):
     mesh = target_mesh(target, kind, {"fsdp": n})
     opts = options_from(ModelSection(dtype="bfloat16"), mesh)
     assert opts.kernels == target
-    cfg = tiny_cfg("*E", head_dim=16)
+    cfg = tiny_cfg("M*E", head_dim=16)
     sh = param_shardings(param_specs(cfg), mesh, Rules())
     params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_params(cfg), sh)
     rows = Rules().sharding(mesh, ("batch", None), (n, 64))

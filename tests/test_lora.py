@@ -155,3 +155,55 @@ def test_expert_parallel_and_tensor_parallel_match_one_device(setup):
         has_aux=True))(a, params)
     for x, y in zip(jax.tree.leaves(g8), jax.tree.leaves(g1)):
         np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_lora_step_skips_the_frozen_base():
+    """What differentiating the adapters alone saves, in the compiled program (XLA:CPU, 2 devices of fsdp): no
+    weight gradient of the base is reduced (the only reductions carry the adapters' gradients); the frozen lm_head
+    is projected twice per token (logits, and the hidden state's gradient in the forward), where a head that gets a
+    gradient takes at least three (logits, the hidden state's and the head's gradients); remat
+    `save_frozen` keeps the base's matmul outputs (fewer FLOPs than `layer`) with the same gradients."""
+    from nemo_jax.plan import hlo as H
+    from nemo_jax.train.step import token_loss
+
+    cfg = tiny_cfg("ME*")
+    targets = lora.LoraConfig(targets=("all",), rank=4, alpha=8.0)
+    mesh = make_mesh({"fsdp": 2}, jax.devices()[:2])
+    params = jax.device_put(init_params(cfg, jax.random.key(0)), param_shardings(param_specs(cfg), mesh, Rules()))
+    a = jax.device_put(_randomised(lora.init_adapters(cfg, targets)), lora.adapter_shardings(cfg, targets, mesh))
+    N = 4 * 32
+    toks = jax.random.randint(jax.random.key(1), (4, 33), 0, cfg.vocab_size)
+    batch = {"tokens": toks[:, :-1], "targets": toks[:, 1:], "loss_mask": jnp.ones((4, 32), bool),
+             "segment_ids": jnp.ones((4, 32), jnp.int32)}
+
+    def compiled(remat, head_trained=False):
+        opts = M.Options(remat=remat, mesh=mesh)
+
+        def loss(a, head, p):
+            p = dict(p, lm_head={"kernel": head})
+            return token_loss(lora.attach(p, a), batch, cfg, opts)[0]
+
+        f = jax.jit(jax.grad(loss, argnums=(0, 1) if head_trained else 0))
+        c = f.lower(a, params["lm_head"]["kernel"], params).compile()
+        return c, (lambda: f(a, params["lm_head"]["kernel"], params))
+
+    layer, run_layer = compiled("layer")
+    kept, run_kept = compiled("save_frozen")
+    trained_head, _ = compiled("layer", head_trained=True)
+    full = jax.jit(jax.grad(lambda p: token_loss(p, batch, cfg, M.Options(remat="layer", mesh=mesh))[0]))
+    cost = {k: H.analyse(c.as_text(), 2) for k, c in (("layer", layer), ("kept", kept), ("head", trained_head),
+                                                       ("full", full.lower(params).compile()))}
+    reduced = {k: sum(v for kind, v in c.collective_bytes().items() if kind in ("all-reduce", "reduce-scatter"))
+               for k, c in cost.items()}
+    # both reduce the activations' cotangents of the MoE shard_map alike; full fine-tuning also every weight's
+    # gradient (fp32 here), LoRA only its adapters'
+    base_bytes = sum(x.size * 4 for x in jax.tree.leaves(params))
+    adapter_bytes = sum(x.size * 4 for x in jax.tree.leaves(a))
+    assert reduced["full"] - reduced["layer"] >= 0.9 * base_bytes - adapter_bytes, (reduced, base_bytes)
+    projection = 2 * (N // 2) * cfg.hidden_size * cfg.vocab_size  # one pass over the vocabulary, per device
+    # (here the logits fit one chunk and XLA computes the trained head's recompute once with the forward's)
+    assert cost["head"].flops - cost["layer"].flops >= 0.9 * projection
+    assert cost["kept"].flops < cost["layer"].flops - 0.5 * projection
+    for x, y in zip(jax.tree.leaves(run_layer()), jax.tree.leaves(run_kept())):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)

@@ -129,6 +129,40 @@ def test_model_step_flops_match_an_unrolled_compile(monkeypatch, target):
         assert "__cublas$" in looped.as_text()  # the GEMMs are library calls there
 
 
+@pytest.mark.parametrize("target", ["cpu", "gpu"])
+def test_kernels_are_costed_one_by_one(target):
+    """The per-kernel view of a scanned program: its matmul FLOPs add up to the loop's (each body kernel runs 6
+    times), a kernel inside the loop reads the one weight slice it takes, not the stacked weights (bytes), and
+    the roofline times each kernel at the largest of its compute, memory and launch times."""
+    from nemo_jax.plan import roofline as R
+
+    def f(w, x):
+        h, _ = jax.lax.scan(lambda h, wi: (jnp.tanh(h @ wi) * 2.0, None), x, w)
+        return jnp.sum(h)
+
+    dev = _device(target)
+    w, x = _on((jax.ShapeDtypeStruct((6, 128, 128), jnp.float32), jax.ShapeDtypeStruct((32, 128), jnp.float32)), dev)
+    ks = H.kernels(jax.jit(f).lower(w, x).compile().as_text())
+    matmuls = 6 * 2 * 32 * 128 * 128
+    np.testing.assert_allclose(sum(k.matmul_flops * k.count for k in ks), matmuls, rtol=0.01)
+    assert any(k.count == 6 and k.matmul_flops for k in ks)
+    stack = 6 * 128 * 128 * 4
+    # each of the 6 iterations reads its slice of the stacked weights (1/6 of them) and small activations; reading
+    # the whole stack in each would alone come to 6 x stack
+    assert sum(k.bytes * k.count for k in ks) < 6 * stack
+    kind = DEVICE_KINDS["h100"]
+    a = R.ACHIEVABLE["h100"]
+    t = lambda **kw: R.kernel_time(H.Kernel("k", "gemm", **kw), kind, a)  # noqa: E731
+    assert t() == a.launch_s
+    np.testing.assert_allclose(t(bytes=1e9), 1e9 / (kind.hbm * a.hbm))
+    np.testing.assert_allclose(t(matmul_flops=1e12), 1e12 / (kind.peak * a.mma))
+    np.testing.assert_allclose(t(matmul_flops=1e12, precision="tf32"), 2e12 / (kind.peak * a.mma))
+    np.testing.assert_allclose(R.kernel_time(H.Kernel("k", "pallas", matmul_flops=1e12), kind, a),
+                               1e12 / (kind.peak * a.pallas))
+    slow = R.fit_share([H.Kernel("k", "gemm", matmul_flops=1e12)], kind, a, "mma", 2e12 / kind.peak)
+    np.testing.assert_allclose(slow, 0.5, rtol=1e-3)  # a GEMM measured at half the peak fits mma = 0.5
+
+
 def test_replica_groups_forms():
     assert H.replica_groups("replica_groups={{0,1},{2,3}}, x", 4) == [[0, 1], [2, 3]]
     assert H.replica_groups("replica_groups=[2,4]<=[8]", 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
@@ -189,6 +223,9 @@ def test_plan_cli_json_keys(capsys):
         assert k in out, k
     assert out["programs"][0]["mesh"] == {"data": 1, "fsdp": 2, "tensor": 1, "expert": 2, "context": 2}
     assert set(out["step_time_s"]) >= {"compute", "collectives", "with_overlap", "without_overlap"}
+    k = out["programs"][0]["kernel_costs"]  # the step's kernels, costed one by one (the compute time is theirs)
+    assert k["count"] > 0 and k["bytes"] > 0
+    np.testing.assert_allclose(sum(k["seconds_by_kind"].values()), out["step_time_s"]["compute"], rtol=1e-6)
     assert out["step_time_s"]["without_overlap"] >= out["step_time_s"]["with_overlap"] > 0
 
 

@@ -74,7 +74,7 @@ class ModelSection:
     init_sft_config: str | None = None  # when `init` does not exist yet: an SFT config that trains it first (a
     # relative path: from the config file's folder or one above it, else the working directory)
     dtype: str = "float32"  # compute dtype: float32 | bfloat16
-    remat: str = "none"  # none | layer | save_matmuls
+    remat: str = "none"  # none | layer | save_matmuls | save_frozen (LoRA: keep the frozen base's matmul outputs)
     moe_dispatch: str = "sorted"
     capacity_factor: float = 1.25
     # expert parallelism: all_to_all (each token sent once per peer owning one of its experts, <= capacity_factor x

@@ -14,6 +14,7 @@ a mesh `jax.default_backend()`), and on CPU the reference (plain jnp that XLA lo
     context_attention  Pallas flash (Triton)                      reference
     cached_attention   Pallas flash (Triton)                      reference
     experts            Pallas grouped matmul (Triton)             megablox gmm
+    ssd                Pallas chunked SSD scan (Triton)           Pallas chunked SSD scan (Mosaic)
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import jax.numpy as jnp
 
 from nemo_jax.config.train import MODEL_KERNELS as KERNELS  # the config key's values
 PLATFORMS = ("reference", "gpu", "tpu")  # what a selection resolves to (and what Options may force)
-OPS = ("attention", "context_attention", "cached_attention", "experts")
+OPS = ("attention", "context_attention", "cached_attention", "experts", "ssd")
 
 
 def platform_of(mesh=None) -> str:
@@ -65,9 +66,9 @@ class Selection:
                 cudnn = (not segments and not self.interpret and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
                          and head_dim % 8 == 0 and head_dim <= 128)
                 return "cudnn" if cudnn else "flash"
-            return "triton" if op == "experts" else "flash"
+            return "triton" if op in ("experts", "ssd") else "flash"
         if self.platform == "tpu":
-            return {"attention": "splash", "experts": "megablox"}.get(op, "reference")
+            return {"attention": "splash", "experts": "megablox", "ssd": "mosaic"}.get(op, "reference")
         return "reference"
 
 

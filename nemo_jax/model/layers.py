@@ -9,6 +9,36 @@ import jax.numpy as jnp
 import numpy as np
 
 
+# checkpoint name of a matmul's output whose weight gets no gradient (a LoRA base, a frozen part): the remat
+# policy `save_frozen` keeps these for the backward instead of recomputing the frozen projections
+FROZEN_PRODUCT = "frozen_product"
+
+
+def frozen_product(mm, x, w):
+    """mm(x, w), its output named FROZEN_PRODUCT when w is not differentiated (its tangent a symbolic zero: a
+    closed-over frozen base, a stop_gradient); unchanged (and unnamed) when w is trained or nothing is."""
+    from jax.custom_derivatives import SymbolicZero
+
+    @jax.custom_jvp
+    def f(x, w):
+        return mm(x, w)
+
+    def jvp(primals, tangents):
+        x, w = primals
+        dx, dw = tangents
+        if isinstance(dw, SymbolicZero):
+            if isinstance(dx, SymbolicZero):
+                y = mm(x, w)
+                return y, jnp.zeros_like(y)
+            y, dy = jax.jvp(lambda x: mm(x, w), (x,), (dx,))
+            return jax.ad_checkpoint.checkpoint_name(y, FROZEN_PRODUCT), dy
+        dx = jnp.zeros_like(x) if isinstance(dx, SymbolicZero) else dx
+        return jax.jvp(mm, (x, w), (dx, dw))
+
+    f.defjvp(jvp, symbolic_zeros=True)
+    return f(x, w)
+
+
 def linear(x: jax.Array, p: dict, dtype) -> jax.Array:
     """x [..., in] @ kernel [in, out] -> [..., out] in `dtype` (fp32 accumulation on the device, the result
     rounded once to `dtype`).
@@ -20,7 +50,8 @@ def linear(x: jax.Array, p: dict, dtype) -> jax.Array:
     in fp32, rounded once).
     """
     lead, x2 = x.shape[:-1], x.reshape(-1, x.shape[-1]).astype(dtype)
-    y = jnp.einsum("ti,io->to", x2, p["kernel"].astype(dtype), preferred_element_type=dtype)
+    y = frozen_product(lambda a, w: jnp.einsum("ti,io->to", a, w, preferred_element_type=dtype), x2,
+                       p["kernel"].astype(dtype))
     if "lora_a" in p:
         xa = jnp.einsum("ti,ir->tr", x2, p["lora_a"].astype(dtype), preferred_element_type=dtype)
         lora = jnp.einsum("tr,ro->to", xa, p["lora_b"].astype(dtype), preferred_element_type=jnp.float32)
@@ -35,7 +66,8 @@ def _linear32(x: jax.Array, p: dict, dtype) -> jax.Array:
     contracting axis, not two ([B, T]), which XLA:CPU runs as a plain matmul (a [1, 1024, 512] x [512, 2048]
     linear fwd+bwd: 43 vs 57 ms)."""
     lead, x = x.shape[:-1], x.reshape(-1, x.shape[-1])
-    y = jnp.einsum("ti,io->to", x, p["kernel"].astype(dtype), preferred_element_type=jnp.float32)
+    y = frozen_product(lambda a, w: jnp.einsum("ti,io->to", a, w, preferred_element_type=jnp.float32), x,
+                       p["kernel"].astype(dtype))
     if "lora_a" in p:
         xa = jnp.einsum("ti,ir->tr", x, p["lora_a"].astype(dtype), preferred_element_type=jnp.float32)
         y = y + p["lora_scale"] * jnp.einsum("tr,ro->to", xa.astype(dtype), p["lora_b"].astype(dtype),
@@ -225,11 +257,56 @@ def _ce_stats(hc, w, tc, offset, axis, temperature):
     return logits, m + jnp.log(s), z
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5, 6))
 def _vocab_ce(h, w, targets, offset, axis, chunk: int, temperature: float):
     """h [N, D], w [D, Vl] (vocab columns offset.. of the vocabulary, split over `axis`), targets [N] -> nll [N]
-    fp32, `chunk` rows of logits at a time. Backward: per chunk, dlogits = (softmax - onehot) * g / temperature in
-    w's dtype, dh = dlogits @ w^T (summed over `axis`), dw += h^T @ dlogits in one fp32 buffer."""
+    fp32, `chunk` rows of logits at a time.
+
+    Differentiated with a head that gets a gradient (`_trained_head_ce`): the logits are recomputed per chunk in
+    the backward for dh and dw. With a frozen head (its tangent a symbolic zero: LoRA's base, a head passed
+    through stop_gradient) and the vocabulary whole, nll's gradient in h is g * q with q = (softmax - onehot) /
+    temperature @ w^T known in the forward (`_frozen_head_ce`): the forward computes q beside the logits and the
+    backward is one multiply: two vocabulary projections instead of three."""
+    return _trained_head_ce(h, w, targets, offset, axis, chunk, temperature)
+
+
+@functools.partial(_vocab_ce.defjvp, symbolic_zeros=True)
+def _vocab_ce_jvp(axis, chunk, temperature, primals, tangents):
+    from jax.custom_derivatives import SymbolicZero
+
+    h, w, targets, offset = primals
+    dh, dw = tangents[:2]
+    if isinstance(dw, SymbolicZero) and axis is None:
+        nll, q = _frozen_head_ce(h, w, targets, offset, chunk, temperature)
+        dnll = jnp.zeros_like(nll) if isinstance(dh, SymbolicZero) else jnp.sum(q * dh.astype(q.dtype), axis=-1)
+        return nll, dnll
+    real = lambda p, t: (np.zeros(np.shape(p), jax.dtypes.float0) if not jnp.issubdtype(p.dtype, jnp.inexact)  # noqa: E731
+                         else jnp.zeros_like(p) if isinstance(t, SymbolicZero) else t)
+    return jax.jvp(lambda h, w, t, o: _trained_head_ce(h, w, t, o, axis, chunk, temperature), primals,
+                   tuple(real(p, t) for p, t in zip(primals, tangents)))
+
+
+def _frozen_head_ce(h, w, targets, offset, chunk: int, temperature: float):
+    """-> (nll [N], q [N, D] fp32): per chunk the logits, their log-sum-exp, and q = (softmax - onehot) /
+    temperature @ w^T, the gradient of each token's nll in its h (the vocabulary whole on this device)."""
+    N = h.shape[0]
+    c = max(1, min(N, chunk))
+
+    def one(a):
+        hc, tc = a
+        logits, lse, z = _ce_stats(hc, w, tc, offset, None, temperature)
+        onehot = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1) == (tc - offset)[:, None]
+        dlog = ((jnp.exp(logits - lse[:, None]) - onehot) / temperature).astype(w.dtype)
+        return lse - z, jnp.einsum("cv,dv->cd", dlog, w, preferred_element_type=jnp.float32)
+
+    nll, q = jax.lax.map(one, (_ce_chunks(h, c), _ce_chunks(targets, c)))
+    return nll.reshape(-1)[:N], q.reshape(-1, h.shape[1])[:N]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _trained_head_ce(h, w, targets, offset, axis, chunk: int, temperature: float):
+    """`_vocab_ce` for a head that gets a gradient. Backward: per chunk, dlogits = (softmax - onehot) * g /
+    temperature in w's dtype, dh = dlogits @ w^T (summed over `axis`), dw += h^T @ dlogits in one fp32 buffer."""
     return _vocab_ce_fwd(h, w, targets, offset, axis, chunk, temperature)[0]
 
 
@@ -264,4 +341,4 @@ def _vocab_ce_bwd(axis, chunk, temperature, res, g):
     return dh.reshape(-1, h.shape[1])[:N], dw.astype(w.dtype), zero_int(targets), zero_int(offset)
 
 
-_vocab_ce.defvjp(_vocab_ce_fwd, _vocab_ce_bwd)
+_trained_head_ce.defvjp(_vocab_ce_fwd, _vocab_ce_bwd)

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from nemo_jax.kernels import REFERENCE, Selection
 from nemo_jax.model.layers import gated_rms_norm, linear
 from nemo_jax.parallel.mesh import context_shards
 
@@ -324,15 +325,23 @@ def split_groups(t: jax.Array, cfg, parts: tuple[str, ...]) -> tuple[jax.Array, 
     return tuple(jnp.split(t.reshape(*t.shape[:-1], cfg.n_groups, -1), cuts, axis=-1))
 
 
-def _scan(xbc_c, dt, A, D, cfg, segment_ids, scan: str, init=None, axis: str | None = None):
+def _scan(xbc_c, dt, A, D, cfg, segment_ids, scan: str, init=None, axis: str | None = None,
+          kernels: Selection = REFERENCE, mesh=None):
     """Conv output (after silu) [b, l, conv_dim] (group-major x|B|C) -> (y [b, l, h, p] fp32 with the D skip,
-    final state); over a sequence split along `axis` (inside shard_map) with `ssd_context`."""
+    final state); over a sequence split along `axis` (inside shard_map) with `ssd_context`. `kernels`: the
+    chunked scan's Pallas kernel (`nemo_jax.kernels.ssd`, per device on `mesh`) where the selection has one."""
     b, l, _ = xbc_c.shape
     H, P = cfg.mamba_num_heads, cfg.mamba_head_dim
     x, Bm, Cm = split_groups(xbc_c, cfg, ("x", "B", "C"))
     xh = x.reshape(b, l, H, P)
+    impl = kernels.impl("ssd") if scan == "chunked" else "reference"
     if axis is None and l == 1 and segment_ids is None and scan == "chunked":  # decode: one token
         y, final = ssd_step(xh, dt, A, Bm, Cm, initial_state=init)
+    elif axis is None and impl != "reference":
+        from nemo_jax.kernels.ssd import ssd_scan_sharded
+
+        y, final = ssd_scan_sharded(xh, dt, A, Bm, Cm, segment_ids, init, impl=impl, mesh=mesh,
+                                    interpret=kernels.interpret)
     elif axis is None:
         y, final = SCANS[scan](xh, dt, A, Bm, Cm, chunk_size=cfg.chunk_size, segment_ids=segment_ids,
                                initial_state=init)
@@ -341,13 +350,13 @@ def _scan(xbc_c, dt, A, D, cfg, segment_ids, scan: str, init=None, axis: str | N
     return y + D.astype(jnp.float32)[:, None] * xh, final
 
 
-def _conv_scan(p, xbc, dt, A, cfg, segment_ids, scan: str, mesh=None):
+def _conv_scan(p, xbc, dt, A, cfg, segment_ids, scan: str, mesh=None, kernels: Selection = REFERENCE):
     """Training path, the whole sequence on each device: xbc [b, l, c] -> (y [b, l, h, p], final state)."""
     xbc_c = causal_conv(xbc, p["conv1d"]["kernel"], p["conv1d"].get("bias"), segment_ids)
-    return _scan(jax.nn.silu(xbc_c), dt, A, p["D"], cfg, segment_ids, scan)
+    return _scan(jax.nn.silu(xbc_c), dt, A, p["D"], cfg, segment_ids, scan, kernels=kernels, mesh=mesh)
 
 
-def _conv_scan_context(p, xbc, dt, A, cfg, segment_ids, scan: str, mesh):
+def _conv_scan_context(p, xbc, dt, A, cfg, segment_ids, scan: str, mesh, kernels: Selection = REFERENCE):
     """`_conv_scan` with the sequence split over the mesh's `context` axis (other axes left to GSPMD): the conv
     window and the SSM state cross shard boundaries (`causal_conv_context`, `ssd_context`)."""
     from jax.sharding import PartitionSpec as P
@@ -374,13 +383,14 @@ def _conv_scan_context(p, xbc, dt, A, cfg, segment_ids, scan: str, mesh):
 
 
 def mamba_mixer(p: dict, u: jax.Array, cfg, dtype, *, segment_ids=None, state: MambaState | None = None,
-                valid=None, scan: str = "chunked", mesh=None):
+                valid=None, scan: str = "chunked", mesh=None, kernels: Selection = REFERENCE):
     """u [b, l, D] -> (y [b, l, D], new MambaState).
 
     Without `state`: packed training forward (segment_ids optional); the returned state is the one
     after the last token (meaningful when the row holds one document). A `mesh` with a `context` axis splits
-    the sequence over it. With `state`: continue it, `valid` [b, l] marking real tokens (padding only at the
-    left).
+    the sequence over it (the chunked scan then runs the reference on each shard). With `state`: continue it,
+    `valid` [b, l] marking real tokens (padding only at the left). `kernels` (`nemo_jax.kernels.select`): the
+    chunked scan's kernel where the platform has one.
     """
     b, l, _ = u.shape
     G, Di = cfg.n_groups, cfg.d_inner
@@ -400,11 +410,13 @@ def mamba_mixer(p: dict, u: jax.Array, cfg, dtype, *, segment_ids=None, state: M
     if state is None:
         window = jnp.pad(xbc, ((0, 0), (max(K - 1 - l, 0), 0), (0, 0)))[:, -(K - 1):] if K > 1 else xbc[:, :0]
         split = context_shards(mesh, l) > 1
-        y, final = (_conv_scan_context if split else _conv_scan)(p, xbc, dt, A, cfg, segment_ids, scan, mesh)
+        y, final = (_conv_scan_context if split else _conv_scan)(p, xbc, dt, A, cfg, segment_ids, scan, mesh,
+                                                                 kernels=kernels)
     else:
         n_pad = l - jnp.sum(valid, axis=1).astype(jnp.int32)
         xbc_c, window = causal_conv_cached(xbc, p["conv1d"]["kernel"], bias, state.conv, n_pad)
-        y, final = _scan(jax.nn.silu(xbc_c), dt, A, p["D"], cfg, None, scan, init=state.ssm)
+        y, final = _scan(jax.nn.silu(xbc_c), dt, A, p["D"], cfg, None, scan, init=state.ssm, kernels=kernels,
+                         mesh=mesh)
     y = gated_rms_norm(y.reshape(b, l, Di), z, p["norm"]["scale"], G, cfg.layer_norm_epsilon)
     out = linear(y.astype(dtype), p["out_proj"], dtype)
     return out, MambaState(window.astype(dtype), final)

@@ -28,11 +28,11 @@ from nemo_jax.model import attention as attn_lib
 from nemo_jax.model import mamba2, moe as moe_lib, vision as vision_lib
 from nemo_jax.model.cache import DecodeState
 from nemo_jax.parallel.mesh import BATCH_AXES, context_shards, gather_shards, pin_batch
-from nemo_jax.model.layers import embed, linear, logits_from_hidden, mlp, rms_norm
+from nemo_jax.model.layers import FROZEN_PRODUCT, embed, linear, logits_from_hidden, mlp, rms_norm
 
 KIND_ORDER = ("mamba", "attention", "mlp", "moe")
 _SLOTS = (("mamba",), ("attention",), ("mlp", "moe"))
-REMAT_POLICIES = ("none", "layer", "save_matmuls")
+REMAT_POLICIES = ("none", "layer", "save_matmuls", "save_frozen")
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class Options:
     # expert parallelism: run each device's tokens through the routed experts at most this many at a time (0: all
     # at once); bounds a MoE layer's dispatch buffers and expert activations without re-gathering its weights
     moe_chunk_tokens: int = 0
-    remat: str = "none"  # "none" | "layer" | "save_matmuls"
+    remat: str = "none"  # "none" | "layer" | "save_matmuls" | "save_frozen" (`remat_policy`)
     # accelerator kernels (nemo_jax.kernels): "auto" (those of the platform the program is compiled for: the mesh's
     # devices', else the default backend; the reference on CPU) | "reference" | "gpu" | "tpu" (forced);
     # interpret_kernels: forced Pallas kernels in interpret mode (CPU tests)
@@ -121,7 +121,7 @@ def apply_layer(kind: str, p: dict, h: jax.Array, ctx: _Ctx, cache=None):
     aux, new = {}, None
     if kind == "mamba":
         y, st = mamba2.mamba_mixer(p["mixer"], u, cfg, dtype, segment_ids=ctx.segment_ids, state=cache,
-                                   valid=ctx.valid, scan=ctx.opts.ssd, mesh=ctx.opts.mesh)
+                                   valid=ctx.valid, scan=ctx.opts.ssd, mesh=ctx.opts.mesh, kernels=ctx.kernels)
         new = st if cache is not None else None
     elif kind == "attention":
         y, new = attn_lib.attention(p["mixer"], u, cfg, dtype, segment_ids=ctx.segment_ids, cache=cache,
@@ -254,10 +254,20 @@ def _periodic(runs: list[tuple[dict, int]]) -> list[tuple[list[tuple[dict, int]]
     return out
 
 
+def remat_policy(remat: str):
+    """The jax.checkpoint policy of a remat setting (per layer; "none": no checkpoint at all). "layer": the
+    backward recomputes the whole layer; "save_matmuls": it keeps every matmul's output; "save_frozen": it keeps
+    the outputs of the projections whose weights get no gradient (a LoRA step's frozen base,
+    `layers.FROZEN_PRODUCT`) and recomputes the rest, so a LoRA step never re-runs its base's matmuls (in full
+    fine-tuning nothing is frozen and it is "layer")."""
+    return {"layer": None, "save_matmuls": jax.checkpoint_policies.checkpoint_dots,
+            "save_frozen": jax.checkpoint_policies.save_only_these_names(FROZEN_PRODUCT)}[remat]
+
+
 def _layer_fn(ctx: _Ctx):
     """apply_layer under the remat policy: remat is per layer (a scan saves each layer's input, not its
     internals)."""
-    policy = jax.checkpoint_policies.checkpoint_dots if ctx.opts.remat == "save_matmuls" else None
+    policy = None if ctx.opts.remat == "none" else remat_policy(ctx.opts.remat)
 
     def layer(kind, p, h, c):
         f = lambda p, h, c: apply_layer(kind, p, h, ctx, c)
@@ -376,10 +386,8 @@ def _run_cond_scan(stacks: dict, h: jax.Array, us: list[dict], ctx: _Ctx, caches
                 cstacks.update(sub)
         return (h, cstacks), (new_xs, aux_u)
 
-    if ctx.opts.remat == "layer":
-        body = jax.checkpoint(body)
-    elif ctx.opts.remat == "save_matmuls":
-        body = jax.checkpoint(body, policy=jax.checkpoint_policies.checkpoint_dots)
+    if ctx.opts.remat != "none":
+        body = jax.checkpoint(body, policy=remat_policy(ctx.opts.remat))
     (h, carry_caches), (ys_caches, ys_aux) = jax.lax.scan(body, (h, carry_caches), (xs_params, xs_caches, has, idx),
                                                           length=U)
     new_caches = {**ys_caches, **carry_caches}

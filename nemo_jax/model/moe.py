@@ -28,7 +28,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from nemo_jax.kernels import REFERENCE, Selection
 from nemo_jax.kernels.gmm import grouped_matmul
-from nemo_jax.model.layers import linear, mlp, relu2
+from nemo_jax.model.layers import frozen_product, linear, mlp, relu2
 from nemo_jax.parallel.mesh import TOKEN_AXES, gather_shards, pin_tokens, token_axes
 
 DISPATCHES = ("sorted", "capacity", "ragged", "dense")
@@ -123,8 +123,8 @@ def _lora_einsum(eq: str, x, w, lora, dtype, take=None, out_dtype=jnp.float32):
     in fp32 first)."""
     pick = (lambda t: t) if take is None else (lambda t: jnp.take(t, take, axis=0, mode="clip"))  # t may be numpy
     if lora is None:
-        return jnp.einsum(eq, x, pick(w), preferred_element_type=out_dtype)
-    y = jnp.einsum(eq, x, pick(w), preferred_element_type=jnp.float32)
+        return frozen_product(lambda a, b: jnp.einsum(eq, a, b, preferred_element_type=out_dtype), x, pick(w))
+    y = frozen_product(lambda a, b: jnp.einsum(eq, a, b, preferred_element_type=jnp.float32), x, pick(w))
     (xs, ws), ys = eq.split("->")[0].split(","), eq.split("->")[1]
     o = ws[-1]
     xa_s = ys.replace(o, "r")
@@ -399,8 +399,8 @@ def _ragged_lora(x, w, lora, counts, dtype, impl: str, interpret: bool = False, 
     `out_dtype` (with an adapter the two terms are summed in fp32 first)."""
     mm = lambda a, b, dt=jnp.float32: grouped_matmul(a, b, counts, impl, interpret=interpret, out_dtype=dt)  # noqa: E731
     if lora is None:
-        return mm(x, w, out_dtype)
-    y = mm(x, w) + lora["lora_scale"] * mm(mm(x, lora["lora_a"], dtype), lora["lora_b"])
+        return frozen_product(lambda a, b: mm(a, b, out_dtype), x, w)
+    y = frozen_product(mm, x, w) + lora["lora_scale"] * mm(mm(x, lora["lora_a"], dtype), lora["lora_b"])
     return y.astype(out_dtype)
 
 

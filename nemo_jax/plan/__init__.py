@@ -43,6 +43,9 @@ def cli_plan(a, overrides: list[str]) -> dict:
                                  a.context or sampler["context"], a.headroom, target, prefill=a.prefill)
     out = {**head, **{k: programs[0][k] for k in PLAN_KEYS}, "fits_all": all(p["fits"] for p in programs),
            "programs": programs}
+    if c.lora.targets and not getattr(a, "no_lora_ratio", False):
+        out["lora_over_sft_flops"] = lora_ratio(c, a.devices, kind, a.headroom, target, programs[0])
+        say(f"LoRA step HLO FLOPs: {out['lora_over_sft_flops']:.3f}x the same step's without LoRA (full SFT)")
     if a.json:
         print(json.dumps(out, indent=1))
     else:
@@ -50,3 +53,14 @@ def cli_plan(a, overrides: list[str]) -> dict:
             print(format_plan(p, kind) + "\n")
         print(f"estimates: {ESTIMATES}")
     return out
+
+
+def lora_ratio(c, n_devices: int, kind, headroom: float, target: str, lora_plan: dict) -> float:
+    """The LoRA step's HLO FLOPs over those of the same config's full SFT step (`lora.targets` cleared; compiled
+    and cached like any plan)."""
+    import dataclasses
+
+    from nemo_jax.config.train import LoraSection
+
+    full = plan_sft(dataclasses.replace(c, lora=LoraSection()), n_devices, kind, headroom, target)
+    return lora_plan["flops_per_step"] / full["flops_per_step"]

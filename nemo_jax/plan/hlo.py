@@ -200,18 +200,33 @@ def _conv_flops(ins, ty) -> float:
 # [b, kv, rows, hd] (the first 4-D floating operand), k [b, s_k, kv, hd] (the second); one QK^T and one PV per
 # (row, key) for the forward, 3 matmuls for dq, 4 for dk/dv (both recompute the probabilities); causal blocks
 # above the diagonal are skipped (x 1/2). gmm [M, K] x [G, K, N] -> [M, N]; tgmm [M, K]^T x [M, N] -> [G, K, N].
+# ssd_fwd / ssd_bwd (`nemo_jax.kernels.ssd`): x [b, h, L, P] (the first operand), B [b, g, L, N] (the seventh),
+# the chunk-major cumulative decay [b, h, chunks, 1, cs] (the fourth); per chunk and head, matmuls of cs x cs x
+# (N or P) and cs x P x N: SSD_MATMULS[name] = (how many of the first, with N; with P; of the second).
 FLASH_MATMULS = {"flash_fwd": 2, "flash_bwd_dq": 3, "flash_bwd_dkv": 4}
+SSD_MATMULS = {"ssd_fwd": (1, 1, 2), "ssd_bwd": (3, 2, 5)}
 CAUSAL = 0.5
+KERNELS = (*FLASH_MATMULS, *SSD_MATMULS, "gmm", "tgmm")
+
+
+_PALLAS = re.compile(r'op_name="[^"]*/(?:\w+\()*(\w+)\)*/pallas_call"')  # .../flash_fwd/pallas_call, .../jvp(gmm)/...
 
 
 def _kernel_name(attrs: str) -> str | None:
-    m = re.search(r'op_name="[^"]*/(\w+)/pallas_call"', attrs)
-    return m.group(1) if m and (m.group(1) in FLASH_MATMULS or m.group(1) in ("gmm", "tgmm")) else None
+    m = _PALLAS.search(attrs)
+    return m.group(1) if m and m.group(1) in KERNELS else None
 
 
 def _kernel_flops(name: str, ins, ty) -> float:
     arrs = [a for o in ins.operands for a in _arrays(ty.get(o, "")) if a[0] in ("bf16", "f16", "f32")]
     out = _arrays(ins.type)
+    if name in SSD_MATMULS:
+        shapes = [_arrays(ty.get(o, "")) for o in ins.operands]
+        if len(shapes) < 7 or not all(shapes[i] for i in (0, 3, 6)):
+            return 0.0
+        (b, h, L, P), (N, cs) = shapes[0][0][1], (shapes[6][0][1][3], shapes[3][0][1][4])
+        with_n, with_p, state = SSD_MATMULS[name]
+        return 2.0 * b * h * L * (cs * (with_n * N + with_p * P) + state * P * N)
     if name in FLASH_MATMULS:
         four = [a for a in arrs if len(a[1]) == 4]
         if len(four) < 2:
@@ -350,6 +365,207 @@ def analyse(text: str, n_devices: int) -> HloCost:
     cost.flops, cost.transcendentals = f, t
     cost.collectives = [Collective(x.kind, x.bytes, x.group, x.groups, m) for x, m in c]
     return cost
+
+
+# ----------------------------------------------------------------------------- per kernel
+# instructions that run no kernel of their own (containers are walked into; collectives are costed apart by
+# `analyse`'s link model; their `-done` halves and host transfers wait on work counted elsewhere)
+FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
+        "after-all", "add-dependency", "opt-barrier", "partition-id", "replica-id", "domain", "copy-start",
+        "copy-done", "send", "recv", "send-done", "recv-done", "infeed", "outfeed", "async-start", "async-done",
+        "async-update"} | set(COLLECTIVES) | {k[:-len("-start")] + "-done" for k in COLLECTIVES if k.endswith("-start")}
+_SLICING = ("dynamic-slice", "slice", "gather")
+
+
+@dataclass
+class Kernel:
+    """One kernel a step launches: what it is, its work, its memory traffic and how often it runs.
+
+    kind: "gemm" (a library matmul, or a fusion around a dot), "pallas" (a Pallas / Triton / Mosaic kernel, named
+    in `name`), "library" (another library call: cuDNN attention, sorts), "fusion" (XLA's elementwise / reduce
+    kernels), "copy" (copies, slices, in-place updates). matmul_flops run on the matrix units at `precision`
+    ("bf16" for 16-bit operands, "tf32" for fp32 at default precision, "f32" for fp32 at HIGHEST), vector_flops
+    (elementwise, reductions, transcendentals) on the vector units; bytes = what it reads and writes of device
+    memory (a fusion reads the slices of its operands it slices, an in-place update writes its update)."""
+
+    name: str
+    kind: str
+    matmul_flops: float = 0.0
+    vector_flops: float = 0.0
+    bytes: float = 0.0
+    precision: str = "bf16"
+    count: float = 1.0
+
+
+def _matmul_precision(dtype: str, attrs: str) -> str:
+    if dtype in ("bf16", "f16", "f8e4m3fn", "f8e5m2", "s8"):
+        return "bf16"
+    return "f32" if re.search(r'(?i)"?operand_precision"?[=:]\s*[\[{]"?highest', attrs) else "tf32"
+
+
+def _instr_flops(ins, ty) -> tuple[float, float, str | None]:
+    """(matmul FLOPs, vector FLOPs, matmul precision) of one instruction inside a computation (a fusion's)."""
+    op = ins.opcode
+    if op == "dot":
+        lhs = _arrays(ty.get(ins.operands[0], ""))
+        m = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", ins.attrs)
+        k = math.prod(lhs[0][1][int(d)] for d in m.group(1).split(",") if d) if (m and lhs) else 1
+        return 2.0 * _elements(ins.type) * k, 0.0, _matmul_precision(lhs[0][0] if lhs else "f32", ins.attrs)
+    if op == "convolution":
+        rhs = _arrays(ty.get(ins.operands[1], "")) if len(ins.operands) > 1 else []
+        return _conv_flops(ins, ty), 0.0, _matmul_precision(rhs[0][0] if rhs else "f32", ins.attrs)
+    if op in ELEMENTWISE or op in TRANSCENDENTAL:
+        return 0.0, float(_elements(ins.type)), None
+    if op == "reduce":
+        n_in = sum(_elements(ty.get(o, "")) for o in ins.operands[:max(1, len(ins.operands) // 2)])
+        return 0.0, float(max(0, n_in - _elements(ins.type))), None
+    return 0.0, 0.0, None
+
+
+def _read_bytes(name: str, users: dict, ty: dict, depth: int = 0) -> float:
+    """Bytes a fusion reads of its parameter `name`: the slices it takes when every use slices it (through
+    bitcasts), nothing when it is only the buffer an in-place update writes into, else all of it."""
+    us = users.get(name, [])
+    if us and depth < 4:
+        part = 0.0
+        for u in us:
+            if u.opcode in _SLICING and u.operands[0] == name:
+                part += _bytes(u.type)
+            elif u.opcode == "dynamic-update-slice" and u.operands[0] == name:
+                continue  # the buffer written in place: only its update moves (`_written_bytes`)
+            elif u.opcode == "bitcast":
+                part += _read_bytes(u.name, users, ty, depth + 1)
+            else:
+                return float(_bytes(ty.get(name, "")))
+        return part
+    return float(_bytes(ty.get(name, "")))
+
+
+def _written_bytes(ins, by_name: dict, ty: dict) -> float:
+    """Bytes a fusion's root writes: an in-place update writes its update, a tuple each element's."""
+    if ins.opcode == "dynamic-update-slice" and len(ins.operands) > 1:
+        return float(_bytes(ty.get(ins.operands[1], "")))
+    if ins.opcode == "tuple":
+        return sum(_written_bytes(by_name[o], by_name, ty) if o in by_name else 0.0 for o in ins.operands)
+    if ins.opcode == "bitcast" and ins.operands and ins.operands[0] in by_name:
+        return _written_bytes(by_name[ins.operands[0]], by_name, ty)
+    return float(_bytes(ins.type))
+
+
+def _fusion_kernel(ins, comps, types) -> Kernel:
+    called = [c for c in _called(ins.attrs, "calls") if c in comps]
+    mm = vec = 0.0
+    prec = None
+    kind = "fusion"
+    read = written = 0.0
+    for c in called:
+        body, ty = comps[c], types[c]
+        by_name = {i.name: i for i in body}
+        users: dict[str, list] = {}
+        for i in body:
+            for o in i.operands:
+                users.setdefault(o, []).append(i)
+        for i in body:
+            f, v, p = _instr_flops(i, ty)
+            mm, vec = mm + f, vec + v
+            if p and f:
+                prec = p if prec is None or prec == "bf16" else prec
+            if i.opcode == "parameter":
+                read += _read_bytes(i.name, users, ty)
+        root = body[-1] if body else None  # XLA prints a computation's ROOT last
+        written += _written_bytes(root, by_name, ty) if root is not None else _bytes(ins.type)
+        if not mm and all(i.opcode in ("parameter", "constant", "bitcast", "copy", "transpose", "slice",
+                                         "dynamic-slice", "dynamic-update-slice", "concatenate", "pad", "reshape",
+                                         "broadcast", "tuple", "get-tuple-element", "iota", "convert", "select",
+                                         "compare")
+                          for i in body) and any(i.opcode in ("copy", "transpose", "dynamic-slice",
+                                                              "dynamic-update-slice", "concatenate", "pad", "slice")
+                                                 for i in body):
+            kind = "copy"
+    if mm:
+        kind = "gemm"
+    return Kernel(ins.name, kind, mm, vec, read + written, prec or "bf16")
+
+
+def _custom_kernel(ins, ty) -> Kernel:
+    target = re.search(r'custom_call_target="([^"]+)"', ins.attrs)
+    target = target.group(1) if target else ""
+    operands = [a for o in ins.operands for a in _arrays(ty.get(o, ""))]
+    outs = [a for a in _arrays(ins.type) if a[0] not in ("s8", "u8")]  # less cuBLAS' workspace
+    nbytes = float(sum(_DTYPE_BYTES[d] * math.prod(s) for d, s in operands + outs))
+    if any(f'"{t}"' in f'"{target}"' for t in GEMM_TARGETS):
+        lhs = operands[0][0] if operands else "bf16"
+        return Kernel(ins.name, "gemm", _gemm_flops(ins, ty), 0.0, nbytes, _matmul_precision(lhs, ins.attrs))
+    name = _kernel_name(ins.attrs)
+    if name:
+        floats = [d for d, _ in operands if d in ("bf16", "f16", "f32")]
+        return Kernel(name, "pallas", _kernel_flops(name, ins, ty), 0.0, nbytes,
+                      "tf32" if floats and floats[0] == "f32" else "bf16")
+    return Kernel(target or ins.name, "library", 0.0, 0.0, nbytes)
+
+
+def kernels(text: str) -> list[Kernel]:
+    """Every kernel one device's step launches (the SPMD module's HLO after optimisation), each with its FLOPs,
+    bytes and executions per step (loop bodies times their trip counts; of a conditional, its costliest
+    branch). Collectives are left to `analyse`."""
+    comps, types, entry = parse_module(text)
+    memo: dict[str, list[Kernel]] = {}
+
+    def visit(comp: str) -> list[Kernel]:
+        if comp in memo:
+            return memo[comp]
+        memo[comp] = []
+        out: list[Kernel] = []
+        ty = types[comp]
+        for ins in comps[comp]:
+            op = ins.opcode
+            if op == "while":
+                n = _trip_count(ins.attrs) or _inferred_trip_count(comps, comp, ins) or 1
+                for c in _called(ins.attrs, "body") + _called(ins.attrs, "condition"):
+                    out += [Kernel(k.name, k.kind, k.matmul_flops, k.vector_flops, k.bytes, k.precision, k.count * n)
+                            for k in visit(c)] if c in comps else []
+            elif op in ("call", "async-start"):
+                for c in _called(ins.attrs, "to_apply") + _called(ins.attrs, "calls"):
+                    out += visit(c) if c in comps else []
+            elif op == "conditional":
+                branches = (_called(ins.attrs, "branch_computations")
+                            or _called(ins.attrs, "true_computation") + _called(ins.attrs, "false_computation"))
+                costs = [visit(b) for b in branches if b in comps]
+                if costs:
+                    out += max(costs, key=lambda ks: sum((k.matmul_flops + k.vector_flops + k.bytes) * k.count
+                                                         for k in ks))
+            elif op in FREE:
+                continue
+            elif op == "fusion":
+                out.append(_fusion_kernel(ins, comps, types))
+            elif op == "custom-call":
+                out.append(_custom_kernel(ins, ty))
+            else:
+                f, v, p = _instr_flops(ins, ty)
+                nbytes = float(sum(_bytes(ty.get(o, "")) for o in ins.operands) + _bytes(ins.type))
+                if op == "dynamic-update-slice" and len(ins.operands) > 1:
+                    nbytes = 2.0 * _bytes(ty.get(ins.operands[1], ""))
+                kind = "gemm" if f else "copy" if op in ("copy", "transpose", "dynamic-update-slice",
+                                                          "dynamic-slice", "slice", "concatenate", "pad") else "fusion"
+                out.append(Kernel(ins.name, kind, f, v, nbytes, p or "bf16"))
+        memo[comp] = out
+        return out
+
+    return visit(entry)
+
+
+def custom_calls(text: str) -> dict[str, int]:
+    """The custom calls of a compiled program: {target, or target:kernel name for Pallas calls: instructions}
+    (cuBLAS GEMMs, `__gpu$xla.gpu.triton` calls, Mosaic `tpu_custom_call`s, cuDNN)."""
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        m = re.search(r'custom_call_target="([^"]+)"', line)
+        if not m or " custom-call(" not in line:
+            continue
+        k = _PALLAS.search(line)
+        key = f"{m.group(1)}:{k.group(1)}" if k else m.group(1)
+        out[key] = out.get(key, 0) + 1
+    return dict(sorted(out.items()))
 
 
 def cost_analysis_flops(compiled) -> float:

@@ -4,9 +4,11 @@ real step with abstract parameters on N simulated CPU devices (nothing is alloca
 Per device: bytes of parameters, optimiser state, gradients, activations / temporaries and the total (XLA's
 compiled memory analysis; the split of temporaries into gradients and activations is an estimate, and the
 CPU compiler schedules differently from the GPU / TPU ones), FLOPs per step with loop bodies multiplied by
-their trip counts (`hlo.analyse`) next to the model FLOPs, the bytes of each collective kind, and a roofline
-step time: compute at the device's dense bf16 peak, collectives at NVLink / InfiniBand / ICI bandwidth, with
-and without overlap, and the implied MFU.
+their trip counts (`hlo.analyse`) next to the model FLOPs, the bytes of each collective kind, and the step time:
+each kernel of the compiled program costed by its own roofline (`hlo.kernels`, `roofline.kernels_time`: FLOPs
+at the achievable share of the device's peak, bytes at the achievable share of its bandwidth, at least a
+launch), plus the collectives at NVLink / InfiniBand / ICI bandwidth not hidden behind compute; and the implied
+MFU.
 """
 
 from __future__ import annotations
@@ -38,15 +40,20 @@ class DeviceKind:
     inter_bw: float  # bytes/s per device between nodes (InfiniBand); unused when a slice is one ICI domain
     per_node: int | None  # devices per node (None: every device on one ICI domain)
     key: str = ""  # its name in DEVICE_KINDS
+    hbm: float = 0.0  # bytes/s of device memory bandwidth (datasheet)
+    vector: float = 0.0  # FLOP/s of fp32 non-matrix math (CUDA cores; TPU VPU)
 
 
+# datasheets: H100 SXM (989 TFLOP/s dense BF16, 67 TFLOP/s FP32, 3.35 TB/s HBM3), H200 SXM (the same chip, 4.8 TB/s
+# HBM3e), B200 (2.25 PFLOP/s dense BF16, 80 TFLOP/s FP32, 8 TB/s), TPU v5p (459 TFLOP/s, 2.76 TB/s), v5e (197,
+# 0.82), v6e (918, 1.64); the TPUs' vector rates are not published: 1/16 of the MXU's, an estimate
 DEVICE_KINDS = {
-    "h100": DeviceKind("H100 SXM 80GB", 79.1 * GiB, 989e12, 450e9, 50e9, 8, "h100"),
-    "h200": DeviceKind("H200 SXM 141GB", 139.8 * GiB, 989e12, 450e9, 50e9, 8, "h200"),
-    "b200": DeviceKind("B200 180GB", 178.4 * GiB, 2250e12, 900e9, 50e9, 8, "b200"),
-    "tpu-v5p": DeviceKind("TPU v5p", 95.0 * GiB, 459e12, 200e9, 200e9, None, "tpu-v5p"),
-    "tpu-v5e": DeviceKind("TPU v5e", 15.75 * GiB, 197e12, 100e9, 100e9, None, "tpu-v5e"),
-    "tpu-v6e": DeviceKind("TPU v6e", 31.25 * GiB, 918e12, 224e9, 224e9, None, "tpu-v6e"),
+    "h100": DeviceKind("H100 SXM 80GB", 79.1 * GiB, 989e12, 450e9, 50e9, 8, "h100", 3.35e12, 67e12),
+    "h200": DeviceKind("H200 SXM 141GB", 139.8 * GiB, 989e12, 450e9, 50e9, 8, "h200", 4.8e12, 67e12),
+    "b200": DeviceKind("B200 180GB", 178.4 * GiB, 2250e12, 900e9, 50e9, 8, "b200", 8.0e12, 80e12),
+    "tpu-v5p": DeviceKind("TPU v5p", 95.0 * GiB, 459e12, 200e9, 200e9, None, "tpu-v5p", 2.765e12, 459e12 / 16),
+    "tpu-v5e": DeviceKind("TPU v5e", 15.75 * GiB, 197e12, 100e9, 100e9, None, "tpu-v5e", 0.819e12, 197e12 / 16),
+    "tpu-v6e": DeviceKind("TPU v6e", 31.25 * GiB, 918e12, 224e9, 224e9, None, "tpu-v6e", 1.64e12, 918e12 / 16),
 }
 # the compiler a plan's program is compiled by: the device kind's own (XLA:GPU through jax-cuda12-plugin, libtpu)
 # without the device (`nemo_jax.plan.targets`), or XLA:CPU on simulated devices (an estimate: it computes bf16
@@ -61,7 +68,8 @@ _TRAFFIC = {"all-reduce": lambda n: 2 * (n - 1) / n, "all-gather": lambda n: (n 
 ESTIMATES = ("gradients and activations split the compiled temporaries by estimate (gradients = one fp32 copy of "
              "the trainable shards); on the cpu target the compiler schedules and fuses differently from GPU / TPU "
              "ones (and keeps collectives in fp32), so its temporaries are an estimate; step times are rooflines "
-             "(dense bf16 peak, ring collectives at the kind's link bandwidth), not measurements")
+             "per kernel (each at max(FLOPs / achievable FLOP/s, bytes / achievable bandwidth, launch), "
+             "nemo_jax.plan.roofline) plus ring collectives at the kind's link bandwidth, not measurements")
 
 
 def _shard_bytes(tree) -> int:
@@ -84,11 +92,12 @@ def _spans_nodes(groups, per_node: int | None) -> bool:
 OVERLAPPABLE = ("all-gather", "reduce-scatter")
 
 
-def roofline(flops: float, collectives, kind: DeviceKind) -> dict:
-    """-> seconds: `compute` (FLOPs at the dense bf16 peak), `collectives` (every collective at its link's ring
-    bandwidth), `exposed` (the critical-path collectives, plus the overlappable ones that outlast the compute),
-    `overlapped` (communication hidden behind compute), `with_overlap` (the step: compute + exposed) and
-    `without_overlap` (compute + every collective, nothing hidden)."""
+def roofline(compute_s: float, collectives, kind: DeviceKind) -> dict:
+    """-> seconds: `compute` (the step's kernels, `compute_s`: `roofline.kernels_time` of the compiled program),
+    `collectives` (every collective at its link's ring bandwidth), `exposed` (the critical-path collectives, plus
+    the overlappable ones that outlast the compute), `overlapped` (communication hidden behind compute),
+    `with_overlap` (the step: compute + exposed) and `without_overlap` (compute + every collective, nothing
+    hidden)."""
     hidden = path = 0.0
     for c in collectives:
         bw = kind.inter_bw if _spans_nodes(c.groups, kind.per_node) else kind.intra_bw
@@ -97,18 +106,32 @@ def roofline(flops: float, collectives, kind: DeviceKind) -> dict:
             hidden += t
         else:
             path += t
-    compute = flops / kind.peak
-    overlapped = min(compute, hidden)
+    overlapped = min(compute_s, hidden)
     exposed = path + hidden - overlapped
-    return {"compute": compute, "collectives": hidden + path, "exposed": exposed, "overlapped": overlapped,
-            "with_overlap": compute + exposed, "without_overlap": compute + hidden + path}
+    return {"compute": compute_s, "collectives": hidden + path, "exposed": exposed, "overlapped": overlapped,
+            "with_overlap": compute_s + exposed, "without_overlap": compute_s + hidden + path}
+
+
+def time_of_hlo(text: str, n_devices: int, kind: DeviceKind) -> dict:
+    """The plan's figures of one device's compiled step from its HLO text: FLOPs (loops counted), the kernels'
+    time by the per-kernel roofline (`nemo_jax.plan.roofline`), collectives and the step time (`roofline`)."""
+    from nemo_jax.plan.hlo import custom_calls, kernels
+    from nemo_jax.plan.roofline import ACHIEVABLE, kernels_time
+
+    hlo = analyse(text, n_devices)
+    ks = kernels(text)
+    kt = kernels_time(ks, kind, ACHIEVABLE[kind.key])
+    return {"flops": hlo.flops, "hlo": hlo, "kernels": kt, "kernel_count": sum(k.count for k in ks),
+            "bytes": sum(k.bytes * k.count for k in ks), "custom_calls": custom_calls(text),
+            "step_time_s": roofline(kt["total"], hlo.collectives, kind)}
 
 
 def analyse_compiled(compiled, n_devices: int, kind: DeviceKind, inputs: dict, model_flops: float,
                      gradient_bytes: int = 0) -> dict:
     """Figures of one compiled program. inputs: {name: abstract tree} whose per-device bytes are reported."""
     mem = compiled.memory_analysis()
-    hlo = analyse(compiled.as_text(), n_devices)
+    timed = time_of_hlo(compiled.as_text(), n_devices, kind)
+    hlo = timed["hlo"]
     per = {k: _shard_bytes(v) for k, v in inputs.items()}
     temp = int(mem.temp_size_in_bytes)
     per["gradients"] = gradient_bytes
@@ -118,7 +141,7 @@ def analyse_compiled(compiled, n_devices: int, kind: DeviceKind, inputs: dict, m
     per["outputs_not_aliased"] = max(0, int(mem.output_size_in_bytes) - int(mem.alias_size_in_bytes))
     per["total"] = per["arguments"] + per["outputs_not_aliased"] + temp
     per["capacity"] = int(kind.memory)
-    t = roofline(hlo.flops, hlo.collectives, kind)
+    t = timed["step_time_s"]
     peak_all = kind.peak * n_devices
     return {
         "per_device_bytes": per,
@@ -128,6 +151,9 @@ def analyse_compiled(compiled, n_devices: int, kind: DeviceKind, inputs: dict, m
         "flops_ratio": hlo.flops * n_devices / model_flops if model_flops else None,
         "collective_bytes": hlo.collective_bytes(),
         "step_time_s": t,
+        "kernel_costs": {"count": timed["kernel_count"], "bytes": timed["bytes"],
+                    "seconds_by_kind": timed["kernels"]["by_kind"], "seconds_by_bound": timed["kernels"]["bound"],
+                    "custom_calls": timed["custom_calls"]},
         "mfu": {k: (model_flops / (t[k] * peak_all) if t[k] else None) for k in ("with_overlap", "without_overlap")},
         "unknown_loop_trip_counts": hlo.unknown_trip_counts,
     }
@@ -481,6 +507,11 @@ def format_plan(r: dict, kind: DeviceKind) -> str:
              f"{fmt_seconds(t['overlapped'])} overlapped and {fmt_seconds(t['exposed'])} exposed -> "
              f"{fmt_seconds(t['with_overlap'])} (serial {fmt_seconds(t['without_overlap'])}); "
              f"MFU {100 * m['with_overlap']:.1f}% (serial {100 * m['without_overlap']:.1f}%)"]
+    k = r.get("kernel_costs")
+    if k:
+        lines.append(f"kernels: {k['count']:,.0f} launched, {fmt_bytes(k['bytes'])} moved; their time by kind "
+                     + ", ".join(f"{n} {fmt_seconds(v)}" for n, v in sorted(k["seconds_by_kind"].items()))
+                     + "; bound by " + ", ".join(f"{n} {fmt_seconds(v)}" for n, v in k["seconds_by_bound"].items()))
     if r.get("tokens_per_s"):
         lines.append(f"rollout tokens/s (roofline): {r['tokens_per_s']:,.0f}")
     if r.get("unknown_loop_trip_counts"):
