@@ -48,7 +48,7 @@ def serve() -> None:
     from mcp.server.mcpserver import MCPServer
     from mcp.server.mcpserver.exceptions import ToolError
 
-    server = MCPServer("nemo-jax-tiny-shop")
+    server = MCPServer("nemo-jax-tiny-shop", log_level="WARNING")  # (arguments a model got wrong are not news)
 
     @server.tool(description="The price of one item of the shop, in dollars.")
     def lookup(item: str) -> str:
