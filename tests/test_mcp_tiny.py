@@ -74,14 +74,15 @@ def test_graded_steps_no_op_and_wrong_calls():
 
 
 @pytest.mark.slow
-def test_expert_earns_full_reward_on_every_held_out_task_through_one_reused_server():
+def test_expert_earns_full_reward_on_every_held_out_task_through_reused_servers():
     """Every held-out task, run through real episodes of the `mcp` environment (the shipped server, the official
-    client): the expert succeeds with reward 1, and with `episodes_per_server` one server process serves them all
-    in turn (demonstrations records hold the server's own tool definitions and answers)."""
+    client): the expert succeeds with reward 1; with `episodes_per_server` and `max_servers` two server processes
+    serve them all in turn, episodes waiting for a free one (demonstrations records hold the server's own tool
+    definitions and answers)."""
     pytest.importorskip("mcp")
-    env = make_env("mcp", task_args={"n_eval": 64}, max_turns=5, episodes_per_server=1000)
-    recs = env.demonstrations("eval", concurrency=1)  # raises unless the expert succeeds on every task
-    assert len(recs) == 64 and env.servers_started == 1
+    env = make_env("mcp", task_args={"n_eval": 64}, max_turns=5, episodes_per_server=1000, max_servers=2)
+    recs = env.demonstrations("eval", concurrency=6)  # raises unless the expert succeeds on every task
+    assert len(recs) == 64 and env.servers_started == 2  # 6 episodes at a time, on at most 2 servers
     assert sorted(t["function"]["name"] for t in recs[0]["tools"]) == ["add", "lookup", "multiply"]
     tool_msgs = [m["content"] for r in recs for m in r["messages"] if m["role"] == "tool"]
     assert all(" = " in c or " dollars" in c for c in tool_msgs)
@@ -97,7 +98,7 @@ def test_expert_earns_full_reward_on_every_held_out_task_through_one_reused_serv
         await ep.close()
 
     asyncio.run(wrong_then_no_op())
-    assert env.servers_started == 1  # still the same server
+    assert env.servers_started == 2  # still the same servers
     env.close()
 
 
@@ -119,14 +120,15 @@ def test_episode_cut_during_a_call_does_not_hand_its_server_on():
         async def close(self, timeout_s):
             closed.append(self)
 
-    env = MCPEnv(episodes_per_server=2)
+    env = MCPEnv(episodes_per_server=2, max_servers=3)
 
     async def run():
         s1, s2, s3 = Session(1), Session(1), Session(2)
+        env._live = 3
         await env.release(s1, reuse=False)  # cut during a call
         await env.release(s2)  # served 1 of 2: kept
         await env.release(s3)  # served 2 of 2: closed
-        assert closed == [s1, s3] and env._idle == [s2]
+        assert closed == [s1, s3] and env._idle == [s2] and env._live == 1
         got, _ = await asyncio.wait_for(_acquire_idle(env), 5)
         assert got is s2 and got.served == 2 and env._idle == []
 

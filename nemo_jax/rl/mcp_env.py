@@ -180,19 +180,22 @@ class MCPEnv:
     Server sessions live on an event loop of the environment's own (a daemon thread), so that they outlast the
     sampler that started them: with `episodes_per_server` = N > 1 a server process serves up to N episodes one
     after another (for servers that keep no state between episodes: a process start costs ~1 CPU-second with
-    the `mcp` package's imports), and an idle one is stopped after `idle_close_s` seconds or at exit."""
+    the `mcp` package's imports), and an idle one is stopped after `idle_close_s` seconds or at exit. At most
+    `max_servers` processes are alive at once (an eval starts every attempt's episode at once): an episode
+    beyond them waits in `start` for one (its time limit runs)."""
     name = "mcp"
     idle_close_s = 30.0
 
     def __init__(self, server=None, tasks: str = "nemo_jax.rl.mcp_tiny_server:tasks", task_args: dict | None = None,
                  scorer: str = "nemo_jax.rl.mcp_tiny_server:score", max_turns: int = 4, max_calls: int = 4,
                  timeout_s: float = 0.0, close_timeout_s: float = 10.0, episodes_per_server: int = 1,
-                 expert: str | None = None):
+                 max_servers: int = 32, expert: str | None = None):
         self.server = list(server) if server else [sys.executable, "-m", "nemo_jax.rl.mcp_tiny_server"]
         if not self.server or not all(isinstance(x, str) for x in self.server):
             raise ValueError(f"mcp env: server must be a command (a list of strings), got {server!r}")
-        if isinstance(episodes_per_server, bool) or not isinstance(episodes_per_server, int) or episodes_per_server < 1:
-            raise ValueError(f"mcp env: episodes_per_server must be an integer >= 1, got {episodes_per_server!r}")
+        for key, v in (("episodes_per_server", episodes_per_server), ("max_servers", max_servers)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"mcp env: {key} must be an integer >= 1, got {v!r}")
         try:
             import mcp  # noqa: F401
         except ImportError:
@@ -203,11 +206,13 @@ class MCPEnv:
         self._expert_spec = expert or f"{tasks.partition(':')[0]}:expert"
         self.max_turns, self.max_calls = int(max_turns), int(max_calls)
         self.timeout_s, self.close_timeout_s = float(timeout_s), float(close_timeout_s)
-        self.episodes_per_server = episodes_per_server
+        self.episodes_per_server, self.max_servers = episodes_per_server, max_servers
         self._split = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock = threading.Lock()
-        self._idle: list[ServerSession] = []
+        self._idle: list[ServerSession] = []  # (these and the rest: touched on the environment's loop only)
+        self._live = 0  # server processes started and not yet stopped
+        self._room: asyncio.Condition | None = None  # (made on the loop) an episode waits here for a server
         self.servers_started = 0
 
     def tasks(self, split: str) -> list[Task]:
@@ -240,20 +245,28 @@ class MCPEnv:
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop()))
 
     async def acquire(self, rollout_id: str) -> tuple[ServerSession, list[dict]]:
-        """An idle live session (episodes_per_server > 1), else a new server -> (session, its tool definitions)."""
-        while self._idle:
-            s = self._idle.pop()
-            if s.idle_timer is not None:
-                s.idle_timer.cancel()
-            if s.alive():
-                s.served += 1
-                return s, await s.tools()
+        """An idle live session (episodes_per_server > 1), else a new server process once fewer than `max_servers`
+        are alive (else it waits for one) -> (session, its tool definitions)."""
+        async with self._condition():
+            while True:
+                while self._idle:
+                    s = self._idle.pop()
+                    if s.idle_timer is not None:
+                        s.idle_timer.cancel()
+                    if s.alive():
+                        s.served += 1
+                        return s, await s.tools()
+                    self._live -= 1  # (its process ended on its own)
+                if self._live < self.max_servers:
+                    self._live += 1
+                    break
+                await self._room.wait()  # (a server closed or handed back)
         s = ServerSession(self.server, f"mcp-{rollout_id}")
         self.servers_started += 1
         try:
             tools = await s.tools()
         except BaseException:  # a start cancelled (stop the server it waited for) or failed (its error is raised)
-            asyncio.ensure_future(s.close(self.close_timeout_s)).add_done_callback(_retrieve)
+            asyncio.ensure_future(self._retire(s)).add_done_callback(_retrieve)
             raise
         s.served = 1
         return s, tools
@@ -262,13 +275,31 @@ class MCPEnv:
         if reuse and s.alive() and s.served < self.episodes_per_server:
             s.idle_timer = asyncio.get_running_loop().call_later(self.idle_close_s, self._expire, s)
             self._idle.append(s)
+            await self._notify()
             return
-        await s.close(self.close_timeout_s)
+        await self._retire(s)
+
+    async def _retire(self, s: ServerSession) -> None:
+        """Stop a session's server; its place goes to an episode waiting for one."""
+        try:
+            await s.close(self.close_timeout_s)
+        finally:
+            self._live -= 1
+            await self._notify()
+
+    def _condition(self) -> asyncio.Condition:
+        if self._room is None:
+            self._room = asyncio.Condition()
+        return self._room
+
+    async def _notify(self) -> None:
+        async with self._condition():
+            self._room.notify()
 
     def _expire(self, s: ServerSession) -> None:
         if s in self._idle:
             self._idle.remove(s)
-            asyncio.ensure_future(s.close(self.close_timeout_s)).add_done_callback(_retrieve)
+            asyncio.ensure_future(self._retire(s)).add_done_callback(_retrieve)
 
     def close(self) -> None:
         """Stop the idle servers (a finished run's; also at exit)."""
@@ -280,7 +311,7 @@ class MCPEnv:
             for s in idle:
                 if s.idle_timer is not None:
                     s.idle_timer.cancel()
-            await asyncio.gather(*(s.close(self.close_timeout_s) for s in idle), return_exceptions=True)
+            await asyncio.gather(*(self._retire(s) for s in idle), return_exceptions=True)
 
         try:
             asyncio.run_coroutine_threadsafe(stop_idle(), self._loop).result(self.close_timeout_s + 5)
