@@ -642,10 +642,11 @@ def test_mcp_episode_round_trip_with_the_shipped_server(tok, base):
     pytest.importorskip("mcp")
     from nemo_jax.rl.mcp_env import MCPEnv
 
-    env = make_env("mcp", task_args={"n_train": 4, "n_eval": 2}, max_turns=3)
+    env = make_env("mcp", task_args={"n_train": 4, "n_eval": 2, "families": ["total"]}, max_turns=3)
     assert isinstance(env, MCPEnv) and len(env.tasks("train")) == 4
     task = env.tasks("train")[0]
-    item, n, total = task.data["item"], task.data["count"], task.data["total"]
+    lookup, product = task.data["steps"]
+    item, n, price, total = lookup["arguments"]["item"], product["arguments"]["a"], lookup["value"], product["value"]
 
     async def scripted():
         ep = env.episode()
@@ -655,20 +656,22 @@ def test_mcp_episode_round_trip_with_the_shipped_server(tok, base):
         assert obs.tools[0]["type"] == "function" and "properties" in obs.tools[0]["function"]["parameters"]
         o1 = await ep.step({"role": "assistant", "content": f'<tool_call>{{"name": "lookup", "arguments": '
                                                             f'{{"item": "{item}"}}}}</tool_call>'})
-        assert o1.messages == [{"role": "tool", "content": str(total // n)}] and o1.reward == 0.25 and not o1.done
+        assert o1.messages == [{"role": "tool", "content": f"{item}: {price} dollars"}] and o1.reward == 0.25
+        assert not o1.done
         o2 = await ep.step({"role": "assistant", "content": f"<tool_call><function=multiply><parameter=a>{n}"
-                                                            f"</parameter><parameter=b>{total // n}</parameter>"
+                                                            f"</parameter><parameter=b>{price}</parameter>"
                                                             "</function></tool_call><tool_call>{\"name\": \"nope\", "
                                                             "\"arguments\": {}}</tool_call>"})
-        assert o2.messages[0]["content"] == str(total) and "unknown tool 'nope'" in o2.messages[1]["content"]
+        assert o2.messages[0]["content"] == f"{n} * {price} = {total}"
+        assert "unknown tool 'nope'" in o2.messages[1]["content"]
         o3 = await ep.step({"role": "assistant", "content": '<tool_call>{"name": "lookup", "arguments": '
                                                             '{"item": "car"}}</tool_call>'})
         assert "no item 'car'" in o3.messages[0]["content"] and ep.calls[-1].get("error")
         o4 = await ep.step({"role": "assistant", "content": f"It costs {total} dollars."})
         assert o4.done and o4.success and o4.reward == 1.0 and o4.messages == []
-        proc = ep._runner
+        session = ep.session
         await ep.close()
-        assert proc.done() and not proc.cancelled() and proc.exception() is None  # the server session ended
+        assert not session.alive() and session.runner.exception() is None  # the server session ended
 
     asyncio.run(scripted())
     # through the driver: the prompt holds the tool list; a random model answers without a tool call
@@ -692,13 +695,21 @@ def test_mcp_episode_whose_start_was_cancelled_closes_cleanly():
     async def cancelled_start():
         ep = env.episode()
         starting = asyncio.create_task(ep.start(env.tasks("train")[0], "r0"))
-        await asyncio.sleep(0.05)  # inside start(): waiting for the server's tools
+        while env.servers_started == 0:  # inside start(): waiting for the server's tools
+            await asyncio.sleep(0.01)
         starting.cancel()
         with pytest.raises(asyncio.CancelledError):
             await starting
-        await asyncio.sleep(3.0)  # the server comes up and lists its tools meanwhile
         await ep.close()
-        assert ep._runner.done() and ep._runner.exception() is None
+        assert ep.session is None and env.servers_started == 1 and env._idle == []
+        # the server it waited for comes up with no one waiting for it, and is stopped without an error
+        assert await env.on_loop(_server_ends()) is None
+
+    async def _server_ends():
+        """(on the environment's loop) wait for the server session's task: its exception"""
+        task = next(t for t in asyncio.all_tasks() if t.get_name() == "mcp-r0")
+        await asyncio.wait_for(asyncio.shield(task), 60)
+        return task.exception()
 
     asyncio.run(cancelled_start())
 
