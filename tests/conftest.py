@@ -42,3 +42,14 @@ def _drop_compiled_programs():
     yield
     jax.clear_caches()
     gc.collect()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `vllm` (the engine tier, tests/test_vllm.py: a real vLLM process, ~30 minutes) run only when
+    `-m` names the marker (`pytest -m vllm`; `python tools/vllm_cpu.py tier`): the default run deselects them."""
+    if "vllm" in (config.option.markexpr or ""):
+        return
+    keep = [it for it in items if it.get_closest_marker("vllm") is None]
+    if len(keep) < len(items):
+        config.hook.pytest_deselected(items=[it for it in items if it.get_closest_marker("vllm") is not None])
+        items[:] = keep
