@@ -491,32 +491,31 @@ def test_vllm_killed_and_restarted_mid_run(base, vllm):
 
 
 def test_learner_killed_and_restarted_mid_run(base, vllm):
-    """The learner SIGKILLed after a checkpoint while the worker holds claims, and restarted from that checkpoint:
-    the worker carries on (one process, never restarted, exits 0 when the run closes); no group is orphaned: of the
-    groups on the board when the learner died (open requests and claims), those the checkpoint held in flight are
-    kept (not cancelled) and complete (none is left in flight in the final checkpoint's pool: `max_off_policy_steps`
-    is high, so no stale drop hides a group nobody samples any more), and those the dead learner opened after the
-    checkpoint are cancelled (`unknown`) and abandoned by the worker."""
+    """The learner SIGKILLed a step or two after a checkpoint (it has meanwhile read and trained on rollouts, and opened
+    groups the checkpoint does not know) while the worker holds claims, and restarted from that checkpoint: the
+    worker carries on (one process, never restarted, exits 0 when the run closes), and no group is orphaned: every
+    group the checkpoint held in flight completes (none is cancelled, none is left in flight in the final
+    checkpoint's pool; `max_off_policy_steps` is high so that no stale drop hides a group nobody samples any more),
+    including those whose rollouts the dead learner had read after the checkpoint; the groups the dead learner
+    opened after it are cancelled (`unknown`) and the worker lets them go."""
     tmp = base[0]
-    steps = 8
-    run, cmd = _fault_run(base, "grpo-lkill", steps, "checkpoint.every=1", "rollout.max_off_policy_steps=20")
+    steps, every = 10, 3
+    run, cmd = _fault_run(base, "grpo-lkill", steps, f"checkpoint.every={every}", "rollout.max_off_policy_steps=20")
     learner = Proc(cmd, tmp / "grpo-lkill-1.log", new_session=True)
     worker = _worker(vllm, run, tmp / "worker-lkill.log", concurrency=8)
     req = run / "requests"
     restarted = None
     try:
-        def checkpoint_with_claims():  # a checkpoint k >= 2, and claims of groups opened before it
-            ck = run / "checkpoints"
-            ks = [int(d) for d in os.listdir(ck) if d.isdigit()] if ck.is_dir() else []
-            k = max(ks, default=0)
-            gids = [n.split("--")[1][:-5] for n in os.listdir(req / "claimed")] if (req / "claimed").is_dir() else []
-            return k >= 2 and any(_opened_at(g) < k for g in gids) and k
-        _wait(checkpoint_with_claims, "a checkpoint with groups in flight", procs=[learner, worker])
+        _wait(lambda: any(r.get("step", 0) >= every + 1 and "mismatch_kl" in r for r in _records(run)),
+              f"step {every + 1}", procs=[learner, worker])
         os.killpg(learner.proc.pid, signal.SIGKILL)
         learner.wait(60)
+        trained = max(r["step"] for r in _records(run) if "mismatch_kl" in r)
         k = max(int(d) for d in os.listdir(run / "checkpoints") if d.isdigit())
+        assert trained > k, (trained, k)  # (the dead learner went on after its checkpoint)
         board = {n[: -len(".json")] for n in os.listdir(req) if n.endswith(".json")} | \
             {n.split("--")[1][: -len(".json")] for n in os.listdir(req / "claimed") if n.endswith(".json")}
+        kept = _pool(run, k)["in_flight"]  # what the restarted learner resumes with (pruned later)
         time.sleep(3)  # (the worker goes on sampling with no learner)
         restarted = Proc(cmd, tmp / "grpo-lkill-2.log")
         assert restarted.wait(1800) == 0, restarted.output() + worker.output()
@@ -531,15 +530,16 @@ def test_learner_killed_and_restarted_mid_run(base, vllm):
     recs = [r for r in _records(run) if "mismatch_kl" in r]
     cancelled = {n: json.load(open(req / "cancelled" / n))["reason"] for n in os.listdir(req / "cancelled")
                  if not n.startswith(".")}
-    unfinished = _final_in_flight(run)
-    kept = {g for g in board if _opened_at(g) < k}
-    dead = board - kept
+    unfinished = set(_pool(run, steps)["in_flight"])
+    dead = board - set(kept)
     abandoned = set(re.findall(r"group (\S+): lease cancelled by the learner", log))
-    record("learner_restart", steps=max(r["step"] for r in recs), resumed_at=k, on_board_at_kill=len(board),
-           kept=len(kept), kept_unfinished=len(kept & unfinished),
-           opened_after_checkpoint=len(dead), cancelled_unknown=sum(cancelled.get(g) == "unknown" for g in dead),
-           worker=summary)
-    assert max(r["step"] for r in recs) == steps and kept, (recs[-1], board, k)
+    record("learner_restart", steps=max(r["step"] for r in recs), killed_after_step=trained, resumed_at=k,
+           in_flight_at_checkpoint=len(kept), their_rollouts_at_checkpoint=sum(len(v["rollouts"]) for v in kept.values()),
+           kept_unfinished=len(set(kept) & unfinished), kept_cancelled=len(set(kept) & set(cancelled)),
+           on_board_at_kill=len(board), opened_after_checkpoint_on_board=len(dead),
+           cancelled_unknown=sum(cancelled.get(g) == "unknown" for g in dead), abandoned_by_worker=len(abandoned),
+           reposted=recs[-1].get("groups_reposted", 0), worker=summary)
+    assert max(r["step"] for r in recs) == steps and kept and dead, (recs[-1], board, sorted(kept))
     for g in kept:  # the checkpoint's in-flight groups: kept and completed
         assert g not in cancelled and g not in unfinished, (g, cancelled.get(g), sorted(unfinished))
     for g in dead:  # opened by the dead learner after the checkpoint: cancelled, and the worker let them go
@@ -548,14 +548,7 @@ def test_learner_killed_and_restarted_mid_run(base, vllm):
     assert summary.get("episodes_failed", 0) == 0, summary
 
 
-def _opened_at(group_id: str) -> int:
-    """The learner step a group was opened at (`s<step>-<incarnation>-<n>`)."""
-    return int(group_id[1:].split("-")[0])
-
-
-def _final_in_flight(run) -> set:
-    """Groups still in flight (incomplete) in the pool of the run's last checkpoint."""
-    ck = os.path.join(run, "checkpoints")
-    last = max(int(d) for d in os.listdir(ck) if d.isdigit())
-    with open(os.path.join(ck, str(last), "data", "metadata")) as f:
-        return set(json.load(f)["extra"]["pool"]["in_flight"])
+def _pool(run, step) -> dict:
+    """The pool state a checkpoint holds (`in_flight`: {group id: {task_id, rollouts, ...}}, `ready`, ...)."""
+    with open(os.path.join(run, "checkpoints", str(step), "data", "metadata")) as f:
+        return json.load(f)["extra"]["pool"]
