@@ -453,8 +453,10 @@ class RequestBoard:
         """In-flight external groups with neither a request nor a claim in `on_board` (`on_board()` taken before
         the spool was last read), for longer than `grace_s` (a request being given back is a claim again or a
         request a moment later) -> their ids, to post again for the rollouts they miss. Nobody samples such a
-        group: e.g. a worker completed its claim after writing what the request asked for, but the restarted
-        learner's pool lacks rollouts the crashed learner had read after its checkpoint."""
+        group: a worker completed its claim after writing what the request asked for, but the learner did not keep
+        them all. After a learner restart: rollouts the crashed learner had read after its checkpoint are gone, and
+        rollouts sampled meanwhile with its newer published versions are rejected (`bad_version`); without this
+        the group stays in flight forever (with every in-flight slot taken by such groups the run stops)."""
         now = time.monotonic() if now is None else now
         seen, self._orphan_since = self._orphan_since, {}
         out = []
