@@ -411,25 +411,27 @@ def test_grpo_through_rollout_worker_on_vllm_learns_on_policy(base, vllm):
         worker.stop()
     wall = time.time() - t0
     recs = _records(run)
-    steps = [r for r in recs if "mismatch_kl" in r]
+    steps = [r for r in recs if "mismatch_kl" in r]  # (a step whose groups all had equal rewards takes no update)
     evals = [(r["step"], r["eval_pass@1"]) for r in recs if "eval_pass@1" in r]
+    last_version = max(r["policy_version"] for r in recs if "policy_version" in r)
     summary = _summary(worker.output(None))
     versions = sorted(set(_loaded_versions(vllm)))
     rise = float(np.mean([e for _, e in evals[-3:]]) - evals[0][1])
-    record("grpo_on_policy", steps=len(steps), wall_s=round(wall, 1),
+    record("grpo_on_policy", steps=ON_POLICY_STEPS, updates=len(steps), wall_s=round(wall, 1),
            mismatch_kl_max_abs=max(abs(r["mismatch_kl"]) for r in steps),
            staleness_max=max(r["staleness_max"] for r in steps), eval_pass_at_1=evals,
-           eval_rise_last3_vs_step0=rise, versions_loaded=len(versions), worker=summary,
+           eval_rise_last3_vs_step0=rise, policy_versions=last_version + 1, versions_loaded=len(versions),
+           worker=summary,
            command=" ".join(["nemo-jax grpo --config configs/grpo/tiny-cpu.yaml model.init=SFT run_dir=RUN",
                              f"steps={ON_POLICY_STEPS}", "rollout.spool=true rollout.producer=none",
                              "rollout.max_off_policy_steps=0 rollout.in_flight_groups=4 eval_every=10",
                              "& nemo-jax rollout-worker --run RUN --server VLLM_URL --concurrency 4"]))
-    assert [r["step"] for r in steps] == list(range(1, ON_POLICY_STEPS + 1))
+    assert max(r["step"] for r in recs) == ON_POLICY_STEPS and len(steps) >= ON_POLICY_STEPS // 2, len(steps)
     for r in steps:
         assert abs(r["mismatch_kl"]) <= 1e-6 and r["staleness_max"] == 0, r
-    # every version the learner trained at was loaded (0 .. steps-1; the last one is published after the last step)
-    assert set(range(ON_POLICY_STEPS)) <= set(versions), versions
-    assert summary.get("episodes_failed", 0) == 0 and summary["adapters_loaded"] >= ON_POLICY_STEPS, summary
+    # every version the learner sampled with was loaded (0 .. the last; the last is published after the last step)
+    assert set(range(last_version)) <= set(versions), (last_version, versions)
+    assert summary.get("episodes_failed", 0) == 0 and summary["adapters_loaded"] >= last_version, summary
     assert evals[0][0] == 0 and evals[-1][0] == ON_POLICY_STEPS, evals
     assert rise >= 0.05, evals
 

