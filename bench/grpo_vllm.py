@@ -6,6 +6,7 @@ own figures and the held-out pass@1 curve (docs/grpo.md, "Off-policy corrections
     python bench/grpo_vllm.py [--venv DIR] [--sft RUN] [--steps 60] [--seeds 0] [--variants a,b,...] [--json OUT]
 
 Variants (each a list of `nemo-jax grpo` overrides; the worker's --concurrency in brackets):
+  in-process    the reference: the learner's own sampler thread (the config's settings: max_off_policy_steps 2)
   on-policy     max_off_policy_steps 0, 4 groups in flight [4]: every rollout from the current policy
   dppo          max_off_policy_steps 2, 8 groups in flight [8]: the worker samples ahead, rollouts 0-2 versions old
   tis           the same, loss.kind tis (ratios truncated at is_cap 2)
@@ -35,7 +36,8 @@ tool = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(tool)
 
 OFF = ["rollout.max_off_policy_steps=2", "rollout.in_flight_groups=8"]
-VARIANTS = {
+VARIANTS = {  # name -> (overrides, worker --concurrency; 0: no worker, the learner samples in process)
+    "in-process": (["rollout.producer=thread", "rollout.spool=false"], 0),
     "on-policy": (["rollout.max_off_policy_steps=0", "rollout.in_flight_groups=4"], 4),
     "dppo": (OFF, 8),
     "tis": (OFF + ["loss.kind=tis"], 8),
@@ -79,26 +81,34 @@ def start_vllm(venv: str, hf: str, log: str):
 def run_variant(name: str, seed: int, sft: str, url: str, steps: int, work: str) -> dict:
     overrides, concurrency = VARIANTS[name]
     run = os.path.join(work, f"{name}-s{seed}")
+    external = ["rollout.spool=true", "rollout.producer=none", "rollout.publish_format=vllm"] if concurrency else []
     learner_cmd = [sys.executable, "-m", "nemo_jax.cli", "grpo", "--config", "configs/grpo/tiny-cpu.yaml",
-                   f"run_dir={run}", f"steps={steps}", f"seed={seed}", f"model.init={sft}", "rollout.spool=true",
-                   "rollout.producer=none", "rollout.publish_format=vllm", "eval_every=10", "log_every=1",
-                   "logging.tensorboard=false", "checkpoint.every=0", *overrides]
+                   f"run_dir={run}", f"steps={steps}", f"seed={seed}", f"model.init={sft}", *external, "eval_every=10",
+                   "log_every=1", "logging.tensorboard=false", "checkpoint.every=0", *overrides]
     worker_cmd = [sys.executable, "-m", "nemo_jax.cli", "rollout-worker", "--run", run, "--server", url,
                   "--concurrency", str(concurrency), "--worker-id", f"bench-{name}-{seed}"]
     t0 = time.time()
     with open(run + ".learner.log", "w") as ll, open(run + ".worker.log", "w") as wl:
         learner = subprocess.Popen(learner_cmd, cwd=ROOT, env=_env(), stdout=ll, stderr=subprocess.STDOUT)
-        worker = subprocess.Popen(worker_cmd, cwd=ROOT, env=_env(), stdout=wl, stderr=subprocess.STDOUT)
+        worker = subprocess.Popen(worker_cmd, cwd=ROOT, env=_env(), stdout=wl, stderr=subprocess.STDOUT) \
+            if concurrency else None
         try:
             rc = learner.wait()
-            worker.wait(120)
+            if worker is not None:
+                worker.wait(120)
         finally:
             for p in (learner, worker):
-                if p.poll() is None:
+                if p is not None and p.poll() is None:
                     p.send_signal(signal.SIGTERM)
                     p.wait(60)
     if rc != 0:
         raise SystemExit(f"{name} seed {seed}: the learner failed (log: {run}.learner.log)")
+    return {"variant": name, "seed": seed, "overrides": overrides, "worker_concurrency": concurrency,
+            "wall_s": round(time.time() - t0, 1), **summarize(run)}
+
+
+def summarize(run: str) -> dict:
+    """A GRPO run's figures from its metrics.jsonl."""
     with open(os.path.join(run, "metrics.jsonl")) as f:
         recs = [json.loads(x) for x in f if x.strip()]
     st = [r for r in recs if "mismatch_kl" in r]
@@ -108,8 +118,7 @@ def run_variant(name: str, seed: int, sft: str, url: str, steps: int, work: str)
         xs = [r[k] for r in rows if k in r]
         return sum(xs) / len(xs) if xs else None
     fresh = [r for r in st if r.get("staleness_max", 0) == 0]
-    return {"variant": name, "seed": seed, "overrides": overrides, "worker_concurrency": concurrency,
-            "steps": len(st), "wall_s": round(time.time() - t0, 1),
+    return {"steps": max(r["step"] for r in recs), "updates": len(st),
             "mismatch_kl_mean": mean("mismatch_kl"), "mismatch_kl_max": max(abs(r["mismatch_kl"]) for r in st),
             "mismatch_kl_max_at_staleness_0": max((abs(r["mismatch_kl"]) for r in fresh), default=None),
             "staleness_mean": mean("staleness_mean"), "staleness_max": max(r["staleness_max"] for r in st),
