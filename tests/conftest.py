@@ -44,12 +44,14 @@ def _drop_compiled_programs():
     gc.collect()
 
 
-OPT_IN_MARKERS = ("venv",)  # tiers that run only when the -m expression names them (pytest -m venv)
+# tiers that run only when the -m expression names their marker (the default run deselects them), and how to run each
+OPT_IN_TIERS = {"venv": "tools/test_venvs.sh: the base install and each extra in clean venvs",
+                "vllm": "python tools/vllm_cpu.py tier: a real vLLM process, with $NEMO_JAX_VLLM_VENV"}
 
 
 def pytest_collection_modifyitems(config, items):
     expr = config.getoption("markexpr", "") or ""
-    for item in items:
-        for m in OPT_IN_MARKERS:
-            if item.get_closest_marker(m) is not None and m not in expr:
-                item.add_marker(pytest.mark.skip(reason=f"the {m} tier: pytest -m {m} (tools/test_{m}s.sh)"))
+    off = [it for it in items if any(it.get_closest_marker(m) is not None and m not in expr for m in OPT_IN_TIERS)]
+    if off:
+        config.hook.pytest_deselected(items=off)
+        items[:] = [it for it in items if it not in off]

@@ -298,6 +298,23 @@ def test_learner_restart_keeps_requests_and_in_flight_groups(tmp_path):
     b._wait_for_groups(None, need=1)
     assert dead.group_id not in b.pool.in_flight and cancelled(run, dead.group_id) and not renew(nxt)
     assert b.board.counts["groups_cancelled/failed"] == 1 and b.board.counts["leases_expired"] == 1
+
+    # a claim completed with fewer rollouts than the restarted learner's pool needs (the crashed learner had read
+    # the others after its checkpoint): nobody samples the group any more; it is posted again for what it misses
+    # (after a second's grace), not left in flight forever
+    orphan = claim_request(run, "w5")
+    tok5 = a.tok.tokenizer.encode(a.tok.render(list(a.tasks[orphan.request["task_id"]].messages),
+                                               add_generation_prompt=True), add_special_tokens=False).ids
+    write_rollouts(spool, [Rollout(tok5 + [5], [0] * len(tok5) + [1], [0.0] * len(tok5) + [-0.5], 1.0,
+                                   orphan.request["task_id"], orphan.group_id, [0], temperature=1.0)], "w5-0")
+    complete(orphan)  # (as if its request had asked for one rollout)
+    b._wait_for_groups(None, need=99)
+    assert b.pool.missing(orphan.group_id) == 1 and b.board.counts["groups_reposted"] == 0
+    time.sleep(1.2)
+    b._wait_for_groups(None, need=99)
+    with open(os.path.join(run, "requests", orphan.group_id + ".json")) as f:
+        assert json.load(f)["rollouts"] == 1
+    assert b.board.counts["groups_reposted"] == 1
     b.client.close()
 
 

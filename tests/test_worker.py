@@ -451,3 +451,65 @@ def test_workers_exit_when_the_learner_closes_the_run(tmp_path, capsys):
                            api_key=None, request_timeout=5.0, wait_s=2.0, max_groups=0)
     assert cli_worker(a) == {}  # (before it would contact the server or wait for the learner)
     assert "nothing to sample" in capsys.readouterr().out
+
+
+def test_turns_outlast_a_server_restart_that_lost_the_adapters(monkeypatch):
+    """A vLLM restart as the worker meets it: the turns in flight cannot connect and are sent again (backoff) more
+    than twice while the server is away; the new server does not know the adapter (404): the current adapter is
+    loaded again, once for all those turns, and every turn completes (none fails: "nothing lost"). Unloading an old
+    adapter while the server is away returns at once (the worker asks again later) instead of holding the worker's
+    loop for --wait-s; the restarted server's answer (unknown adapter) counts as unloaded."""
+    import httpx
+
+    from nemo_jax.rl.worker import RequestSampling, Server, ServerSampler
+
+    monkeypatch.setattr(ServerSampler, "RETRY_S", (0.01, 0.05))
+    monkeypatch.setattr(Server, "CLIENT_RETRIES", 0)
+    state = {"down": 0, "loaded": {"run-v1"}, "loads": [], "sent": 0}
+
+    def control(req: httpx.Request):  # /v1/models, adapter loads and unloads
+        if req.url.path == "/v1/models":
+            return httpx.Response(200, json=_models_json("vllm"))
+        if state["down"] > 0:
+            raise httpx.ConnectError("Connection refused")
+        name = json.loads(req.content)["lora_name"]
+        if req.url.path.endswith("/unload_lora_adapter"):
+            return httpx.Response(200 if name in state["loaded"] else 404, text="")
+        state["loaded"].add(name)
+        state["loads"].append(name)
+        return httpx.Response(200, text="Success")
+
+    def completions(req: httpx.Request):
+        state["sent"] += 1
+        if state["down"] > 0:
+            state["down"] -= 1
+            if state["down"] == 0:
+                state["loaded"] = set()  # (the server came back: a new process, no adapter loaded)
+            raise httpx.ConnectError("Connection refused")
+        model = json.loads(req.content)["model"]
+        if model not in state["loaded"]:
+            return httpx.Response(404, json={"error": {"message": f"The model `{model}` does not exist.",
+                                                       "type": "NotFoundError", "code": 404}})
+        return httpx.Response(200, json={"id": "c", "object": "text_completion", "created": 0, "model": model,
+                                         "choices": [{"index": 0, "text": "", "finish_reason": "stop", "token_ids": [7, 2],
+                                                      "logprobs": {"tokens": ["a", "b"], "token_logprobs": [-0.5, -0.1]}}]})
+    srv = Server("http://engine:8000", wait_s=600.0, transport=httpx.MockTransport(control),
+                 async_transport=httpx.MockTransport(completions))
+    sampler = ServerSampler(srv, poll_s=0.01)
+    try:
+        sampler.set_adapter("run-v1", 1, "/runs/r/policy/1")
+        state["down"] = 8  # the server goes away: 8 attempts fail (4 per turn) before it is back
+        sp = RequestSampling(max_new_tokens=4, stop_token_ids=(2,))
+        ids = [sampler.submit([1, 5, 6], sp, tag=i) for i in range(2)]
+        t0 = time.monotonic()
+        assert srv.unload_adapter("run-v0") is False and time.monotonic() - t0 < 5  # away: not waited for
+        ends = []
+        while len(ends) < 2 and time.monotonic() - t0 < 30:
+            ends += sampler.step()
+        assert sampler.take_failed() == []
+        assert sorted(e.seq_id for e in ends) == ids and all(e.tokens == [7, 2] and e.version == 1 for e in ends)
+        assert sampler.counts["turns_resent"] >= 8 and sampler.counts["adapter_reloads"] >= 1
+        assert state["loads"] and set(state["loads"]) == {"run-v1"} and len(state["loads"]) <= 2
+        assert srv.unload_adapter("run-v0") is True  # (unknown to the restarted server: nothing to unload)
+    finally:
+        sampler.close()

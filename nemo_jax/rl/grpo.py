@@ -149,8 +149,10 @@ class GRPORunner:
             if self.spool is not None:
                 self._request_groups()
                 with self.lock:
+                    on_board = self.board.on_board()  # (before reading: see RequestBoard.orphans)
                     self._read_spool()
                     self._leases()
+                    self._repost(self.board.orphans(self.pool, on_board))
             with self.lock:
                 self.pool.drop_stale(self.client.version)
                 if self.board is not None:
@@ -192,11 +194,14 @@ class GRPORunner:
     def _leases(self):
         """Expired leases count as failed episodes (a group past rollout.max_failed_episodes is cancelled) and are
         posted again for the rollouts their group still needs. (Called under the lock.)"""
-        for gid in self.board.expired():
-            if self.pool.fail(gid) == "counted":
-                g = self.pool.in_flight[gid]
-                self.board.post(gid, self.tasks[g["task_id"]], self.c.rollout.group_size, self.client.version,
-                                self.sampling, rollouts=self.pool.missing(gid))
+        self._repost([gid for gid in self.board.expired() if self.pool.fail(gid) == "counted"])
+
+    def _repost(self, gids):
+        """Post in-flight groups again for the rollouts they still need. (Called under the lock.)"""
+        for gid in gids:
+            g = self.pool.in_flight[gid]
+            self.board.post(gid, self.tasks[g["task_id"]], self.c.rollout.group_size, self.client.version,
+                            self.sampling, rollouts=self.pool.missing(gid))
 
     def _resume_requests(self):
         """After a (re)start: keep the requests and claims of the in-flight groups the pool restored, cancel those
@@ -206,13 +211,10 @@ class GRPORunner:
             self._read_spool()
             _, lost = self.board.reconcile(self.pool)
             for gid in lost:
-                g = self.pool.in_flight[gid]
-                if g["task_id"] not in self.tasks:  # the task set changed under the run
+                if self.pool.in_flight[gid]["task_id"] not in self.tasks:  # the task set changed under the run
                     del self.pool.in_flight[gid]
                     self.board.cancel(gid, "unknown")
-                    continue
-                self.board.post(gid, self.tasks[g["task_id"]], self.c.rollout.group_size, self.client.version,
-                                self.sampling, rollouts=self.pool.missing(gid))
+            self._repost([gid for gid in lost if gid in self.pool.in_flight])
 
     def _publish(self):
         r = self.c.rollout

@@ -352,6 +352,7 @@ class RequestBoard:
         # (whose requests `reconcile` cancels)
         self.incarnation = uuid.uuid4().hex[:8]
         self._opened = 0
+        self._orphan_since: dict[str, float] = {}  # in-flight groups seen off the board -> since when
         for sub in ("claimed", "cancelled"):
             os.makedirs(_requests(run_dir, sub), exist_ok=True)
         try:
@@ -441,6 +442,33 @@ class RequestBoard:
                     os.unlink(path)
                 except FileNotFoundError:
                     pass
+
+    def on_board(self) -> set[str]:
+        """Ids of the groups with an open request or a claim. (Listed before the spool is read, this tells which
+        groups nobody samples: a worker writes a group's last rollouts before it ends the claim.)"""
+        open_, claimed = self._files()
+        return set(open_) | set(claimed)
+
+    def orphans(self, pool: RolloutPool, on_board: set[str], grace_s: float = 1.0, now: float | None = None) -> list[str]:
+        """In-flight external groups with neither a request nor a claim in `on_board` (`on_board()` taken before
+        the spool was last read), for longer than `grace_s` (a request being given back is a claim again or a
+        request a moment later) -> their ids, to post again for the rollouts they miss. Nobody samples such a
+        group: a worker completed its claim after writing what the request asked for, but the learner did not keep
+        them all. After a learner restart: rollouts the crashed learner had read after its checkpoint are gone, and
+        rollouts sampled meanwhile with its newer published versions are rejected (`bad_version`); without this
+        the group stays in flight forever (with every in-flight slot taken by such groups the run stops)."""
+        now = time.monotonic() if now is None else now
+        seen, self._orphan_since = self._orphan_since, {}
+        out = []
+        for gid, g in pool.in_flight.items():
+            if g["external"] and gid not in on_board:
+                self._orphan_since[gid] = since = seen.get(gid, now)
+                if now - since > grace_s:
+                    out.append(gid)
+        for gid in out:
+            del self._orphan_since[gid]
+        self.counts["groups_reposted"] += len(out)
+        return out
 
     def reconcile(self, pool: RolloutPool) -> tuple[list[str], list[str]]:
         """After a (re)start: requests and claims of groups the pool does not hold in flight are cancelled (a

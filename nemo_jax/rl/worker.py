@@ -86,9 +86,10 @@ class Server:
 
     LORA_PATHS = {"sglang": "/{}_lora_adapter"}  # vLLM and nemo-jax serve: /v1/{}_lora_adapter
     QUIET_S = 10.0  # the longest a worker waits for a server without saying so
+    CLIENT_RETRIES = 2  # the openai client's own retries of a turn (then the sampler's backoff takes over)
 
     def __init__(self, url: str, *, model: str | None = None, api_key: str | None = None, timeout_s: float = 900.0,
-                 wait_s: float = 600.0, transport=None):
+                 wait_s: float = 600.0, transport=None, async_transport=None):
         require("openai", "worker", "nemo-jax rollout-worker")
         import httpx
 
@@ -96,6 +97,7 @@ class Server:
         self.root = root[: -len("/v1")] if root.endswith("/v1") else root
         self.key = api_key or os.environ.get("NEMO_JAX_API_KEY") or os.environ.get("OPENAI_API_KEY") or "none"
         self.timeout_s, self.wait_s = timeout_s, wait_s
+        self.async_transport = async_transport  # (tests: an httpx transport for the sampler's requests)
         self.http = httpx.Client(timeout=timeout_s, headers={"Authorization": f"Bearer {self.key}"},
                                  transport=transport)
         cards = self._models(wait_s)
@@ -160,8 +162,13 @@ class Server:
         """An openai.AsyncOpenAI on the server (make it on the event loop that will use it)."""
         import openai
 
+        kw = {}
+        if self.async_transport is not None:
+            import httpx
+
+            kw["http_client"] = httpx.AsyncClient(transport=self.async_transport, timeout=self.timeout_s)
         return openai.AsyncOpenAI(base_url=self.root + "/v1", api_key=self.key, timeout=self.timeout_s,
-                                  max_retries=2)
+                                  max_retries=self.CLIENT_RETRIES, **kw)
 
     def select(self, adapter: str | None) -> tuple[str, dict]:
         """-> (`model`, extra body fields) of a request sampled with `adapter` (None: the base model)."""
@@ -171,9 +178,9 @@ class Server:
             return self.model, {"lora_path": adapter}
         return adapter, {}
 
-    def _lora(self, what: str, body: dict):
+    def _lora(self, what: str, body: dict, wait_s: float | None = None):
         path = self.LORA_PATHS.get(self.kind, "/v1/{}_lora_adapter").format(what)
-        r = self._call("POST", path, json=body)
+        r = self._call("POST", path, wait_s=wait_s, json=body)
         try:
             failed = r.status_code == 200 and r.json().get("success") is False  # (SGLang's way of saying no)
         except (ValueError, AttributeError):
@@ -201,9 +208,14 @@ class Server:
             return False
         raise WorkerError(f"{self.root}{where}: loading adapter {name} from {path} failed ({code}): {text[:300]}")
 
-    def unload_adapter(self, name: str) -> None:
-        """(Unloaded already, e.g. by another worker: fine.)"""
-        self._lora("unload", {"lora_name": name})
+    def unload_adapter(self, name: str) -> bool:
+        """One try, no waiting -> whether the server answered (unloaded, or unknown to it: e.g. unloaded by another
+        worker, or lost in a restart). A server that is down is not waited for: the caller tries again later."""
+        try:
+            self._lora("unload", {"lora_name": name}, wait_s=0.0)
+        except WorkerError:
+            return False
+        return True
 
 
 # ----------------------------------------------------------------------------- the sampler EpisodeDriver drives
@@ -217,7 +229,8 @@ class _Seq:
     turns: int = 0
     future: object = None  # the request in flight
     adapter: tuple = (None, 0)  # (name, version) it was sent with
-    retries: int = 0
+    retries: int = 0  # times its turn was sent again because the server was away (backoff)
+    reloads: int = 0  # times its turn was sent again because the server did not know its adapter
     down: float | None = None  # when its turn first failed to reach the server (sent again until --wait-s)
     retry_at: float = 0.0
 
@@ -275,6 +288,8 @@ class ServerSampler:
     them) must equal the worker's on the first turn (else WorkerError: another chat template) and are counted
     (`counts["prompt_mismatch_turns"]`) when a later turn's differ (text re-tokenised differently). A turn that fails
     goes to `failed` as (tag, reason). Turns sample with the adapter of the last `set_adapter`."""
+
+    RETRY_S = (1.0, 10.0)  # a turn the server could not take is sent again after 1 s, doubling up to 10 s
 
     def __init__(self, server: Server, *, api: str = "auto", chat=None, poll_s: float = 0.02):
         if api not in ("auto", "chat"):
@@ -384,7 +399,7 @@ class ServerSampler:
                 items.append(self._done.get_nowait())
             except queue.Empty:
                 break
-        out = []
+        out, unknown = [], []
         for seq, fut in items:
             self.in_use[seq.adapter[0]] -= 1
             if self._seqs.get(seq.id) is not seq or fut.cancelled():  # released meanwhile
@@ -393,14 +408,12 @@ class ServerSampler:
             try:
                 kind, resp = fut.result()
                 tokens, lps, reason, prompt = parse_turn(kind, resp, seq.sp)
-            except openai.NotFoundError as e:  # its adapter was unloaded (by another worker on this server)
-                if seq.retries < 2 and seq.adapter[0] is not None:
-                    seq.retries += 1
-                    self.counts["adapter_reloads"] += 1
-                    name, _, path = self.adapter
-                    if name is not None and path is not None:
-                        self.server.load_adapter(name, path)
-                    self._launch(seq)
+            except openai.NotFoundError as e:
+                # its adapter is unknown to the server: unloaded by another worker on it, or lost when the server
+                # restarted. The current adapter is loaded again (once for all such turns) and the turn sent again.
+                if seq.reloads < 2 and seq.adapter[0] is not None:
+                    seq.reloads += 1
+                    unknown.append(seq)
                 else:
                     self.failed.append((seq.tag, f"the server: {e}"))
                 continue
@@ -409,7 +422,7 @@ class ServerSampler:
                 now = time.monotonic()
                 seq.down = seq.down or now
                 if now - seq.down < self.server.wait_s:
-                    seq.retry_at = now + min(2.0 ** seq.retries, 10.0)
+                    seq.retry_at = now + min(self.RETRY_S[0] * 2.0 ** seq.retries, self.RETRY_S[1])
                     seq.retries += 1
                     self._retry.append(seq)
                     self.counts["turns_resent"] += 1
@@ -429,11 +442,18 @@ class ServerSampler:
                 self._mismatch(seq, prompt)
             seq.tokens += tokens
             seq.turns += 1
-            seq.retries = 0
+            seq.retries = seq.reloads = 0
             self.counts["turns"] += 1
             self.counts["tokens"] += len(tokens)
             v = seq.adapter[1]
             out.append(TurnEnd(seq.id, tokens, lps, reason, v, seq.tag, (v,)))
+        if unknown:
+            name, _, path = self.adapter
+            if name is not None and path is not None:
+                self.server.load_adapter(name, path)
+            self.counts["adapter_reloads"] += 1
+            for seq in unknown:
+                self._launch(seq)
         return out
 
     def _mismatch(self, seq: _Seq, prompt: list[int]) -> None:
@@ -551,7 +571,8 @@ class RolloutWorker:
 
     # ------------------------------------------------------------------ the policy
     def _policy(self, force: bool = False) -> None:
-        """Load LATEST when it moved (at most twice a second); unload this worker's idle older adapters."""
+        """Load LATEST when it moved (at most twice a second; waits for a server that is away, up to --wait-s);
+        unload this worker's idle older adapters (never waiting: a server that is away is asked again later)."""
         now = time.monotonic()
         if not force and now - self._last_policy < 0.5:
             return
@@ -571,8 +592,8 @@ class RolloutWorker:
                                   "as the server's machine sees it, and check --max-lora-rank and the adapter's "
                                   "targets against the server's LoRA flags)")
         for name in [n for n in self.loaded if n != self.sampler.adapter[0] and self.sampler.in_use[n] <= 0]:
-            self.server.unload_adapter(name)
-            del self.loaded[name]
+            if self.server.unload_adapter(name):  # (a server that is away is asked again at the next call)
+                del self.loaded[name]
 
     def _run_closed(self) -> bool:
         """Has the learner finished the run? (Then the worker stops: nothing more will be requested.)"""
