@@ -166,7 +166,10 @@ def main(argv=None):
             return float(np.median(rates)), float(np.median(cpu))
         print(f"tiny model, LoRA rank 8 on {list(lc.targets)}; train batch {a.rows} x {a.len} tokens; sampling "
               f"{a.samples} x {a.max_tokens} tokens")
-        sdk_step(), local_step()  # warm-up (compiles)
+        # warm-up: one untimed pass of everything measured below (the first steps and sampling rounds compile; a
+        # single call of each left compiles inside the first measured run)
+        median_steps([sdk_step, local_step], 2)
+        rate(sdk_sample, reps=1), rate(oai_sample, reps=1)
         rows = []
         for run in range(a.runs):
             n0, w0 = worker_seconds()
