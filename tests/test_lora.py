@@ -70,6 +70,20 @@ def test_rslora_scale():
     np.testing.assert_array_equal(a["layers"]["attention"]["mixer"]["q_proj"]["lora_scale"], 8.0)
 
 
+def test_stacked_adapters_on_layers_held_one_by_one_are_an_error_and_stack_layers_inverts(setup):
+    """serve's Engine holds the layers one by one (`unstack_layers`): stacked adapters attached there must fail,
+    not match no layer and leave the model unadapted (the Tinker learner trained nothing on most layers);
+    `stack_layers` gives back the stacked params exactly."""
+    params, _ = setup
+    one_by_one = M.unstack_layers(params)
+    with pytest.raises(ValueError, match="one by one"):
+        lora.attach(one_by_one, lora.init_adapters(CFG, ALL))
+    back = M.stack_layers(one_by_one)
+    assert jax.tree.structure(back) == jax.tree.structure(params)
+    for x, y in zip(jax.tree.leaves(back), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(x, y)
+
+
 @pytest.mark.slow
 def test_fresh_adapters_leave_logits_unchanged(setup):
     params, toks = setup

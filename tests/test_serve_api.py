@@ -46,6 +46,7 @@ class FakeEngine:
         self.progress: list[int] = []
         self.released: list[int] = []
         self.fail: BaseException | None = None
+        self.params = None  # (serve keeps the engine's copy of the weights)
         self._lock = threading.RLock()
 
     @property
@@ -643,6 +644,8 @@ def test_serve_checks_the_port_before_loading_warns_on_every_interface_and_says_
     loaded = []
     monkeypatch.setattr(generate, "load_for_generation", lambda *a, **k: loaded.append(1) or (_cfg(), None, None))
     monkeypatch.setattr(generate, "Engine", lambda *a, **k: FakeEngine())
+    import uvicorn  # its logging dictConfig closes every handler: absl's, made in this thread, writes to capsys' file
+    monkeypatch.setattr(uvicorn.Config, "configure_logging", lambda self: None)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -676,7 +679,8 @@ def test_serve_checks_the_port_before_loading_warns_on_every_interface_and_says_
 
     with contextlib.redirect_stdout(Out()):  # (restored before the capture fixtures close theirs)
         t = threading.Thread(target=main, args=(["serve", "--ckpt", "x", "--tokenizer", "builtin:tiny", "--host",
-                                                 "0.0.0.0", "--port", str(port)],), daemon=True)
+                                                 "0.0.0.0", "--port", str(port), "--no-warmup"],),
+                             daemon=True)
         t.start()
         t0 = time.monotonic()
         while not servers and t.is_alive() and time.monotonic() - t0 < 60:

@@ -211,6 +211,9 @@ def _union(p, a, where):
     if isinstance(p, list):
         if not isinstance(a, (list, dict)):
             raise ValueError(f"adapter tree: expected a list at {where or '/'}")
+        if isinstance(a, dict) and any(not str(k).isdigit() for k in a):  # (stacked adapters met unstacked layers)
+            raise ValueError(f"adapter tree: {where or '/'} holds its layers one by one (unstack_layers), the "
+                             f"adapters there are stacked (keys {sorted(a)[:3]}): unstack them alike")
         get = (lambda i: a[i] if i < len(a) else None) if isinstance(a, list) else (lambda i: a.get(str(i)))
         return [_union(p[i], get(i), f"{where}/{i}") if get(i) else p[i] for i in range(len(p))]
     if not isinstance(a, dict):

@@ -466,6 +466,15 @@ def unstack_layers(params: dict) -> dict:
     return out
 
 
+def stack_layers(params: dict) -> dict:
+    """The inverse of `unstack_layers`: each layer kind's list of n layer trees -> its stacked leaves [n, ...] (a
+    copy; kinds already stacked are kept). Training steps (scan, LoRA targets) take stacked layers."""
+    out = dict(params)
+    out["layers"] = {k: jax.tree.map(lambda *xs: jnp.stack(xs), *v) if isinstance(v, list) else v
+                     for k, v in params["layers"].items()}
+    return out
+
+
 # --------------------------------------------------------------------------- public entry points
 def input_embeddings(params: dict, tokens: jax.Array, cfg, *, opts: Options = Options(), images: dict | None = None):
     """tokens [B, T] -> [B, T, D] in opts.dtype; with `images` (see `nemo_jax.model.vision.pack_inputs`) each

@@ -27,6 +27,7 @@ import os
 
 import numpy as np
 
+from nemo_jax.extras import require
 from nemo_jax.rl.code_tools import CodeEpisode, call
 from nemo_jax.rl.episode import Observation, Task, last_number
 
@@ -58,7 +59,7 @@ def render_bars(values: dict, size: int = 64):
 
 def render_plot(values: dict, size: int):
     """The `plot` chart (matplotlib) -> (image, (row of value 0, rows per unit)) from the axis' transform."""
-    import matplotlib
+    matplotlib = require("matplotlib", "sandbox", "the chart environment's `plot` charts")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

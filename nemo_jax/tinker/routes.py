@@ -10,6 +10,7 @@ a failed future with category "user"); the API key (`X-API-Key`) is checked by s
 import asyncio
 import json
 
+from nemo_jax.extras import require
 from nemo_jax.tinker import wire
 from nemo_jax.tinker.losses import loss_config, refusal
 from nemo_jax.tinker.service import TinkerService
@@ -76,6 +77,7 @@ def _meta(body: dict) -> dict:
 
 def mount(app, svc: TinkerService) -> None:
     """Add the /api/v1 routes to `app` (serve's FastAPI app)."""
+    require("fastapi", "tinker", "the Tinker API (nemo-jax serve --tinker-root)")
     from fastapi import Request
     from fastapi.responses import JSONResponse, Response
 

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nemo_jax.lora import LoraConfig
+from nemo_jax.model.model import stack_layers
 from nemo_jax.lora.adapters import PRESETS, adaptable_paths
 from nemo_jax.tinker import wire
 from nemo_jax.tinker.futures import FutureStore
@@ -154,7 +155,9 @@ class TinkerService:
         self.tokenizer_dir = os.path.abspath(tokenizer_dir)
         self.store = Store(store_root)
         self.futures = FutureStore()
-        self.learner = Learner(self.cfg, serve_state.params, max_tokens=max_tokens)
+        # the learner trains on stacked layers; serve holds the engine's per-layer copy (a second copy of the base
+        # weights while the Tinker API is on)
+        self.learner = Learner(self.cfg, stack_layers(serve_state.params), max_tokens=max_tokens)
         self.sessions: dict[str, Session] = {}
         self.models: dict[str, Model] = {}
         self.samplers: dict[str, Sampler] = {}
