@@ -19,7 +19,7 @@ class DaemonPool(Executor):
     def __init__(self, threads: int, name: str = "pool"):
         self.limit, self.name = max(1, threads), name
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
-        self._threads = self._idle = 0
+        self._threads = self._idle = self._queued = 0  # threads, those waiting for a call, calls not yet taken
         self._closed = False
         self._lock = threading.Lock()
 
@@ -30,6 +30,7 @@ class DaemonPool(Executor):
             item = self._calls.get()
             with self._lock:
                 self._idle -= 1
+                self._queued -= item is not None
             if item is None:
                 return
             fut, fn, args, kwargs = item
@@ -51,7 +52,10 @@ class DaemonPool(Executor):
                 fut.cancel()  # (after shutdown: never runs)
                 return fut
             self._calls.put((fut, fn, args, kwargs))
-            if self._idle == 0 and self._threads < self.limit:
+            self._queued += 1
+            # a thread for each call no idle thread will take (an idle count alone missed calls queued behind
+            # another one an idle thread had not yet taken: fewer threads ran than the pool allows)
+            if self._queued > self._idle and self._threads < self.limit:
                 self._spawn()
         return fut
 

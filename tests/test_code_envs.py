@@ -10,7 +10,6 @@ import json
 import os
 import socket
 import threading
-import time
 
 import pytest
 
@@ -120,7 +119,9 @@ def test_swe_hostile_actions_earn_nothing(swe, host):
     assert "neighbour blocked" in said and "NEIGHBOUR" not in said and not os.path.exists(secret)
     assert "secret None" in said
     assert "MemoryError" in said
-    assert "timed out" in said and "restarted" in said
+    # the endless loop: stopped by the cell's time limit or by the CPU-time limit (which comes first depends on the
+    # machine's load), and the interpreter restarted
+    assert ("timed out" in said or "CPU-time limit" in said) and "restarted" in said
     assert not os.path.exists("/usr/evil") and not os.path.exists("/evil")
     assert obs[-1].done and obs[-1].reward == 0.0  # calc.py replaced by a link: read as deleted, no fix
     assert obs[-1].info["p2p_passed"] < 2 or obs[-1].info["f2p_passed"] == 0
@@ -242,15 +243,16 @@ def test_parallel_start_and_close_bounded_by_env_workers(swe, monkeypatch):
     import nemo_jax.rl.code_tools as ct
     from nemo_jax.rl.producer import EnvCalls
 
-    live, peak, lock = [0], [0], threading.Lock()
+    live, peak, lock = [0], [0], threading.Condition()
     real = ct.open_sandbox
 
-    def counting(spec, name=""):
-        with lock:
+    def counting(spec, name=""):  # each start waits (up to 10 s) until three are live: a loaded machine's slow
+        with lock:                # thread start-ups cannot make the peak look lower than the pool's width
             live[0] += 1
             peak[0] = max(peak[0], live[0])
+            lock.notify_all()
+            lock.wait_for(lambda: peak[0] >= 3, timeout=10)
         try:
-            time.sleep(0.3)
             return real(spec, name)
         finally:
             with lock:

@@ -96,7 +96,10 @@ def test_bwrap_limits_bombs_and_loops():
         r = sb.run(["python", "-c", "x = bytearray(2 << 30)"])
         assert r.rc == 1 and b"MemoryError" in r.stderr
         r = sb.run(["sh", "-c", "while :; do :; done"])
-        assert r.rc is None and r.timed_out or r.rc == 128 + signal.SIGXCPU or r.rc == -signal.SIGXCPU
+        # stopped by the wall clock, or by the CPU-time limit: SIGXCPU at the soft limit, SIGKILL at the hard one
+        # (which of them ends it depends on the machine's load)
+        assert r.rc is None and r.timed_out or r.rc in (128 + signal.SIGXCPU, -signal.SIGXCPU, 128 + signal.SIGKILL,
+                                                         -signal.SIGKILL) and r.secs < 1.5 + 1
         r = sb.run(["python", "-c", "import time; time.sleep(30)"])
         assert r.timed_out and r.secs < 10
         fork = ("import os, time\nn = 0\nfor i in range(200):\n    try:\n        pid = os.fork()\n"

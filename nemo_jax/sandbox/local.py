@@ -38,11 +38,14 @@ BASE_ENV = {"LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "
 
 
 def prlimit_args(lim: Limits) -> list[str]:
-    """util-linux prlimit options for the per-process limits (soft = hard)."""
+    """util-linux prlimit options for the per-process limits (soft = hard; CPU time: the hard limit a second past
+    the soft one, so that the kernel's SIGXCPU ends a loop first and says why, and SIGKILL ends one that ignores
+    it: with soft = hard the kernel sends SIGKILL alone)."""
     def both(v):
         return f"{int(v)}:{int(v)}"
 
-    return ["--as=" + both(lim.memory_mb * 2 ** 20), "--cpu=" + both(lim.cpu_s), "--nproc=" + both(lim.processes),
+    return ["--as=" + both(lim.memory_mb * 2 ** 20), f"--cpu={int(lim.cpu_s)}:{int(lim.cpu_s) + 1}",
+            "--nproc=" + both(lim.processes),
             "--fsize=" + both(lim.file_mb * 2 ** 20), "--nofile=" + both(lim.open_files), "--core=0:0"]
 
 

@@ -115,6 +115,8 @@ class PythonSession:
                         got.get("error"), [base64.b64decode(x) for x in got.get("images") or []][:4],
                         secs=time.monotonic() - t0)
         rc = self.proc.poll()
+        if rc is not None and rc > 128:  # (a launcher such as bwrap reports a child's signal N as 128 + N)
+            rc = 128 - rc
         self._stop()
         self.restarts += 1
         if got == "timeout":
