@@ -49,9 +49,19 @@ OPT_IN_TIERS = {"venv": "tools/test_venvs.sh: the base install and each extra in
                 "vllm": "python tools/vllm_cpu.py tier: a real vLLM process, with $NEMO_JAX_VLLM_VENV"}
 
 
+# The longest modules (seconds on one worker, a 2-core host), started first: xdist hands out whole modules
+# (--dist=loadfile) in collection order, and a long module handed out last ran alone at the end while the other
+# worker idled. Order only: every module still runs.
+LONG_FIRST = ("test_safety", "test_sft", "test_model", "test_multihost", "test_generate", "test_grpo", "test_worker",
+              "test_vision", "test_context", "test_plan", "test_scale", "test_tinker", "test_lora", "test_lora_sft",
+              "test_recipe", "test_generate_scale", "test_code_envs", "test_serve")
+
+
 def pytest_collection_modifyitems(config, items):
     expr = config.getoption("markexpr", "") or ""
     off = [it for it in items if any(it.get_closest_marker(m) is not None and m not in expr for m in OPT_IN_TIERS)]
     if off:
         config.hook.pytest_deselected(items=off)
         items[:] = [it for it in items if it not in off]
+    rank = {name: i for i, name in enumerate(LONG_FIRST)}
+    items.sort(key=lambda it: rank.get(it.path.stem, len(rank)))  # (stable: the rest keep their order)
