@@ -52,9 +52,10 @@ OPT_IN_TIERS = {"venv": "tools/test_venvs.sh: the base install and each extra in
 # The longest modules (seconds on one worker, a 2-core host), started first: xdist hands out whole modules
 # (--dist=loadfile) in collection order, and a long module handed out last ran alone at the end while the other
 # worker idled. Order only: every module still runs.
-LONG_FIRST = ("test_safety", "test_sft", "test_model", "test_multihost", "test_generate", "test_grpo", "test_worker",
-              "test_vision", "test_context", "test_plan", "test_scale", "test_tinker", "test_lora", "test_lora_sft",
-              "test_recipe", "test_generate_scale", "test_code_envs", "test_serve")
+LONG_FIRST = ("test_safety", "test_model", "test_generate", "test_vision", "test_sft", "test_grpo", "test_multihost",
+              "test_lora", "test_moe", "test_kernels", "test_worker", "test_train_step", "test_context", "test_rl",
+              "test_lora_sft", "test_hf", "test_sharding", "test_scale", "test_generate_scale", "test_tinker",
+              "test_recipe", "test_observability", "test_plan")
 
 
 def pytest_collection_modifyitems(config, items):

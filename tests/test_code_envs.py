@@ -119,9 +119,9 @@ def test_swe_hostile_actions_earn_nothing(swe, host):
     assert "neighbour blocked" in said and "NEIGHBOUR" not in said and not os.path.exists(secret)
     assert "secret None" in said
     assert "MemoryError" in said
-    # the endless loop: stopped by the cell's time limit or by the CPU-time limit (which comes first depends on the
-    # machine's load), and the interpreter restarted
-    assert ("timed out" in said or "CPU-time limit" in said) and "restarted" in said
+    # the endless loop: stopped by the cell's time limit, the CPU-time limit or the sandbox's wall clock (which comes
+    # first depends on the machine's load), and the interpreter restarted
+    assert ("timed out" in said or "the interpreter died" in said) and "restarted" in said
     assert not os.path.exists("/usr/evil") and not os.path.exists("/evil")
     assert obs[-1].done and obs[-1].reward == 0.0  # calc.py replaced by a link: read as deleted, no fix
     assert obs[-1].info["p2p_passed"] < 2 or obs[-1].info["f2p_passed"] == 0

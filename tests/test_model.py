@@ -144,8 +144,9 @@ def test_packing_equivalence():
     seg = jnp.asarray([sum(([i + 1] * n for i, n in enumerate(lens)), []) + [0] * 3])
     logits, _ = jax.jit(lambda t, s: M.forward(params, t, cfg, s))(packed, seg)
     off = 0
+    one = jax.jit(lambda t: M.forward(params, t, cfg))  # (a compile per length: cheaper than eager op by op)
     for d, n in zip(docs, lens):
-        alone, _ = M.forward(params, d, cfg)
+        alone, _ = one(d)
         np.testing.assert_allclose(logits[:, off:off + n], alone, rtol=1e-4, atol=1e-5)
         off += n
 
@@ -164,8 +165,9 @@ def test_jit_and_eager_agree():
 def test_bf16_close_to_fp32():
     cfg, params = _setup()
     toks = jax.random.randint(jax.random.key(1), (2, 33), 0, cfg.vocab_size)
-    f32, _ = M.forward(params, toks, cfg)
-    b16, _ = M.forward(params, toks, cfg, opts=M.Options(dtype=jnp.bfloat16))
+    fwd = jax.jit(M.forward, static_argnums=2, static_argnames="opts")  # (cheaper than eager op by op)
+    f32, _ = fwd(params, toks, cfg)
+    b16, _ = fwd(params, toks, cfg, opts=M.Options(dtype=jnp.bfloat16))
     assert b16.dtype == jnp.float32
     p32, p16 = jax.nn.softmax(f32), jax.nn.softmax(b16)
     assert float(jnp.max(jnp.abs(p32 - p16))) < 2e-2
@@ -176,11 +178,12 @@ def test_bf16_close_to_fp32():
 def test_mtp_forward_shapes_and_dependence():
     cfg, params = _setup(num_nextn_predict_layers=2)
     toks = jax.random.randint(jax.random.key(1), (2, 10), 0, cfg.vocab_size)
-    logits, aux = M.forward(params, toks, cfg)
+    fwd = jax.jit(M.forward, static_argnums=2)  # (cheaper than eager op by op)
+    logits, aux = fwd(params, toks, cfg)
     assert len(aux["mtp_logits"]) == 2 and aux["mtp_logits"][0].shape == logits.shape
     # depth 0 at position t reads token t+1: changing it moves position t's MTP logits but not t+1's main logits before
     changed = toks.at[:, 5].set((toks[:, 5] + 1) % cfg.vocab_size)
-    _, aux2 = M.forward(params, changed, cfg)
+    _, aux2 = fwd(params, changed, cfg)
     assert not np.allclose(aux["mtp_logits"][0][:, 4], aux2["mtp_logits"][0][:, 4])
     np.testing.assert_allclose(aux["mtp_logits"][0][:, :4], aux2["mtp_logits"][0][:, :4], rtol=1e-6, atol=1e-6)
 

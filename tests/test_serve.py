@@ -388,9 +388,10 @@ def test_a_full_server_answers_429_and_a_closed_stream_frees_its_rows(served):
             assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
             assert r.json()["error"]["type"] == "RateLimitError"
             assert next(x for x in first.iter_lines() if x.startswith("data:"))
-        t0 = time.time()
+        t0, rejected = time.time(), 1
         while (r := h.post(srv.url + "/v1/completions", json=small)).status_code == 429 and time.time() - t0 < 120:
-            time.sleep(0.05)  # (the close reaches the server a moment after the client made it)
+            rejected += 1  # (the close reaches the server a moment after the client made it: later on a busy host)
+            time.sleep(0.05)
         assert r.status_code == 200, r.text
     deadline = time.time() + 120  # (the close reaches the server a moment later)
     while time.time() < deadline:
@@ -398,7 +399,8 @@ def test_a_full_server_answers_429_and_a_closed_stream_frees_its_rows(served):
         if "nemo_jax_cancelled_total 1" in m and "nemo_jax_num_requests_running 0" in m:
             break
         time.sleep(0.1)
-    assert "nemo_jax_cancelled_total 1" in m and 'nemo_jax_requests_rejected_total{reason="queue_full"} 1' in m
+    assert "nemo_jax_cancelled_total 1" in m
+    assert f'nemo_jax_requests_rejected_total{{reason="queue_full"}} {rejected}' in m
     assert steps(m) - before < 500  # (8 x 500 tokens in 4 rows: 1000 steps)
 
 

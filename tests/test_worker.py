@@ -282,20 +282,12 @@ def test_killed_worker_loses_its_lease_and_a_restarted_learner_keeps_its_groups(
     for x in consumed:
         by_group.setdefault(x["group_id"], []).append(x)
     # (b) the killed worker's groups: reposted, finished by b; (c) the groups in flight at the checkpoint the
-    # learner restarted from: kept (more than 4 rollouts once complete: some were read after that checkpoint), and
-    # complete, or still posted, claimed or unread when the run reached its last step (other groups may finish first)
-    req = run / "requests"
-
-    unread = {}  # rollouts a worker finished that the learner had no step left to read
-    for x in (x for xs in _spool(run, ".").values() for x in xs if "tokens" in x):
-        unread.setdefault(x["group_id"], []).append(x)
-
-    def still_open(gid):
-        return ((req / f"{gid}.json").exists() or any(n.endswith(f"--{gid}.json") for n in os.listdir(req / "claimed"))
-                or len(by_group.get(gid, [])) + len(unread.get(gid, [])) >= 4)
+    # learner restarted from: kept, never cancelled and none of their rollouts rejected (below: only groups opened
+    # after that checkpoint are unknown to the restarted learner). They need not be complete: the run may reach its
+    # last step first, and closing the run removes the requests and claims still open.
     for gid in held + in_flight:
-        assert not (req / "cancelled" / gid).exists(), gid
-        assert len(by_group.get(gid, [])) >= 4 or (gid in in_flight and still_open(gid)), (gid, by_group.get(gid))
+        assert not (req := run / "requests" / "cancelled" / gid).exists(), req
+        assert len(by_group.get(gid, [])) >= 4 or gid in in_flight, (gid, by_group.get(gid))
     assert any(x["rollout_id"] and n.startswith("wb-") for n, xs in _spool(run, "consumed").items() for x in xs)
     rejected = _only_unknown_groups_rejected(run)  # only groups opened after that checkpoint, sampled meanwhile
     assert all(int(x["group_id"][1:].split("-")[0]) >= k for xs in rejected.values() for x in xs), rejected
