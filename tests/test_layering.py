@@ -214,3 +214,16 @@ def test_the_analysis_finds_planted_cycles_and_upward_arrows(planted):
     bad = layering_violations(edges)
     assert any(v.startswith("nemo_jax.config.load -> nemo_jax.cli at") and "cli sits above config" in v for v in bad)
     assert any("p has no place in LAYERS" in v for v in bad)
+
+
+def test_the_repository_tracks_no_symlink_but_configs_model():
+    """A tracked link out of the tree (a sandbox experiment's `-> /` once was) sends `pip install .`'s package
+    discovery walking the whole machine: it never finished."""
+    import shutil
+    import subprocess
+
+    if shutil.which("git") is None or not os.path.isdir(os.path.join(ROOT, ".git")):
+        pytest.skip("not a git checkout")
+    out = subprocess.run(["git", "ls-files", "-s"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    links = [line.split("\t", 1)[1] for line in out.splitlines() if line.startswith("120000 ")]
+    assert links == ["configs/model"], links
