@@ -8,6 +8,7 @@ import math
 import os
 import struct
 import sys
+import time
 
 import jax
 import numpy as np
@@ -182,7 +183,10 @@ def test_histogram_api_reaches_tensorboard_and_wandb(tmp_path, monkeypatch):
     (h,) = ea.Histograms("rewards")
     assert h.step == 3 and h.histogram_value.num == 4 and h.histogram_value.sum == 2.5
     (f,) = glob.glob(str(tmp_path / "r" / "wandb" / "offline-run-*" / "run-*.wandb"))
-    rows, _ = wandb_history(f)
+    deadline = time.time() + 60  # (wandb's service process writes the offline file: on a busy host, after close)
+    while 3 not in (rows := wandb_history(f)[0]) and time.time() < deadline:
+        time.sleep(0.5)
+    assert 3 in rows, rows
     assert rows[3]["rewards/_type"] == "histogram" and sum(rows[3]["rewards/values"]) == 4
     assert rows[3]["reward_mean"] == 0.625
 
