@@ -445,7 +445,7 @@ def _leave(command: str, timeout_s: float = 300.0):
 
     import jax
 
-    _STATE["leaving"] = True  # the watchdog must not take the others' disconnects for deaths
+    _end_watch()  # the watchdog must not take the others' disconnects for deaths
     barrier(f"nemo-jax {command}: done", timeout_s)
     if jax.process_index() != 0:
         jax.distributed.shutdown()
@@ -464,12 +464,15 @@ def failure_guard(command: str):
     collective waiting on a dead peer need not fail). On success, leave the distributed runtime in order."""
     _STATE["command"] = command
     if _multi() and "watchdog" not in _STATE:
-        _STATE["watchdog"] = threading.Thread(target=_watch, name="nemo-jax-peer-watchdog", daemon=True)
+        _STATE["leaving"] = threading.Event()
+        _STATE["watchdog"] = threading.Thread(target=_watch, args=(_STATE["leaving"],),
+                                              name="nemo-jax-peer-watchdog", daemon=True)
         _STATE["watchdog"].start()
     try:
         yield
         _leave(command)
     except (KeyboardInterrupt, SystemExit):
+        _end_watch()
         raise
     except BaseException as e:
         import jax
@@ -479,6 +482,7 @@ def failure_guard(command: str):
         comm = isinstance(e, jax.errors.JaxRuntimeError) or "barrier" in str(e).lower()
         lost = lost_peers(_STATE.get("heartbeat_timeout", 30) + 5 if comm else 0)
         if lost == []:
+            _end_watch()
             raise  # every peer is alive: an ordinary error of this process
         _stop(lost, f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
 
@@ -499,12 +503,21 @@ def _stop(lost: list[int] | None, cause: str):
 _STOP_LOCK = threading.Lock()
 
 
-def _watch(poll_s: float = 0.5):
+def _watch(leaving: threading.Event, poll_s: float = 0.5):
     """Poll the coordination service for lost peers until this process leaves."""
-    import time
-
-    while not _STATE.get("leaving"):
+    while not leaving.is_set():
         lost = lost_peers(0)
-        if lost != [] and not _STATE.get("leaving"):
+        if lost != [] and not leaving.is_set():
             _stop(lost, "the coordination service declared it lost")
-        time.sleep(poll_s)
+        leaving.wait(poll_s)
+
+
+def _end_watch(timeout_s: float = 30.0):
+    """Stop the watchdog and wait for it: a daemon thread still inside the coordination client's C++ call when
+    the runtime shuts down or the interpreter exits aborts the process ("terminate called ... exception not
+    rethrown": exit 134 in place of the command's own status)."""
+    if "watchdog" not in _STATE:
+        return
+    _STATE["leaving"].set()
+    if _STATE["watchdog"] is not threading.current_thread():
+        _STATE["watchdog"].join(timeout_s)
