@@ -119,6 +119,46 @@ class SandboxSpec:
         return dataclasses.replace(self, packages=tuple(dict.fromkeys(self.packages + names)))
 
 
+class Sandbox:
+    """What every backend's sandbox shares: the processes it started (`_track`), use after `close()` refused,
+    `close()` once (a second call does nothing) and the context manager. Each backend says in `_dispose` how it
+    kills the processes still running and removes what it made."""
+    backend = "sandbox"
+
+    def __init__(self, spec: SandboxSpec):
+        self.spec, self.limits = spec, spec.limits
+        self.closed = False
+        self.commands = 0  # commands run (logged by the environments)
+        self._procs: list = []
+        self._lock = threading.Lock()
+
+    def _track(self, proc):
+        with self._lock:
+            self._procs.append(proc)
+        return proc
+
+    def _check_open(self):
+        if self.closed:
+            raise SandboxError(f"sandbox {self.backend}: used after close()")
+
+    def close(self) -> None:
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            procs, self._procs = self._procs, []
+        self._dispose(procs)
+
+    def _dispose(self, procs: list) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
 @dataclass
 class Result:
     """A finished command: exit status (None when killed for time), its output (bytes, each stream cut at

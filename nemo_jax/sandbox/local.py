@@ -28,7 +28,7 @@ import sys
 import sysconfig
 import threading
 
-from nemo_jax.sandbox.base import (Limits, Owner, Result, SandboxError, SandboxSpec, UidLease, folder_files,
+from nemo_jax.sandbox.base import (Limits, Owner, Result, Sandbox, SandboxError, SandboxSpec, UidLease, folder_files,
                                    folder_get, folder_put, folder_size, kill_group, remove_tree, run_process)
 
 JAIL_PATH = "/sandbox/bin:/usr/local/bin:/usr/bin:/bin"
@@ -200,26 +200,22 @@ class Process:
             pass
 
 
-class LocalSandbox:
+class LocalSandbox(Sandbox):
     """One episode's sandbox on this machine: a folder (`folder` on the host, `work` inside) and the commands run
     in it. `close()` kills what still runs and removes the folder; it is safe to call twice."""
     backend = "local"
     host_cwd = None  # where the host starts commands (rlimit: the folder; bwrap sets its own)
 
     def __init__(self, spec: SandboxSpec, name: str = ""):
-        self.spec, self.limits = spec, spec.limits
+        super().__init__(spec)
         self.python = spec.python or sys.executable
         owner = Owner.get()
         tag = re.sub(r"[^A-Za-z0-9_.-]+", "_", name)[:40] or "sbx"
         self.folder = os.path.join(owner.dir, f"{tag}-{os.urandom(4).hex()}")
         os.mkdir(self.folder, 0o700)
-        self._procs: list[Process] = []
-        self._lock = threading.Lock()
-        self.closed = False
         self.full = ""  # set when the folder went over its disk limit
         self.uid_lease = None
         self.owner_ids = None  # (uid, gid) files put here get
-        self.commands = 0  # commands run (logged by the environments)
 
     # files
     def put(self, rel: str, data: bytes | str, mode: int = 0o644) -> None:
@@ -276,10 +272,7 @@ class LocalSandbox:
         finally:
             for fd in fds:
                 os.close(fd)
-        proc = Process(p)
-        with self._lock:
-            self._procs.append(proc)
-        return proc
+        return self._track(Process(p))
 
     def check_disk(self) -> str:
         if not self.full and folder_size(self.folder) > self.limits.disk_mb * 2 ** 20:
@@ -290,27 +283,12 @@ class LocalSandbox:
         if self.check_disk():
             res.error = self.full
 
-    def _check_open(self):
-        if self.closed:
-            raise SandboxError(f"sandbox {self.backend}: used after close()")
-
-    def close(self) -> None:
-        with self._lock:
-            if self.closed:
-                return
-            self.closed = True
-            procs, self._procs = self._procs, []
+    def _dispose(self, procs: list[Process]) -> None:
         for p in procs:
             p.kill()
         remove_tree(self.folder)
         if self.uid_lease is not None:
             self.uid_lease.release()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 class RlimitSandbox(LocalSandbox):

@@ -28,7 +28,7 @@ import secrets
 import shutil
 import threading
 
-from nemo_jax.sandbox.base import (Owner, Result, SandboxError, SandboxSpec, owner_alive, run_process)
+from nemo_jax.sandbox.base import (Owner, Result, Sandbox, SandboxError, SandboxSpec, owner_alive, run_process)
 from nemo_jax.sandbox.local import BASE_ENV, JAIL_PATH, prlimit_args
 
 WORK = "/work"
@@ -86,18 +86,14 @@ _swept: set = set()
 _swept_lock = threading.Lock()
 
 
-class ContainerSandbox:
+class ContainerSandbox(Sandbox):
     """What docker and kubernetes share: exec-based run / popen / file moves, close, sweep."""
     backend = "container"
     work = WORK
 
     def __init__(self, spec: SandboxSpec, name: str = ""):
-        self.spec, self.limits = spec, spec.limits
+        super().__init__(spec)
         self.owner = Owner.get()
-        self.closed = False
-        self.commands = 0
-        self._procs = []
-        self._lock = threading.Lock()
         self._helper = helper_source()
         self.exe = self._find_cli()
         with _swept_lock:
@@ -162,10 +158,7 @@ class ContainerSandbox:
                                  start_new_session=True)
         except OSError as e:
             raise SandboxError(f"sandbox {self.backend}: cannot start {argv[0]}: {e.strerror or e}") from None
-        proc = Process(p, on_kill=self.kill_all)
-        with self._lock:
-            self._procs.append(proc)
-        return proc
+        return self._track(Process(p, on_kill=self.kill_all))
 
     def kill_all(self):
         """Kill every process of the sandbox's user but the container's idle one (pid 1): what a killed exec
@@ -211,26 +204,11 @@ class ContainerSandbox:
             self.fail("list its files", r)
         return {k: None if v is None else base64.b64decode(v) for k, v in json.loads(r.stdout).items()}
 
-    def _check_open(self):
-        if self.closed:
-            raise SandboxError(f"sandbox {self.backend}: used after close()")
-
-    def close(self) -> None:
-        with self._lock:
-            if self.closed:
-                return
-            self.closed = True
-            procs, self._procs = self._procs, []
+    def _dispose(self, procs: list) -> None:
         for p in procs:
             p._on_kill = None
             p.kill()
         self.remove()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
     def owner_dead(self, owner: str) -> bool:
         """A sandbox labelled with `owner` belongs to a dead run of this machine."""
