@@ -58,6 +58,21 @@ LONG_FIRST = ("test_safety", "test_model", "test_generate", "test_vision", "test
               "test_recipe", "test_observability", "test_plan")
 
 
+@pytest.fixture(scope="module")
+def host_listener():
+    """For hostile-code tests: the port of a listener on the host's loopback (sandboxed code must not reach it),
+    with a secret in the host's environment (NEMO_JAX_TEST_SECRET; sandboxed code must not see it)."""
+    import socket
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+    os.environ["NEMO_JAX_TEST_SECRET"] = "hunter2"
+    yield srv.getsockname()[1]
+    srv.close()
+    os.environ.pop("NEMO_JAX_TEST_SECRET", None)
+
+
 def pytest_collection_modifyitems(config, items):
     expr = config.getoption("markexpr", "") or ""
     off = [it for it in items if any(it.get_closest_marker(m) is not None and m not in expr for m in OPT_IN_TIERS)]

@@ -36,3 +36,28 @@ def micro_model(directory, base: str = "tiny", kinds=("full_attention", "mlp")) 
     with open(path, "w") as f:
         json.dump(cfg, f)
     return path
+
+
+def log_tail(p, n: int | None = 4000) -> str:
+    """The output so far of a process started with its output in the file object `p.log`."""
+    p.log.flush()
+    p.log.seek(0)
+    text = p.log.read()
+    return text if n is None else text[-n:]
+
+
+def wait_until(cond, what: str, timeout: float, procs=(), poll_s: float = 0.2):
+    """Poll `cond()` until it returns something true -> that value. Fails naming `what` after `timeout` seconds (a
+    cap for a hang, not a bet on speed: loaded machines), or at once with its output when one of `procs`
+    (processes with `.poll()` and their output in `.log`) has died."""
+    import time
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        got = cond()
+        if got:
+            return got
+        for p in procs:
+            assert p.poll() is None, f"{what}: a process died:\n{log_tail(p)}"
+        time.sleep(poll_s)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")

@@ -8,7 +8,6 @@ bounded by `rollout.env_workers`. No model: real bubblewrap sandboxes."""
 import difflib
 import json
 import os
-import socket
 import threading
 
 import pytest
@@ -27,18 +26,6 @@ SANDBOX = {"backend": "bwrap", "limits": {"wall_s": 3, "cpu_s": 2, "memory_mb": 
 @pytest.fixture(scope="module")
 def swe():
     return make_env("swe", n_train=4, n_eval=4, seed=0, max_turns=8, sandbox=SANDBOX, judge_wall_s=10)
-
-
-@pytest.fixture(scope="module")
-def host():
-    """A listener on the host's loopback, a secret in the host's environment, a host file next to nothing."""
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
-    srv.listen()
-    os.environ["NEMO_JAX_TEST_SECRET"] = "hunter2"
-    yield srv.getsockname()[1]
-    srv.close()
-    os.environ.pop("NEMO_JAX_TEST_SECRET", None)
 
 
 def play(env, task, turns, rid="r"):
@@ -85,7 +72,7 @@ def test_swe_expert_noop_and_tools(swe):
     assert "does not apply (nothing was changed)" in text(obs[1])
 
 
-def test_swe_hostile_actions_earn_nothing(swe, host):
+def test_swe_hostile_actions_earn_nothing(swe, host_listener):
     task = swe.tasks("eval")[1]
     other = swe.episode()  # a neighbour episode running at the same time, with a secret in its folder
     other.start(task, "neighbour")
@@ -96,7 +83,7 @@ def test_swe_hostile_actions_earn_nothing(swe, host):
              f"for p in ({secret!r}, {os.path.dirname(os.path.dirname(secret))!r}):\n"
              "    try:\n        print('NEIGHBOUR', open(p).read() if p.endswith('.txt') else os.listdir(p))\n"
              "    except OSError as e:\n        print('neighbour blocked', e.errno)\n"
-             f"try:\n    socket.create_connection(('127.0.0.1', {host}), timeout=2); print('NET OPEN')\n"
+             f"try:\n    socket.create_connection(('127.0.0.1', {host_listener}), timeout=2); print('NET OPEN')\n"
              "except OSError as e:\n    print('net blocked', e.errno)\n"
              "for p in ('/etc/shadow', '/root/.bashrc', '/proc/1/environ'):\n"
              "    try:\n        print('READ', p, open(p).read()[:20])\n"
@@ -224,13 +211,13 @@ def test_chart_expert_image_tools_and_grading(chart):
     assert not ok and r == pytest.approx(0.5 * (1 - err / 0.5), abs=1e-6) and 0 < r < 0.5
 
 
-def test_chart_python_tool_figures_and_hostile_code(chart, host):
+def test_chart_python_tool_figures_and_hostile_code(chart, host_listener):
     task = chart.tasks("eval")[1]
     code = ("import matplotlib.pyplot as plt, numpy as np\nfrom PIL import Image\n"
             "a = np.asarray(Image.open('chart.png'))\nplt.imshow(a)\na.shape")
     obs, folder = play(chart, task, [call("python", code=code),
                                      call("python", code=f"import socket\nsocket.create_connection(('127.0.0.1', "
-                                                         f"{host}), timeout=2)"),
+                                                         f"{host_listener}), timeout=2)"),
                                      "7"])
     c = obs[1].messages[0]["content"]
     assert "(64, 64, 3)" in c[0]["text"] and c[1]["type"] == "image"  # the figure came back as an image

@@ -7,7 +7,6 @@ they send and by their plumbing over a stand-in client (tests/fake_engine.py). N
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,18 +22,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 BWRAP = SandboxSpec(backend="bwrap", limits=Limits(wall_s=6, cpu_s=4, memory_mb=512, processes=24))
 needs_bwrap = pytest.mark.skipif(bool(probe_bwrap(BWRAP)), reason="bubblewrap cannot start here")
-
-
-@pytest.fixture(scope="module")
-def listener():
-    """A listener on the host's loopback (sandboxed code must not reach it) and a secret in the environment."""
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
-    srv.listen()
-    os.environ["NEMO_JAX_TEST_SECRET"] = "hunter2"
-    yield srv.getsockname()[1]
-    srv.close()
-    os.environ.pop("NEMO_JAX_TEST_SECRET", None)
 
 
 PROBE = r'''
@@ -61,11 +48,11 @@ print("uid", os.getuid())
 
 
 @needs_bwrap
-def test_bwrap_blocks_the_host_and_the_neighbours(listener):
+def test_bwrap_blocks_the_host_and_the_neighbours(host_listener):
     with open_sandbox(BWRAP, "probe") as sb, open_sandbox(BWRAP, "neighbour") as other:
         other.put("secret.txt", "the neighbour's secret")
         sb.put("probe.py", PROBE)
-        r = sb.run(["python", "probe.py", str(listener), os.path.join(other.folder, "secret.txt"),
+        r = sb.run(["python", "probe.py", str(host_listener), os.path.join(other.folder, "secret.txt"),
                     os.path.join(ROOT, "pyproject.toml")])
         lines = dict(line.split(" ", 1) for line in r.stdout.decode().splitlines())
         assert r.rc == 0, r.text()
@@ -240,7 +227,7 @@ def test_docker_backend_commands_and_plumbing(fake_engine, monkeypatch):
         a = " ".join(run)
         for want in ("--network none", "--cap-drop ALL", "--security-opt no-new-privileges", "--pids-limit 32",
                      "--memory 512m", "--memory-swap 512m", "--read-only", "--user 1000:1000",
-                     "--ulimit fsize=8388608:8388608", f"--tmpfs /work:rw,nosuid,nodev,size=100m,uid=1000",
+                     "--ulimit fsize=8388608:8388608", "--tmpfs /work:rw,nosuid,nodev,size=100m,uid=1000",
                      "--runtime runsc", "--label nemo-jax.sandbox=1", f"--label nemo-jax.owner={Owner.get().name}",
                      "--entrypoint sleep python:3.11-slim 3600"):
             assert want in a, want

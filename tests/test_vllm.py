@@ -31,6 +31,7 @@ import time
 
 import numpy as np
 import pytest
+from helpers import log_tail, wait_until
 
 pytestmark = pytest.mark.vllm
 
@@ -326,10 +327,10 @@ class Proc:
                                      start_new_session=new_session)
 
     def output(self, n: int | None = 6000) -> str:
-        self.log.flush()
-        self.log.seek(0)
-        text = self.log.read()
-        return text if n is None else text[-n:]
+        return log_tail(self, n)
+
+    def poll(self):
+        return self.proc.poll()
 
     def wait(self, timeout):
         return self.proc.wait(timeout)
@@ -368,18 +369,6 @@ def _summary(worker_log: str) -> dict:
     m = re.findall(r"stopped: (.*)", worker_log)
     assert m, worker_log[-3000:]
     return {k: int(v) for k, v in (x.rsplit(" ", 1) for x in m[-1].split(", "))}
-
-
-def _wait(cond, what, timeout=900, procs=()):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        got = cond()
-        if got:
-            return got
-        for p in procs:
-            assert p.proc.poll() is None, f"{what}: a process died:\n{p.output()}"
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _loaded_versions(vllm, run, text: str | None = None) -> list[int]:
@@ -470,8 +459,8 @@ def test_vllm_killed_and_restarted_mid_run(base, vllm):
     learner = Proc(cmd, tmp / "grpo-vkill.log")
     worker = _worker(vllm, run, tmp / "worker-vkill.log")
     try:
-        _wait(lambda: any(r.get("step", 0) >= 4 and "staleness_mean" in r for r in _records(run)), "step 4",
-              procs=[learner, worker])
+        wait_until(lambda: any(r.get("step", 0) >= 4 and "staleness_mean" in r for r in _records(run)), "step 4",
+                   900, procs=[learner, worker])
         version = int(open(run / "policy" / "LATEST").read())
         down_at = time.time()
         vllm.kill()
@@ -527,8 +516,8 @@ def test_learner_killed_and_restarted_mid_run(base, vllm):
     req = run / "requests"
     restarted = None
     try:
-        _wait(lambda: any(r.get("step", 0) >= every + 1 and "mismatch_kl" in r for r in _records(run)),
-              f"step {every + 1}", procs=[learner, worker])
+        wait_until(lambda: any(r.get("step", 0) >= every + 1 and "mismatch_kl" in r for r in _records(run)),
+                   f"step {every + 1}", 900, procs=[learner, worker])
         os.killpg(learner.proc.pid, signal.SIGKILL)
         learner.wait(60)
         trained = max(r["step"] for r in _records(run) if "mismatch_kl" in r)

@@ -22,7 +22,7 @@ pytest.importorskip("fastapi", reason="nemo-jax serve needs fastapi + uvicorn (p
 
 from test_serve import ROOT, Server  # noqa: E402
 
-from helpers import FAST_COMPILE  # noqa: E402
+from helpers import FAST_COMPILE, log_tail, wait_until  # noqa: E402
 
 ENV = '''
 import os, time
@@ -129,9 +129,7 @@ def _worker(srv, tmp, run, name, *extra):
 
 
 def _output(p, full=False) -> str:
-    p.log.flush()
-    p.log.seek(0)
-    return p.log.read()[0 if full else -4000:]
+    return log_tail(p, None if full else 4000)
 
 
 def _stop(*procs):
@@ -208,18 +206,6 @@ def _only_unknown_groups_rejected(run) -> dict:
     return rejected
 
 
-def _wait(cond, what, timeout=1800, procs=()):  # (a cap for a hang, not a bet on speed: loaded machines)
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        got = cond()
-        if got:
-            return got
-        for p in procs:
-            assert p.poll() is None, f"{what}: a process died:\n" + (_output(p) if hasattr(p, "log") else "")
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 @pytest.mark.slow
 def test_killed_worker_loses_its_lease_and_a_restarted_learner_keeps_its_groups(served):
     """(b) a worker SIGKILLed mid-episode: its claims expire, the requests are reposted, another worker (this one
@@ -247,15 +233,16 @@ def test_killed_worker_loses_its_lease_and_a_restarted_learner_keeps_its_groups(
             busy = [g for g in held if any(n.startswith(g + "_") and n.endswith(".start")
                                            and n[:-6] + ".close" not in names for n in names)]
             return busy and held
-        held = _wait(a_mid_episode, "worker a mid-episode", procs=[a])
+        held = wait_until(a_mid_episode, "worker a mid-episode", 1800, procs=[a])
         a.kill()
         a.wait()
         # b starts once a's claims have expired (the learner reposts them): started at once, b could finish every
         # step the run needs before a's leases ran out on a fast machine, and no lease would ever expire
-        _wait(lambda: not any(n.startswith("wa--") for n in os.listdir(claimed)), "a's claims to expire",
-              procs=[learner])
+        wait_until(lambda: not any(n.startswith("wa--") for n in os.listdir(claimed)), "a's claims to expire", 1800,
+                   procs=[learner])
         b = _worker(srv, tmp, run, "wb", "--concurrency", "3", "--api", "chat")
-        _wait(lambda: any(r.get("leases_expired", 0) >= 1 for r in _records(run)), "an expired lease", procs=[b])
+        wait_until(lambda: any(r.get("leases_expired", 0) >= 1 for r in _records(run)), "an expired lease", 1800,
+                   procs=[b])
 
         def checkpoint_with_claims():  # a checkpoint, and claims of groups opened before it
             ck = run / "checkpoints"
@@ -264,7 +251,8 @@ def test_killed_worker_loses_its_lease_and_a_restarted_learner_keeps_its_groups(
             gids = [n.split("--")[1][:-5] for n in os.listdir(claimed)]
             old = [g for g in gids if int(g[1:].split("-")[0]) < k]
             return k >= 2 and old and (k, old)
-        k, in_flight = _wait(checkpoint_with_claims, "a checkpoint with groups in flight", procs=[b])
+        k, in_flight = wait_until(checkpoint_with_claims, "a checkpoint with groups in flight", 1800,
+                                   procs=[b])
         os.killpg(learner.pid, signal.SIGKILL)
         learner.wait()
         first = learner.stdout.read()
