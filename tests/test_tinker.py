@@ -300,7 +300,14 @@ class Server(ServeProcess):
                                "--tinker-max-rank", "16", "--shutdown-timeout", "1", *extra], api_key=KEY)
 
     def sdk(self):
-        return tinker.ServiceClient(base_url=self.url, api_key="tml-" + KEY)
+        client = tinker.ServiceClient(base_url=self.url, api_key="tml-" + KEY)
+        self.clients = getattr(self, "clients", []) + [client]
+        return client
+
+    def close(self):
+        for client in getattr(self, "clients", []):  # (else their heartbeat threads warn once the server is gone)
+            client.close("success").result(timeout=30)
+        super().close()
 
 
 @pytest.fixture(scope="module")
