@@ -884,12 +884,16 @@ def test_recipe_stopped_and_killed_mid_stage_and_mid_merge_then_rerun(tmp_path):
 
     import yaml
 
+    from helpers import micro_model
+
     run = tmp_path / "run"
     quick = ["eval_every=0", "data.eval=null", "data.seq_len=128", "log_every=1"]
     arith = {"n_train": 8, "n_eval": 2}
+    # (the micro model: every stage inherits the base's config; stages and processes are under test, not layers)
     recipe = {"name": "kill", "run_dir": str(run),
               "base": {"sft_config": "configs/sft/tiny-cpu.yaml",
-                       "overrides": quick + ["steps=20", "checkpoint.every=1"]},  # (stopped in its first steps)
+                       "overrides": quick + ["steps=40", "checkpoint.every=1",  # (stopped in its first steps)
+                                             f"model.config={micro_model(str(tmp_path))}"]},
               "sft": {"config": "configs/sft/tiny-lora-cpu.yaml",
                       "overrides": quick + ["steps=2", "lora.targets=[]", "checkpoint.every=0"]},
               "base_merge": {"recipe": "configs/merge/base-merge-qk-restore.yaml"},
@@ -908,7 +912,7 @@ def test_recipe_stopped_and_killed_mid_stage_and_mid_merge_then_rerun(tmp_path):
     assert "nemo-jax recipe: stopped at stage base" in open(err).read()
     assert not (run / "base").exists() and not (run / "sft-run").exists()
     stopped_at = max(int(n) for n in os.listdir(run / "base-run" / "checkpoints") if n.isdigit())
-    assert 0 < stopped_at < 20
+    assert 0 < stopped_at < 40
     sentinel = tmp_path / "merging"
     merge_hangs = HANG + ("import nemo_jax.merge.engine as e\nfrom nemo_jax.fsutil import atomic_dir\n"
                           "def save(cfg, src, path, **k):\n"
@@ -943,9 +947,11 @@ def test_grpo_killed_in_its_first_compile_and_in_a_save_then_stopped_then_rerun(
     and writes no adapters/; the last rerun completes them."""
     import signal
 
+    from helpers import micro_model
+
     run = tmp_path / "g"
     argv = ["grpo", "--config", "configs/grpo/tiny-cpu.yaml", f"run_dir={run}", "model.init=random",
-            "model.init_sft_config=null", "steps=3", "eval_every=0", "rollout.env=arithmetic",
+            f"model.config={micro_model(str(tmp_path))}", "model.init_sft_config=null", "steps=3", "eval_every=0", "rollout.env=arithmetic",
             "rollout.env_args={n_train: 8, n_eval: 2}", "rollout.group_size=2", "rollout.groups_per_step=1",
             "rollout.max_new_tokens=8", "rollout.seq_len=64", "rollout.publish_every=0", "checkpoint.every=1",
             "logging.tensorboard=false"]
