@@ -29,7 +29,7 @@ import numpy as np
 
 from nemo_jax.extras import require
 from nemo_jax.rl.code_tools import CodeEpisode, call
-from nemo_jax.rl.episode import Observation, Task, last_number
+from nemo_jax.rl.episode import Observation, Task, demonstrate, last_number
 
 COLORS = {"red": (220, 40, 40), "green": (40, 160, 60), "blue": (50, 80, 230)}
 BASE, PX, TOP = 56, 4, 16  # bars style: row of value 0, pixels per unit, row of value 10
@@ -253,16 +253,7 @@ class ChartEnv:
         recs = []
         for task in self.tasks(split)[:n]:
             turns = [f"{task.data['value']:g}"] if rng.random() < direct else self.expert(task)
-            ep = self.episode()
-            try:
-                obs = ep.start(task, f"demo-{task.id}")
-                tools, msgs = obs.tools, [plain(m) for m in obs.messages]
-                for turn in turns:
-                    msgs.append({"role": "assistant", "content": turn})
-                    obs = ep.step(msgs[-1])
-                    msgs += [plain(m) for m in obs.messages]
-            finally:
-                ep.close()
+            obs, msgs, tools = demonstrate(self, task, turns, f"demo-{task.id}", message=plain)
             if not (obs.done and obs.success):
                 raise RuntimeError(f"chart env: the expert failed task {task.id} ({obs.info})")
             recs.append({"messages": msgs, "tools": tools})

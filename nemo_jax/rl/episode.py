@@ -183,6 +183,25 @@ def last_number(text: str) -> float | None:
     return float(found[-1]) if found else None
 
 
+def demonstrate(env, task: Task, turns: list[str], rollout_id: str,
+                message=dict) -> tuple[Observation, list[dict], list[dict] | None]:
+    """Run the assistant `turns` through a real episode of a synchronous environment (closed afterwards) -> (the
+    last observation, the conversation: the task's messages, each turn and the environment's answers, every
+    message passed through `message`; the tool definitions the episode offered). What an expert's demonstrations
+    are made of."""
+    ep = env.episode()
+    try:
+        obs = ep.start(task, rollout_id)
+        tools, msgs = obs.tools, [message(m) for m in obs.messages]
+        for turn in turns:
+            msgs.append({"role": "assistant", "content": turn})
+            obs = ep.step(msgs[-1])
+            msgs += [message(m) for m in obs.messages]
+    finally:
+        ep.close()
+    return obs, msgs, tools
+
+
 def as_environment(env) -> Environment:
     """An environment object of either form -> one with `tasks` and `episode` (the synchronous form wrapped)."""
     if callable(getattr(env, "episode", None)):

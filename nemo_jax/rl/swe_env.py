@@ -50,7 +50,7 @@ import time
 import numpy as np
 
 from nemo_jax.rl.code_tools import CodeEpisode, call
-from nemo_jax.rl.episode import Observation, Task
+from nemo_jax.rl.episode import Observation, Task, demonstrate
 from nemo_jax.sandbox import SandboxSpec, check, open_sandbox
 
 PROTECTED = ("conftest.py", "pytest.ini", "pyproject.toml", "setup.cfg", "tox.ini", "noxfile.py", ".coveragerc",
@@ -436,16 +436,7 @@ class SWEEnv:
         included) -> SFT records {"messages", "tools"}; every one must score 1."""
         recs = []
         for task in self.tasks(split)[:n]:
-            ep = self.episode()
-            try:
-                obs = ep.start(task, f"demo-{task.id}")
-                tools, msgs = obs.tools, list(obs.messages)
-                for turn in self.expert(task):
-                    msgs.append({"role": "assistant", "content": turn})
-                    obs = ep.step(msgs[-1])
-                    msgs += obs.messages
-            finally:
-                ep.close()
+            obs, msgs, tools = demonstrate(self, task, self.expert(task), f"demo-{task.id}")
             if not (obs.done and obs.success and obs.reward == 1.0):
                 raise RuntimeError(f"swe env: the expert failed task {task.id} ({obs.info})")
             recs.append({"messages": msgs, "tools": tools})
