@@ -305,9 +305,11 @@ class Server(ServeProcess):
         return client
 
     def close(self):
-        for client in getattr(self, "clients", []):  # (else their heartbeat threads warn once the server is gone)
-            client.close("success").result(timeout=30)
-        super().close()
+        try:
+            for client in getattr(self, "clients", []):  # (else their heartbeat threads warn once the server is gone)
+                client.close("success").result(timeout=30)
+        finally:
+            super().close()
 
 
 @pytest.fixture(scope="module")
