@@ -13,6 +13,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from helpers import micro_model
 
 from nemo_jax.cli import main as cli_main
 from nemo_jax.config.load import load_config
@@ -23,7 +24,7 @@ from nemo_jax.train.metrics import MetricsLogger, check_logging
 from nemo_jax.train.sft import Trainer
 
 BASE = ["steps=4", "log_every=2", "eval_every=2", "data.batch_size=2", "data.seq_len=64", "checkpoint.every=0",
-        "checkpoint.async_save=false", "optim.warmup_steps=2", "model.config=tiny"]
+        "checkpoint.async_save=false", "optim.warmup_steps=2"]
 # run b trains on a weighted mixture of the two shipped chat files
 MIXTURE = ("data.sources=[{path: 'builtin:tiny_chat/train.jsonl', weight: 3}, "
            "{path: 'builtin:tiny_chat/eval.jsonl', weight: 1}]")
@@ -35,14 +36,16 @@ def runs(tmp_path_factory):
     """Two finished tiny runs: `a` logs to TensorBoard and to an offline W&B run, `b` (other model and data
     seeds) to metrics.jsonl only."""
     root = tmp_path_factory.mktemp("obs")
+    # the tiny model cut to an attention and a MoE layer: what is logged (expert load included), not the layer kinds
+    model = f"model.config={micro_model(root, kinds=('full_attention', 'moe'))}"
     with pytest.MonkeyPatch.context() as mp:
         for k, v in {**WANDB_ENV, "WANDB_DIR": str(root / "wandb_home")}.items():
             mp.setenv(k, v)
-        a = load_config(SFTConfig, None, BASE + [f"run_dir={root / 'a'}", "name=run-a",
+        a = load_config(SFTConfig, None, BASE + [model, f"run_dir={root / 'a'}", "name=run-a",
                                                  "logging.wandb.project=nemo-jax-tests", "logging.wandb.mode=offline"])
         ta = Trainer(a, quiet=True, devices=jax.devices()[:1])
         ta.run()
-        b = load_config(SFTConfig, None, BASE + [f"run_dir={root / 'b'}", "model.seed=1", "data.seed=1",
+        b = load_config(SFTConfig, None, BASE + [model, f"run_dir={root / 'b'}", "model.seed=1", "data.seed=1",
                                                  "logging.tensorboard=false", MIXTURE])
         tb = Trainer(b, quiet=True, devices=jax.devices()[:1])
         # same model, shapes, shardings and optimizer: reuse a's compiled steps (this file tests logging, and
