@@ -102,6 +102,25 @@ def test_expert_earns_full_reward_on_every_held_out_task_through_reused_servers(
     env.close()
 
 
+def test_servers_start_whatever_stderr_was_when_mcp_was_imported(monkeypatch):
+    """The `mcp` client's stdio transport binds `sys.stderr` as it was when `mcp.client.stdio` was imported as every
+    server's stderr. Imported during a test's capture (a buffer without a file descriptor), every later server start
+    failed with "fileno" (a suite-order flake of the held-out test above). The environment names a stderr that has
+    a descriptor, also while `sys.stderr` itself has none."""
+    pytest.importorskip("mcp")
+    import io
+
+    import mcp.client.stdio as stdio
+
+    monkeypatch.setattr(stdio.stdio_client.__wrapped__, "__defaults__", (io.StringIO(),))
+    monkeypatch.setattr("sys.stderr", io.StringIO())
+    env = make_env("mcp", task_args={"n_eval": 4}, max_turns=5)
+    try:
+        assert len(env.demonstrations("eval", n=1)) == 1
+    finally:
+        env.close()
+
+
 def test_episode_cut_during_a_call_does_not_hand_its_server_on():
     """A session whose episode ended inside a tool call (a time limit) is closed, not reused; one that ended
     cleanly goes back to the pool only while it has served fewer than `episodes_per_server` episodes."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import importlib
+import subprocess
 import sys
 import threading
 
@@ -68,6 +69,20 @@ def result_content(res) -> tuple[list | str, bool]:
     return parts, bool(res.is_error)
 
 
+def server_stderr():
+    """Where a server process's stderr goes: this process's `sys.stderr` when it is a file (it has a descriptor),
+    else the interpreter's own stderr. (Not the `mcp` client's default: `sys.stderr` as it was when `mcp.client.stdio`
+    was imported, bound once; a stream without a descriptor then, such as a capture buffer, failed every later
+    server start with "fileno".)"""
+    for stream in (sys.stderr, sys.__stderr__):
+        try:
+            stream.fileno()
+            return stream
+        except (AttributeError, OSError, ValueError):  # (io.UnsupportedOperation is an OSError and a ValueError)
+            continue
+    return subprocess.DEVNULL
+
+
 class ServerSession:
     """One MCP server process and its client session, held by a task on the environment's event loop (the client's
     context is entered and left in that one task); calls reach it through a queue. Every method runs on that
@@ -81,11 +96,12 @@ class ServerSession:
 
     async def _serve(self):
         from mcp import Client
-        from mcp.client.stdio import StdioServerParameters
+        from mcp.client.stdio import StdioServerParameters, stdio_client
 
         cmd = self.command
+        transport = stdio_client(StdioServerParameters(command=cmd[0], args=list(cmd[1:])), errlog=server_stderr())
         try:
-            async with Client(StdioServerParameters(command=cmd[0], args=list(cmd[1:])), mode="legacy") as client:
+            async with Client(transport, mode="legacy") as client:
                 listed = await client.list_tools()
                 if not self._ready.done():  # (a start cancelled while the server came up: no one waits for it)
                     self._ready.set_result([tool_definition(t) for t in listed.tools])
