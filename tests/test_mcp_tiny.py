@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from nemo_jax.rl.envs import Task, make_env
+from nemo_jax.rl.envs import make_env
 from nemo_jax.rl.mcp_tiny_server import FAMILIES, PRICES, call_text, expert, score, tasks
 
 
