@@ -181,6 +181,13 @@ class Process:
     def poll(self):
         return self.popen.poll()
 
+    def wait(self, timeout: float):
+        """Its exit status once it has exited, or None after `timeout` seconds."""
+        try:
+            return self.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
     @property
     def returncode(self):
         return self.popen.returncode

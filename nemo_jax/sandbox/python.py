@@ -114,10 +114,8 @@ class PythonSession:
             return Cell(str(got.get("stdout") or ""), str(got.get("stderr") or ""), got.get("value"),
                         got.get("error"), [base64.b64decode(x) for x in got.get("images") or []][:4],
                         secs=time.monotonic() - t0)
-        rc, end = self.proc.poll(), time.monotonic() + 5
-        while rc is None and got == "died" and time.monotonic() < end:  # (its output closed a moment before it
-            time.sleep(0.02)                                               # exits: read its status, not "a crash")
-            rc = self.proc.poll()
+        # (a dead interpreter's output closes a moment before it exits: wait for its status, not "a crash")
+        rc = self.proc.wait(5) if got == "died" else self.proc.poll()
         if rc is not None and rc > 128:  # (a launcher such as bwrap reports a child's signal N as 128 + N)
             rc = 128 - rc
         self._stop()
