@@ -128,10 +128,6 @@ def _worker(srv, tmp, run, name, *extra):
     return p
 
 
-def _output(p, full=False) -> str:
-    return log_tail(p, None if full else 4000)
-
-
 def _stop(*procs):
     for p in procs:
         if p.poll() is None:
@@ -178,10 +174,10 @@ def test_grpo_fed_by_rollout_workers_trains_on_policy(served):
         if learner.poll() is None:
             learner.kill()
         _stop(*workers)
-    logs = "\n".join(_output(w, full=True) for w in workers)
+    logs = "\n".join(log_tail(w, None) for w in workers)
     assert learner.returncode == 0, out[-3000:] + logs[-4000:]
     for w in workers:
-        assert w.returncode == 0 and "the learner finished the run at step 3" in _output(w), _output(w)
+        assert w.returncode == 0 and "the learner finished the run at step 3" in log_tail(w), log_tail(w)
     recs = [r for r in _records(run) if "mismatch_kl" in r]
     assert [r["step"] for r in recs] == [1, 2, 3], out[-2000:]
     for r in recs:
@@ -257,7 +253,7 @@ def test_killed_worker_loses_its_lease_and_a_restarted_learner_keeps_its_groups(
         learner.wait()
         first = learner.stdout.read()
         restarted = subprocess.run(cmd, env=_env(tmp), capture_output=True, text=True, timeout=1800)
-        assert restarted.returncode == 0, restarted.stdout[-3000:] + restarted.stderr[-3000:] + _output(b)
+        assert restarted.returncode == 0, restarted.stdout[-3000:] + restarted.stderr[-3000:] + log_tail(b)
         assert "resumed at step" in restarted.stdout, restarted.stdout[-2000:]
     finally:
         if learner.poll() is None:
