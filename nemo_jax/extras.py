@@ -8,7 +8,7 @@ import importlib
 # What each extra of pyproject.toml promises: the modules `pip install -c constraints.txt 'nemo_jax[EXTRA]'` makes
 # importable (the extra's packages and the nemo_jax modules that use them). tests/test_extras.py checks that every
 # extra is listed here and that every import of a package outside the core dependencies is one of these, reached
-# through `require`; the venv tier (tools/test_venvs.sh) imports each list in a venv with only that extra.
+# through `require`; the venv tier (tools/tiers/test_venvs.sh) imports each list in a venv with only that extra.
 EXTRA_MODULES = {
     "plot": ("matplotlib.figure", "matplotlib.backends.backend_agg", "nemo_jax.plot"),
     "wandb": ("wandb",),

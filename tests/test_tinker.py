@@ -316,7 +316,7 @@ class Server(ServeProcess):
 def served(tmp_path_factory):
     """The tiny model cut to an attention and an MLP layer (`helpers.micro_model`'s shape: what is tested here does
     not depend on the layer kinds, and its learner compiles ~5x faster than with Mamba and MoE layers; those are
-    exercised by tools/tinker_cookbook.py and bench/tinker.py on the whole tiny model), random fp32 weights, as an
+    exercised by tools/tiers/tinker_cookbook.py and bench/tinker.py on the whole tiny model), random fp32 weights, as an
     HF dir with its tokenizer; served with the Tinker API under ROOT."""
     from nemo_jax.data.chat import resolve
     from nemo_jax.hf.io import save_pretrained

@@ -3,7 +3,7 @@ tokenizer plus the `<img>`, `</img>`, `<image>` tokens of nemotron_h_omni) and t
 generated pictures (one or two coloured shapes on a plain background, several sizes and aspect ratios) with
 questions whose answers need the picture. The eval split is drawn from another seed. Deterministic.
 
-    python tools/make_tiny_vl_assets.py
+    python tools/assets/make_tiny_vl_assets.py
 """
 
 import json
@@ -14,7 +14,7 @@ import shutil
 from PIL import Image, ImageDraw
 from tokenizers import AddedToken, Tokenizer
 
-ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "nemo_jax", "assets")
+ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "nemo_jax", "assets")
 COLORS = {"red": (220, 30, 30), "green": (30, 170, 50), "blue": (40, 70, 220), "yellow": (235, 210, 20),
           "purple": (140, 40, 180), "black": (10, 10, 10)}
 SHAPES = ("circle", "square", "triangle")

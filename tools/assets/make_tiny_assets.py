@@ -6,7 +6,7 @@ import random
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "nemo_jax", "assets")
+ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "nemo_jax", "assets")
 SPECIALS = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 # ChatML; tool definitions (OpenAI function format), when given, listed compactly in a system turn first
 TEMPLATE = ("{%- if tools %}<|im_start|>system\nTools:\n{% for t in tools %}{% set f = t['function'] %}"

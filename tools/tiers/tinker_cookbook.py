@@ -1,7 +1,7 @@
 """tinker-cookbook's recipes, unchanged, against `nemo-jax serve --tinker-root` on the tiny model, offline; then
 every nemo-jax command that reads adapters, over the checkpoints the recipes wrote (docs/tinker.md).
 
-    python tools/tinker_cookbook.py [--work DIR]
+    python tools/tiers/tinker_cookbook.py [--work DIR]
 
 1. A virtual environment of its own (WORK/venv, --system-site-packages: it sees this Python's jax, torch,
    transformers and the pinned `tinker`) with tinker-cookbook 0.6.1 installed offline-friendly: the wheel with
@@ -34,7 +34,7 @@ import subprocess
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 
 COOKBOOK = "tinker-cookbook==0.6.1"

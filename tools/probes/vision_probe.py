@@ -5,7 +5,7 @@ prints the mean norm of the image tokens the language model receives and the scr
 (mean over tokens of |x - mean over screens| / |x|). A tower and projector that still see report tens of percent;
 one collapsed onto a constant vector reports ~1% (docs/grpo.md: the tiny GUI task).
 
-    python tools/vision_probe.py runs/tiny-vl-agent-cpu [--screens 64]
+    python tools/probes/vision_probe.py runs/tiny-vl-agent-cpu [--screens 64]
 """
 
 import argparse

@@ -3,13 +3,13 @@
 # virtual environment, run the whole test suite there, and only when it passes write what is installed, exact
 # versions, to constraints.txt. Review `git diff constraints.txt` and commit it with the code it passed with.
 #
-#   tools/update_constraints.sh                       # from anywhere in the repo; takes as long as the suite
-#   PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu tools/update_constraints.sh   # CPU build of torch
+#   tools/maintenance/update_constraints.sh                       # from anywhere in the repo; takes as long as the suite
+#   PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu tools/maintenance/update_constraints.sh   # CPU build of torch
 #
 # pip options come from the environment (PIP_INDEX_URL, PIP_EXTRA_INDEX_URL, PIP_FIND_LINKS, ...). The venv is
 # made under $TMPDIR and removed at the end (KEEP_VENV=1 keeps it and prints where).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 # every extra the suite or a documented command uses (plan-gpu / plan-tpu: deviceless compiles in the tests)
 EXTRAS=${EXTRAS:-test,serve,worker,mcp,plot,wandb,parquet,plan-gpu,plan-tpu}
 PYTHON=${PYTHON:-python3}

@@ -1,8 +1,8 @@
 """Compare two checkpoints' logits: an HF dir (run in transformers, or in nemo_jax with --ours) vs a native
 nemo_jax model dir (or another HF dir), on given text or token ids.
 
-    python tools/compare_logits.py HF_DIR NATIVE_DIR --text "Hello there" [--tokenizer DIR]
-    python tools/compare_logits.py HF_DIR NATIVE_DIR --ids 1,2,3,4
+    python tools/probes/compare_logits.py HF_DIR NATIVE_DIR --text "Hello there" [--tokenizer DIR]
+    python tools/probes/compare_logits.py HF_DIR NATIVE_DIR --ids 1,2,3,4
 
 Prints max abs diff, mean KL(ref || ours) and top-1 agreement. The reference is transformers' forward when
 torch/transformers are installed (dt clamp on, as transformers does), else nemo_jax on the HF weights.
@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -10,7 +10,7 @@ demonstrations on the two tiny agent environments:
        the RL train split's tasks only (configs/grpo/tiny-vl-mcp.yaml's task_args: the held-out tasks stay
        unseen), each MCP_REPEAT times
 
-    python tools/make_tiny_agent_assets.py
+    python tools/assets/make_tiny_agent_assets.py
 """
 
 import json
@@ -20,7 +20,7 @@ import random
 from nemo_jax.rl.gui_env import GUIEnv
 from nemo_jax.rl.mcp_env import MCPEnv
 
-OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "nemo_jax", "assets", "tiny_vl_agent")
+OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "nemo_jax", "assets", "tiny_vl_agent")
 MCP_TASKS = {"n_eval": 64}  # configs/grpo/tiny-vl-mcp.yaml's task_args
 MCP_REPEAT = 8
 

@@ -3,7 +3,7 @@
 Synchronous REINFORCE-with-baseline on the built-in arithmetic environment, 50/50 mixed with a little
 supervised cross-entropy on the correct answer, to show that losses can be combined per batch:
 
-    python tools/custom_rl_loop.py --ckpt runs/tiny-cpu --steps 20
+    python tools/examples/custom_rl_loop.py --ckpt runs/tiny-cpu --steps 20
 
 (`runs/tiny-cpu` comes from `nemo-jax sft --config configs/sft/tiny-cpu.yaml`.)
 """
