@@ -183,7 +183,7 @@ def test_swe_task_folders(tmp_path):
     obs, _ = play(env, task, [call("apply_patch", patch=half), "done"])
     assert obs[-1].reward == 0.5 and not obs[-1].success  # one of two fail-to-pass, every pass-to-pass
     (d / "task.json").write_text("{")
-    with pytest.raises(ValueError, match=r"task.json: invalid JSON"):
+    with pytest.raises(ValueError, match=r"task.json: not valid JSON"):
         make_env("swe", tasks=str(tmp_path / "tasks"))
 
 

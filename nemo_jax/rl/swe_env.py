@@ -49,6 +49,7 @@ import time
 
 import numpy as np
 
+from nemo_jax.fsutil import read_json
 from nemo_jax.rl.code_tools import CodeEpisode, call
 from nemo_jax.rl.episode import Observation, Task, demonstrate
 from nemo_jax.sandbox import SandboxSpec, check, open_sandbox
@@ -208,13 +209,7 @@ def load_folder_tasks(root: str) -> dict[str, list[Task]]:
         if not os.path.isdir(d):
             continue
         meta = os.path.join(d, "task.json")
-        try:
-            with open(meta) as f:
-                m = json.load(f)
-        except FileNotFoundError:
-            raise ValueError(f"{meta}: missing (every task folder needs task.json)") from None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{meta}: invalid JSON ({e.msg}, line {e.lineno})") from None
+        m = read_json(meta, "missing (every task folder needs task.json)", missing_error=ValueError)
         for k, kind in (("issue", str), ("fail_to_pass", list), ("pass_to_pass", list)):
             if not isinstance(m.get(k), kind):
                 raise ValueError(f"{meta}: field {k!r} must be a {kind.__name__}")
