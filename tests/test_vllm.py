@@ -226,7 +226,7 @@ def test_greedy_completions_and_logprobs_equal_nemo_jax_with_and_without_adapter
     from nemo_jax.lora.adapters import attach
     from nemo_jax.lora.peft import load_peft, save_peft
     from nemo_jax.model import forward
-    from nemo_jax.rl.producer import stop_ids
+    from nemo_jax.rl.transport.producer import stop_ids
     from nemo_jax.sources import load_any
 
     tmp, _, hf = base

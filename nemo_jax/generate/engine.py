@@ -1,24 +1,13 @@
-"""Generation for rollouts: prefill + cached decode for the hybrid model, with behaviour logprobs.
-
-* `prefill` runs left-padded prompts of different lengths through an empty `DecodeState`; padding never
-  touches a Mamba state (dt = 0, conv taps skip it) and is masked out of attention.
-* `decode_step` appends one token per row (static shapes, jitted); finished rows append nothing.
-* `sample_token` draws from softmax(logits / temperature) restricted to the top-k / top-p set and returns
-  the logprob of the drawn token under exactly that (renormalised) distribution. Untruncated sampling at
-  temperature T gives the learner's temperature-scaled logprob, the number importance weights compare to.
-* `generate` ties them together and returns tokens, per-token logprobs and a finish reason per row; its
-  state can be continued with `append` (tool results, the next user turn) without recomputing the prefix.
-* `continuous_generate` serves many sequences through a fixed number of decode rows (continuous batching):
-  a row whose turn ends either continues in place (the caller's next turn appended to it) or is emptied
-  and refilled with the next prompt, prefilled into that row while the other rows keep decoding.
-* LoRA adapters are applied unmerged: pass `adapters` (a tree mirroring the params; see nemo_jax.lora).
+"""Continuous batching: the `Engine` serves many sequences through a fixed number of decode rows. A row whose
+turn ends either continues in place (the caller's next turn fed to it) or is emptied and refilled with the next
+sequence, prefilled into that row while the other rows keep decoding; per-row sampling parameters, seeds,
+pictures and adapters. `continuous_generate` drives one over an iterable of prompts.
 """
 
 from __future__ import annotations
 
 import functools
-import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
@@ -26,499 +15,15 @@ import numpy as np
 
 from nemo_jax.lora import attach
 from nemo_jax.model import model as M
-from nemo_jax.model.cache import (DecodeState, init_decode_state, state_shardings, unstack_shardings,
-                                  unstack_state)
+from nemo_jax.model.cache import (init_decode_state, unstack_state)
 from nemo_jax.model.vision import check_images
-from nemo_jax.model.mamba2 import MambaState
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_new_tokens: int = 64
-    temperature: float = 1.0  # 0 = greedy
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # 1 = off
-    stop_token_ids: tuple[int, ...] = ()
-    seed: int | None = None  # the Engine: a sequence's draws depend only on it (and the tokens), not on its batch
-    # the Engine only (`generate` refuses them), as vLLM applies them, in this order: logit_bias and min_tokens,
-    # then the penalties, then temperature / top-k / top-p (`process_logits`)
-    presence_penalty: float = 0.0  # minus this on every token the turn has sampled
-    frequency_penalty: float = 0.0  # minus this times the times the turn has sampled the token
-    repetition_penalty: float = 1.0  # tokens of the prompt or the turn: logits > 0 divided by it, < 0 multiplied
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit) pairs
-    min_tokens: int = 0  # stop ids (and stop strings) are held off until the turn has this many tokens
-    stop: tuple[str, ...] = ()  # stop strings: the turn ends at the token completing one (the Engine's token_bytes)
-    top_logprobs: int = 0  # the Engine returns this many most likely tokens at each step (TurnEnd.top)
-
-    def __post_init__(self):
-        if not 1 <= self.max_new_tokens < _I32:
-            raise ValueError(f"max_new_tokens must be >= 1 (got {self.max_new_tokens})")
-        if not (0 <= self.temperature < float("inf") and 0 < self.top_p <= 1 and 0 <= self.top_k < _I32):
-            raise ValueError(f"sampling: temperature >= 0, 0 < top_p <= 1, 0 <= top_k < 2^31 (got {self.temperature}, "
-                             f"{self.top_p}, {self.top_k})")
-        bad = [t for t in self.stop_token_ids if not 0 <= t < _I32]
-        if bad:
-            raise ValueError(f"sampling: stop token id {bad[0]} is not in [0, 2^31)")
-        pen = (self.presence_penalty, self.frequency_penalty, self.repetition_penalty)
-        if not all(abs(x) < float("inf") for x in pen) or not self.repetition_penalty > 0:
-            raise ValueError(f"sampling: finite presence / frequency penalties and a repetition penalty > 0 (got {pen})")
-        if any(not 0 <= t < _I32 or not abs(b) < float("inf") for t, b in self.logit_bias):
-            raise ValueError("sampling: logit_bias takes token ids in [0, 2^31) and finite biases")
-        if not 0 <= self.min_tokens <= self.max_new_tokens:
-            raise ValueError(f"sampling: 0 <= min_tokens <= max_new_tokens (got {self.min_tokens}, "
-                             f"{self.max_new_tokens})")
-        if not 0 <= self.top_logprobs <= 1024:
-            raise ValueError(f"sampling: 0 <= top_logprobs <= 1024 (got {self.top_logprobs})")
-        if any(not isinstance(x, str) or not 0 < len(x.encode()) <= MAX_STOP_BYTES for x in self.stop):
-            raise ValueError(f"sampling: stop strings of 1 to {MAX_STOP_BYTES} UTF-8 bytes (got {self.stop!r:.200})")
-
-    @property
-    def processed(self) -> bool:
-        """Does it ask for more than temperature / top-k / top-p (what only the Engine samples)?"""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.min_tokens or self.stop or self.top_logprobs)
-
-
-_I32 = 2 ** 31
-MAX_STOP_BYTES = 256  # the longest stop string the Engine matches in its decode step
-TOP_LOGPROBS = 20  # the Engine's step with extras returns this many alternatives (more when a row asks for more)
-# the least widths of the Engine's per-row arrays (rounded up to powers of two beyond): few compiled shapes
-MIN_WIDTHS = {"stops": 8, "bias": 16, "stop_strings": 4, "stop_bytes": 32, "prompt": 256}
+from nemo_jax.generate.decode import _append, _committed, _keep_sharded, _mesh_of, _rows_on
+from nemo_jax.generate.sampler import TurnEnd
+from nemo_jax.generate.sampling import _pow2, MAX_STOP_BYTES, MIN_WIDTHS, RowSampling, sample_step, SamplingParams, token_table, TOP_LOGPROBS
 
 
 @dataclass
-class Generation:
-    tokens: list[list[int]]  # new tokens per row (up to and including a stop token)
-    logprobs: list[list[float]]  # logprob of each under the distribution it was drawn from
-    finish_reason: list[str]  # "stop" | "length"
-    state: DecodeState  # continue with `append`
-    last_logits: jax.Array  # [b, V] logits after the last appended token
-
-
-# --------------------------------------------------------------------------- sampling
-def sampling_logprobs(logits: jax.Array, temperature: float, top_k: int = 0, top_p: float = 1.0) -> jax.Array:
-    """[..., V] fp32 logits -> log-probabilities of the distribution sampled from (-inf outside the kept set)."""
-    x = logits.astype(jnp.float32) / max(temperature, 1e-6)
-    V = x.shape[-1]
-    if top_k and top_k < V:
-        kth = jax.lax.top_k(x, top_k)[0][..., -1:]
-        x = jnp.where(x >= kth, x, -jnp.inf)
-    if top_p < 1.0:
-        order = jnp.argsort(-x, axis=-1)
-        sorted_x = jnp.take_along_axis(x, order, axis=-1)
-        p = jax.nn.softmax(sorted_x, axis=-1)
-        before = jnp.cumsum(p, axis=-1) - p  # mass strictly before each token
-        keep_sorted = before < top_p
-        keep = jnp.take_along_axis(keep_sorted, jnp.argsort(order, axis=-1), axis=-1)
-        x = jnp.where(keep, x, -jnp.inf)
-    return jax.nn.log_softmax(x, axis=-1)
-
-
-def sample_token(logits: jax.Array, key, sp: SamplingParams):
-    """logits [b, V] -> (token [b] int32, logprob [b] fp32)."""
-    if sp.temperature == 0.0:
-        tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-        return tok, jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0]
-    lp = sampling_logprobs(logits, sp.temperature, sp.top_k, sp.top_p)
-    tok = _inverse_cdf_draw(key, lp)
-    return tok, jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0]
-
-
-def _inverse_cdf_draw(key, lp: jax.Array) -> jax.Array:
-    """One draw per row from exp(lp) [b, V] by inverting its CDF with one uniform per row: the same
-    distribution as `jax.random.categorical` (Gumbel-max), which draws b x V random numbers, a quarter of a
-    decode step on CPU at V = 8k. Zero-probability tokens own empty CDF intervals and are never drawn."""
-    return _draw(jax.random.uniform(key, (lp.shape[0], 1), jnp.float32), lp)
-
-
-def _draw(u: jax.Array, lp: jax.Array) -> jax.Array:
-    """`_inverse_cdf_draw` with the uniforms u [b, 1] in [0, 1) given."""
-    p = jnp.exp(lp - jnp.max(lp, axis=-1, keepdims=True))
-    cdf = jnp.cumsum(p, axis=-1)
-    u = u * cdf[:, -1:]
-    last = lp.shape[-1] - 1 - jnp.argmax((p > 0)[:, ::-1], axis=-1)  # rounding never reaches past it
-    return jnp.minimum(jnp.sum(cdf <= u, axis=-1), last).astype(jnp.int32)
-
-
-def row_sampling_logprobs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, *,
-                          k_max: int = 0, nucleus: bool = False) -> jax.Array:
-    """`sampling_logprobs` with per-row parameters: logits [b, V], temperature / top_k / top_p [b] (a row with
-    temperature 0 is greedy: its distribution is the untempered one, as `sample_token` gives). Static `k_max` >=
-    every row's top_k (0: no row truncates to its top k; >= V: any top k, read off the sort the nucleus uses) and
-    `nucleus` (some row has top_p < 1) leave the truncations out of the compiled step when no row asks for them."""
-    t = jnp.where(temperature > 0, temperature, 1.0).astype(jnp.float32)
-    x = logits.astype(jnp.float32) / t[:, None]
-    V = x.shape[-1]
-    order = sorted_x = None
-    if nucleus or k_max >= V:  # one sort serves both truncations (k_max >= V: any row's top k, read off it)
-        order = jnp.argsort(-x, axis=-1)
-        sorted_x = jnp.take_along_axis(x, order, axis=-1)
-    if k_max:
-        top = sorted_x if k_max >= V else jax.lax.top_k(x, k_max)[0]
-        kth = jnp.take_along_axis(top, jnp.clip(top_k - 1, 0, min(k_max, V) - 1)[:, None], axis=-1)
-        cut = (top_k[:, None] > 0)
-        x = jnp.where(cut & (x < kth), -jnp.inf, x)
-        if sorted_x is not None:  # (the same order: the cut entries are the sorted tail)
-            sorted_x = jnp.where(cut & (sorted_x < kth), -jnp.inf, sorted_x)
-    if nucleus:
-        p = jax.nn.softmax(sorted_x, axis=-1)
-        before = jnp.cumsum(p, axis=-1) - p  # mass strictly before each token
-        keep_sorted = (before < top_p[:, None]) | (top_p[:, None] >= 1.0)
-        keep = jnp.take_along_axis(keep_sorted, jnp.argsort(order, axis=-1), axis=-1)
-        x = jnp.where(keep, x, -jnp.inf)
-    return jax.nn.log_softmax(x, axis=-1)
-
-
-def sample_rows(logits: jax.Array, u: jax.Array, temperature, top_k, top_p, *, k_max: int = 0,
-                nucleus: bool = False):
-    """One token per row with per-row parameters (`row_sampling_logprobs`) and per-row uniforms u [b] ->
-    (token [b] int32, its logprob [b] under the distribution drawn from; greedy rows: argmax)."""
-    lp = row_sampling_logprobs(logits, temperature, top_k, top_p, k_max=k_max, nucleus=nucleus)
-    tok = jnp.where(temperature > 0, _draw(u[:, None], lp), jnp.argmax(logits, axis=-1).astype(jnp.int32))
-    return tok, jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0]
-
-
-# --------------------------------------------------------------------------- the Engine's sampling in the loop
-@dataclass(frozen=True)
-class RowSampling:
-    """What the rows sampling now ask for: the static shape of the Engine's decode step (each combination compiles
-    once; rows asking for none of the extras sample exactly as `sample_rows`)."""
-    k_max: int = 0  # >= every row's top_k (0: no row truncates to its top k)
-    nucleus: bool = False  # some row has top_p < 1
-    adjust: bool = False  # some row has penalties, a logit_bias or min_tokens (one variant for the three: few
-    # compiled steps; rows without them carry neutral values)
-    top_n: int = 0  # alternatives returned per row and step (>= every row's top_logprobs)
-    stop_strings: bool = False  # some row has stop strings
-
-
-def process_logits(logits: jax.Array, rows: dict, how: RowSampling) -> jax.Array:
-    """logits [b, V] -> the logits each row samples from before temperature, top-k and top-p, built as vLLM's
-    sampler builds them: `bias` [b, B] added at `bias_ids` [b, B] (ids >= V pad); the row's stop ids `stops` [b, S]
-    (-1 pads) at -inf while its turn has fewer than `min_tokens` [b] tokens (`count` - `turn0`); then the
-    repetition penalty on tokens of the prompt (`seen` [b, V]) or of the turn (`counts` [b, V] > 0): logits > 0
-    divided by it, the others multiplied; then minus `frequency` x counts and `presence` x (counts > 0).
-    Unless `how.adjust` the logits come back untouched."""
-    if not how.adjust:
-        return logits
-    x = logits.astype(jnp.float32)
-    b, V = x.shape
-    r = jnp.arange(b)[:, None]
-    x = x.at[r, rows["bias_ids"]].add(rows["bias"], mode="drop")
-    held = (rows["count"] - rows["turn0"] < rows["min_tokens"])[:, None] & (rows["stops"] >= 0)
-    x = x.at[r, jnp.where(held, rows["stops"], V)].set(-jnp.inf, mode="drop")
-    counts = rows["counts"]
-    out = counts > 0
-    rep = jnp.where(rows["seen"] | out, rows["repetition"][:, None], 1.0)
-    x = jnp.where(x > 0, x / rep, x * rep)
-    return x - rows["frequency"][:, None] * counts - rows["presence"][:, None] * out
-
-
-def stop_string_hits(tail: jax.Array, new: jax.Array, n: jax.Array, stop_bytes: jax.Array, stop_lens: jax.Array):
-    """Stop strings matched on the bytes of each row's turn text, across token boundaries.
-
-    tail [b, T]: the last T bytes of the text so far (-1 where there is none); new [b, L]: the sampled token's
-    bytes, the first n [b] of them valid; stop_bytes [b, S, W] (W <= T): each stop string's UTF-8 bytes
-    right-aligned, stop_lens [b, S] their lengths (0: no string). -> (hit [b]: a stop string ends inside the new
-    bytes, the new tail [b, T]). Stop strings that ended earlier were seen then: only matches ending in the new
-    bytes count."""
-    b, T = tail.shape
-    L, W = new.shape[1], stop_bytes.shape[-1]
-    at = jnp.arange(L)
-    new = jnp.where(at[None] < n[:, None], new.astype(jnp.int32), -1)
-    cat = jnp.concatenate([tail, new], axis=1)  # [b, T + L]: the tail, the n new bytes, padding
-    src = jnp.arange(T + L)[None] - (L - n)[:, None]  # right-aligned: the last new byte at T + L - 1
-    out = jnp.where(src >= 0, jnp.take_along_axis(cat, jnp.maximum(src, 0), axis=1), -1)
-    ends = T + L - at  # [L] the match ending after the k-th last byte (valid for k < n)
-    win = out[:, ends[:, None] - W + jnp.arange(W)[None, :]]  # [b, L, W]
-    mine = jnp.arange(W)[None, None] >= W - stop_lens[..., None]  # [b, S, W] the string's own bytes
-    eq = (win[:, None] == stop_bytes[:, :, None, :]) | ~mine[:, :, None, :]  # [b, S, L, W]
-    ok = jnp.all(eq, axis=-1) & (stop_lens[..., None] > 0) & (at[None, None] < n[:, None, None])
-    return jnp.any(ok, axis=(1, 2)), out[:, L:]
-
-
-def token_table(token_bytes, vocab_size: int, width: int = 128) -> tuple[np.ndarray, np.ndarray]:
-    """Each token's text as bytes (ids beyond the list: none) -> (bytes [V, L] uint8, lengths [V] int32), L the
-    longest token's length rounded up to a power of 2 (at most `width`: a longer token keeps its last L bytes)."""
-    longest = max((len(x) for x in token_bytes), default=1)
-    L = min(_pow2(max(longest, 1)), width)
-    tb, tl = np.zeros((vocab_size, L), np.uint8), np.zeros(vocab_size, np.int32)
-    for i, x in enumerate(token_bytes[:vocab_size]):
-        x = x[-L:]
-        tb[i, :len(x)] = np.frombuffer(x, np.uint8)
-        tl[i] = len(x)
-    return tb, tl
-
-
-def sample_step(logits: jax.Array, u: jax.Array, rows: dict, hist: dict, tables: dict, active: jax.Array,
-                how: RowSampling):
-    """The Engine's sampling of one decode step: `process_logits`, then one token per row from its
-    temperature / top-k / top-p distribution (`sample_rows`; greedy rows: the argmax of the processed logits).
-    `hist`: the rows' running arrays (`counts` [b, V] of the turn's tokens and `seen` [b, V] prompt tokens for the
-    penalties, `tail` [b, T] for stop strings); `tables`: the token byte table (`token_table`) for stop strings.
-    -> (token [b], its logprob [b], stop-string hit [b], updated hist, top (ids, logprobs) [b, top_n] or None)."""
-    b = logits.shape[0]
-    rows = {**rows, **hist}
-    x = process_logits(logits, rows, how)
-    lp = row_sampling_logprobs(x, rows["temperature"], rows["top_k"], rows["top_p"], k_max=how.k_max,
-                               nucleus=how.nucleus)
-    tok = jnp.where(rows["temperature"] > 0, _draw(u[:, None], lp), jnp.argmax(x, axis=-1).astype(jnp.int32))
-    hist = dict(hist)
-    if how.adjust:
-        hist["counts"] = hist["counts"].at[jnp.arange(b), tok].add(active.astype(jnp.int32))
-    hit = jnp.zeros((b,), bool)
-    if how.stop_strings:
-        new, n = tables["bytes"][tok], tables["lens"][tok]
-        hit, tail = stop_string_hits(hist["tail"], new, n, rows["stop_bytes"], rows["stop_lens"])
-        if how.adjust:  # (vLLM: stop strings count once the turn has more than min_tokens tokens)
-            hit = hit & (rows["count"] - rows["turn0"] + 1 > rows["min_tokens"])
-        hist["tail"] = jnp.where(active[:, None], tail, hist["tail"])
-    top = None
-    if how.top_n:
-        vals, ids = jax.lax.top_k(lp, how.top_n)
-        top = (ids, vals)
-    return tok, jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0], hit & active, hist, top
-
-
-# --------------------------------------------------------------------------- prefill / decode
-def left_pad(rows: list[list[int]], pad_id: int = 0, length: int | None = None):
-    n = max(1, max(len(r) for r in rows)) if length is None else length
-    toks = np.full((len(rows), n), pad_id, np.int32)
-    valid = np.zeros((len(rows), n), bool)
-    for i, r in enumerate(rows):
-        if len(r) > n:
-            raise ValueError(f"row {i} has {len(r)} tokens, more than {n}")
-        if len(r):
-            toks[i, n - len(r):] = r
-            valid[i, n - len(r):] = True
-    return jnp.asarray(toks), jnp.asarray(valid)
-
-
-def _mesh_of(tree):
-    """The Mesh of the first NamedSharding leaf of `tree`, or None (unsharded / single device)."""
-    for x in jax.tree.leaves(tree):
-        sh = getattr(x, "sharding", None)
-        if isinstance(sh, jax.sharding.NamedSharding) and sh.mesh.size > 1:
-            return sh.mesh
-    return None
-
-
-def _keep_sharded(state: DecodeState, cfg, mesh) -> DecodeState:
-    """Constrain a state (inside jit) to its `state_shardings` (held per layer: `unstack_shardings`), so the donated
-    buffers are reused in place."""
-    if mesh is None:
-        return state
-    per_layer = state.row_axis == 0
-    kv = state.kv[0] if per_layer and state.kv else state.kv
-    sh = state_shardings(cfg, state.valid.shape[0], state.valid.shape[1], mesh,
-                         dtype=kv.k.dtype if kv is not None else jnp.float32)
-    return jax.lax.with_sharding_constraint(state, unstack_shardings(sh, cfg) if per_layer else sh)
-
-
-def _committed(tree):
-    """`tree`'s arrays committed to the default device. A jitted function's outputs are committed and its compiled
-    programs are keyed by their arguments' placement: the Engine commits what it makes too, so that a first call
-    (made arrays) and the later ones (outputs) share one compiled program."""
-    return jax.device_put(tree, jax.config.jax_default_device or jax.devices()[0])
-
-
-def _rows_on(x, mesh):
-    """Put a [b, ...] host array on `mesh` with its rows over the batch axes (without a mesh: committed to the
-    default device, see `_committed`)."""
-    if mesh is None:
-        return _committed(x)
-    from nemo_jax.parallel.rules import Rules
-
-    return jax.device_put(x, Rules().sharding(mesh, ("batch",) + (None,) * (x.ndim - 1), x.shape))
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "opts", "mesh"), donate_argnames=("state",))
-def _append(params, tokens, valid, state, cfg, opts, mesh=None, images=None):
-    """-> (logits [b, V] at the chunk's last position, new state). `state` is donated (updated in place).
-    `images`: the chunk's per-row image batch (`nemo_jax.model.vision.pack_inputs`)."""
-    logits, state = M.forward_cached(params, tokens, valid, state, cfg, opts=opts, positions="last", images=images)
-    return logits[:, 0], _keep_sharded(state, cfg, mesh)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "opts", "mesh"), donate_argnames=("state",))
-def _append_at(params, tokens, valid, state, positions, cfg, opts, mesh=None, images=None):
-    """-> (logits [b, n, V] at chunk positions [b, n], new state). `state` is donated."""
-    logits, state = M.forward_cached(params, tokens, valid, state, cfg, opts=opts, positions=positions,
-                                     images=images)
-    return logits, _keep_sharded(state, cfg, mesh)
-
-
-def _padded_positions(rows: list[list[int]], width: int, positions) -> jax.Array:
-    """positions[i] index row i's own tokens; -> [b, n] indices into the left-padded [b, width] chunk."""
-    pos = np.asarray(positions, np.int32)
-    if pos.ndim != 2 or pos.shape[0] != len(rows):
-        raise ValueError(f"positions must be [{len(rows)}, n], got shape {pos.shape}")
-    for i, r in enumerate(rows):
-        if pos.shape[1] and (pos[i].min() < 0 or pos[i].max() >= len(r)):
-            raise ValueError(f"positions of row {i} must lie in [0, {len(r)})")
-    return jnp.asarray(pos + (width - np.asarray([len(r) for r in rows], np.int32))[:, None])
-
-
-def _run_chunk(params, rows, state, cfg, opts, positions, pad_id, width=None, images=None):
-    mesh = _mesh_of(params)
-    toks, valid = left_pad(rows, pad_id, width)
-    toks, valid = _rows_on(toks, mesh), _rows_on(valid, mesh)
-    if images is not None:
-        check_images(images, cfg)
-        images = {k: _rows_on(jnp.asarray(v), mesh) for k, v in images.items()}
-    if positions is None:
-        return _append(params, toks, valid, state, cfg, opts, mesh, images)
-    at = _rows_on(_padded_positions(rows, toks.shape[1], positions), mesh)
-    return _append_at(params, toks, valid, state, at, cfg, opts, mesh, images)
-
-
-def prefill(params, prompts: list[list[int]], cfg, max_len: int, *, opts: M.Options = M.Options(),
-            adapters=None, pad_id: int = 0, positions=None, width: int | None = None, images: dict | None = None):
-    """Left-pad prompts (to `width` tokens, default the longest prompt), run them through an empty state of
-    capacity `max_len`.
-
-    -> (last logits [b, V], state); with `positions` ([b, n], indices into each prompt's own tokens, e.g. to
-    score a given continuation) -> (logits [b, n, V] there, state). The lm_head runs only at those positions.
-    On sharded params the state is created in its `state_shardings` on their mesh.
-    `images`: the prompts' images as a per-row image batch (`prompt_images`, or `vision.pack_inputs` of
-    transformers-style pixel_values / image_grid_hw); decoding afterwards is unchanged.
-    """
-    if any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt needs at least one token")
-    n = max(len(p) for p in prompts) if width is None else width
-    if n > max_len:
-        raise ValueError(f"prompt length {n} exceeds max_len {max_len}")
-    p = attach(params, adapters)
-    state = init_decode_state(cfg, len(prompts), max_len, opts.dtype, mesh=_mesh_of(p))
-    return _run_chunk(p, prompts, state, cfg, opts, positions, pad_id, n, images)
-
-
-def prompt_images(tok, cfg, prompt: str, images: list[str], *, chat_template: bool = True):
-    """A user prompt with pictures (paths or data URLs, shown before the text, as the data's image parts) ->
-    (token ids with each picture's placeholder tokens, its per-row image batch [1, ...] for `prefill`)."""
-    from nemo_jax.data.chat import Document, read_image_parts, content_text
-    from nemo_jax.data.images import load_image, preprocess, widen_image_tokens
-    from nemo_jax.model.vision import pack_inputs
-
-    if cfg.vision is None:
-        raise ValueError("--image: the model has no vision tower (not a nemotron_h_omni model)")
-    refs: list[str] = []
-    content = content_text([{"type": "image", "path": x} for x in images] + [{"type": "text", "text": prompt}],
-                            "prompt", refs)
-    text = tok.render([{"role": "user", "content": content}], add_generation_prompt=True) if chat_template else content
-    ids = np.asarray(tok.tokenizer.encode(text, add_special_tokens=False).ids, np.int32)
-    refs, hw = read_image_parts(refs, ids, tok, os.getcwd())
-    v = cfg.vision
-    doc = widen_image_tokens(v, Document(ids, np.zeros(len(ids), bool), 0, refs, hw))
-    pix, grid = preprocess([load_image(r) for r in refs], v)
-    return doc.ids.tolist(), pack_inputs(v, doc.ids[None], pix, grid)
-
-
-def append(params, state: DecodeState, rows: list[list[int]], cfg, *, opts: M.Options = M.Options(), adapters=None,
-           pad_id: int = 0, positions=None):
-    """Continue a decode state with more tokens per row (rows may differ in length; empty rows add nothing).
-
-    `state` is donated: it is updated in place and must not be used afterwards (use the returned one).
-    -> (last logits [b, V], state), or with `positions` [b, n] (into each row's new tokens) logits [b, n, V]."""
-    n = max(1, max(len(r) for r in rows))
-    used = max((int(p) for p, r in zip(np.asarray(state.pos), rows) if r), default=0)
-    if used + n > state.max_len:
-        raise ValueError(f"state holds {state.max_len} positions per row; {used} used, {n} more asked")
-    return _run_chunk(attach(params, adapters), rows, state, cfg, opts, positions, pad_id)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "opts", "sp", "mesh"), donate_argnames=("state",))
-def _decode_and_sample(params, logits, state, done, key, cfg, opts, sp, mesh=None):
-    tok, lp = sample_token(logits, key, sp)
-    stop = jnp.isin(tok, jnp.asarray(sp.stop_token_ids, jnp.int32)) if sp.stop_token_ids else jnp.zeros_like(done)
-    new_logits, state = M.forward_cached(params, tok[:, None], (~done)[:, None], state, cfg, opts=opts,
-                                         positions="last")
-    return tok, lp, stop, new_logits[:, 0], _keep_sharded(state, cfg, mesh)
-
-
-def decode_step(params, token, state, cfg, *, opts: M.Options = M.Options(), active=None):
-    """Append one token per row ([b]); rows with active=False append nothing. `state` is donated.
-    -> (logits [b, V], state)."""
-    active = jnp.ones(token.shape, bool) if active is None else active
-    return _append(params, token[:, None], active[:, None], state, cfg, opts, _mesh_of(params))
-
-
-def generate(params, prompts: list[list[int]], cfg, sp: SamplingParams = SamplingParams(), *, key=None,
-             opts: M.Options = M.Options(), adapters=None, state: DecodeState | None = None, last_logits=None,
-             max_len: int | None = None, on_token=None, bucket: int = 1, images: dict | None = None) -> Generation:
-    """Sample continuations. With `state` (+ `last_logits`) continue it instead of prefilling `prompts`
-    (the state is donated: use `Generation.state` afterwards). `bucket`: prompts are left-padded to a multiple
-    of it, so batches of prompts of varied lengths reuse a few compiled shapes (a sampler serving many requests
-    passes e.g. 32). On sharded params (a mesh) the decode state is
-    sharded too (rows over the batch axes, KV heads over `tensor`) and every step updates it in place.
-
-    on_token(step, tokens [b], done [b]) is called as tokens come (for streaming). `images`: the prompts'
-    pictures (see `prefill`).
-    """
-    if sp.processed:
-        raise ValueError("generate: penalties, logit_bias, min_tokens, stop strings and top_logprobs are sampled by "
-                         "the Engine (continuous_generate, nemo-jax serve)")
-    key = jax.random.key(0) if key is None else key
-    p = attach(params, adapters)
-    mesh = _mesh_of(p)
-    if state is None:
-        width = -(-max(len(x) for x in prompts) // bucket) * bucket
-        max_len = max_len or (width + sp.max_new_tokens)
-        last_logits, state = prefill(p, prompts, cfg, max_len, opts=opts, width=width, images=images)
-    elif last_logits is None:
-        raise ValueError("continuing a state needs its last_logits")
-    b = last_logits.shape[0]
-    used = int(np.max(np.asarray(state.pos)))
-    if used + sp.max_new_tokens > state.max_len:
-        raise ValueError(f"max_new_tokens={sp.max_new_tokens} does not fit the state ({state.max_len} positions per "
-                         f"row, {used} used)")
-    # derived from last_logits (not a fresh host array): placed as the step's own outputs are, so the loop's
-    # first call and the later ones share one compiled program
-    done = jnp.zeros_like(last_logits[:, 0], bool)
-    step_sp = replace(sp, max_new_tokens=1, seed=None)  # what the step reads: one program for every budget
-    toks, lps, stops = [], [], []
-    for i in range(sp.max_new_tokens):
-        key, sub = jax.random.split(key)
-        tok, lp, stop, last_logits, state = _decode_and_sample(p, last_logits, state, done, sub, cfg, opts, step_sp,
-                                                               mesh)
-        toks.append(tok)
-        lps.append(lp)
-        stops.append(stop & ~done)
-        if on_token is not None:
-            on_token(i, tok, done)
-        done = done | stop
-        if i % 8 == 7 and bool(jnp.all(done)):
-            break
-    T = np.asarray(jnp.stack(toks, 1))
-    L = np.asarray(jnp.stack(lps, 1))
-    S = np.asarray(jnp.stack(stops, 1))
-    out_t, out_l, reasons = [], [], []
-    for r in range(b):
-        hit = np.nonzero(S[r])[0]
-        n = int(hit[0]) + 1 if len(hit) else T.shape[1]
-        out_t.append(T[r, :n].tolist())
-        out_l.append(L[r, :n].tolist())
-        reasons.append("stop" if len(hit) else "length")
-    return Generation(out_t, out_l, reasons, state, last_logits)
-
-
-# --------------------------------------------------------------------------- continuous batching: the engine
-@dataclass
-class TurnEnd:
-    """A sampled turn of an `Engine` sequence. The sequence is parked after it: `feed` or `release` it."""
-    seq_id: int
-    tokens: list[int]
-    logprobs: list[float]  # of each token under the distribution it was drawn from
-    finish_reason: str  # "stop" (a stop token, the last of `tokens`, or a stop string) | "length" (max_new_tokens)
-    version: int  # the adapter version that sampled it (the oldest, when `set_adapters` came mid-turn)
-    tag: object = None  # what `submit` was given
-    versions: tuple[int, ...] = ()  # every adapter version that sampled a token of the turn
-    top: list | None = None  # sp.top_logprobs > 0: per token [(id, logprob), ...], the most likely first
-    stop: str | None = None  # the stop string that ended the turn (finish_reason "stop"), if one did
-
-
-@dataclass
-class _Seq:
+class _Sequence:
     id: int
     sp: SamplingParams
     tag: object
@@ -543,10 +48,6 @@ def chunk_rows(n: int, batch: int) -> int:
     while k < n:
         k *= 4
     return min(k, batch)
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
 
 
 def chunk_images(v, rows_pics: list[list]) -> dict | None:
@@ -771,7 +272,7 @@ class Engine:
         key = jax.random.key(0) if key is None else key
         self._rng = np.random.default_rng(np.asarray(jax.random.key_data(key)).ravel().tolist())
         self._lock = threading.RLock()
-        self._seqs: dict[int, _Seq] = {}
+        self._seqs: dict[int, _Sequence] = {}
         self._queue: deque[int] = deque()
         self._fed: list[int] = []  # parked sequences with a continuation to append
         self._stopped: set[int] = set()  # rows released mid-turn
@@ -832,7 +333,7 @@ class Engine:
             self._next_id += 1
             seed = sp.seed if sp.seed is not None else int(self._rng.integers(2 ** 32))
             key = np.asarray(jax.random.key_data(jax.random.key(seed & 0xFFFFFFFF)))
-            self._seqs[sid] = _Seq(sid, sp, tag, key, new=tokens, new_pics=pics)
+            self._seqs[sid] = _Sequence(sid, sp, tag, key, new=tokens, new_pics=pics)
             self._queue.append(sid)
         return sid
 
@@ -931,9 +432,19 @@ class Engine:
             self._admit_locked()
 
     def _admit_locked(self) -> None:
-        b, rnd = self.batch, lambda n: -(-n // self.bucket) * self.bucket
         stopped, self._stopped = self._stopped, set()
-        plan: dict[int, tuple[_Seq, bool]] = {}  # row -> (sequence, whole: prefilled from position 0)
+        fresh, feed, width = self._choose_rows()
+        stopped -= set(fresh) | set(feed)  # (a row refilled now decodes its new sequence)
+        if fresh or feed or stopped:
+            self._prefill_chunk(fresh, feed, width, stopped)
+
+    def _choose_rows(self) -> tuple[dict, dict, int]:
+        """The sequences this step's chunk prefills -> (fresh {row: sequence} prefilled from position 0: new ones in
+        free rows and continuations that no longer fit their row; fed {row: sequence} continued in place; the
+        chunk's width in tokens). Sequences that do not fit wait: a new one back at the head of the queue, a
+        continuation pending in its row."""
+        b, rnd = self.batch, lambda n: -(-n // self.bucket) * self.bucket
+        plan: dict[int, tuple[_Sequence, bool]] = {}  # row -> (sequence, whole: prefilled from position 0)
         for r in range(b):
             if self.rows[r] is None and self._queue:
                 s = self._seqs[self._queue.popleft()]
@@ -961,14 +472,17 @@ class Engine:
                 else:  # a new sequence: back to the head of the queue, its row free again
                     s.row, self.rows[r] = None, None
                     self._queue.appendleft(s.id)
-        stopped -= set(plan)  # (a row refilled now decodes its new sequence)
         fresh = {r: s for r, (s, w) in plan.items() if w}
         feed = {r: s for r, (s, w) in plan.items() if not w}
         for s in fresh.values():
             s.new, s.new_pics, s.held, s.pics = s.held + s.new, s.pics + s.new_pics, [], []
+        return fresh, feed, width
+
+    def _prefill_chunk(self, fresh: dict, feed: dict, width: int, stopped: set) -> None:
+        """Prefill the chosen rows' tokens (`_choose_rows`) as one chunk of `width` tokens, left-padded, `bucket`
+        tokens at a time (fresh rows emptied first); they then decode. Rows `stopped` (released mid-turn) stop."""
+        b, rnd = self.batch, lambda n: -(-n // self.bucket) * self.bucket
         chunk = {**feed, **fresh}
-        if not chunk and not stopped:
-            return
         mesh, p, version = self.mesh, self._p, self.version
         onb = lambda rows: _rows_on(jnp.asarray(np.isin(np.arange(b), list(rows))), mesh)  # noqa: E731
         new_logits = self._logits
@@ -1016,7 +530,7 @@ class Engine:
                                                             onb(stopped))
         self._upload_rows(set(chunk))
 
-    def _seqs_row(self, r: int) -> _Seq:
+    def _seqs_row(self, r: int) -> _Sequence:
         return self._seqs[self.rows[r]]
 
     def _upload_rows(self, started: set[int]) -> None:
@@ -1096,7 +610,7 @@ class Engine:
         return RowSampling(k_max=V, nucleus=True, adjust=True, top_n=min(_pow2(top), V),
                            stop_strings=self._token_bytes is not None)
 
-    def _stop_string(self, s: _Seq) -> str | None:
+    def _stop_string(self, s: _Sequence) -> str | None:
         """The stop string a turn that ended on a stop-string hit ends with (the one completed earliest)."""
         text = b"".join(self._token_bytes[t] if t < len(self._token_bytes) else b"" for t in s.turn_t)
         last = len(self._token_bytes[s.turn_t[-1]]) if s.turn_t and s.turn_t[-1] < len(self._token_bytes) else 0
@@ -1240,51 +754,3 @@ def continuous_generate(params, prompts, cfg, sp: SamplingParams, *, batch: int,
                 eng.release(end.seq_id)
                 del live[end.seq_id]
                 yield f
-
-
-# --------------------------------------------------------------------------- CLI
-def cli_generate(a):
-    import sys
-
-    from nemo_jax.data.chat import ChatTokenizer
-
-    mesh = None
-    if getattr(a, "mesh", None):
-        from nemo_jax.parallel.mesh import make_mesh, read_mesh_sizes
-
-        sizes = read_mesh_sizes(a.mesh)
-        mesh = make_mesh(sizes, devices_per_node=sizes.pop("devices_per_node", 0))
-    cfg, params, tok_dir = load_for_generation(a.ckpt, mesh=mesh, dtype=jnp.float32)
-    tok = ChatTokenizer.load(a.tokenizer or tok_dir)
-    images = None
-    if a.image:
-        ids, images = prompt_images(tok, cfg, a.prompt, a.image, chat_template=not a.no_chat_template)
-    else:
-        text = a.prompt if a.no_chat_template else tok.render([{"role": "user", "content": a.prompt}],
-                                                              add_generation_prompt=True)
-        ids = tok.tokenizer.encode(text, add_special_tokens=False).ids
-    stop = tuple(sorted({*cfg.eos_ids, *tok.eos_ids()}))
-    sp = SamplingParams(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
-                        stop_token_ids=stop)
-    printed: list[int] = []
-    shown = [""]
-
-    def on_token(i, t, done):
-        if bool(done[0]):
-            return
-        printed.append(int(t[0]))
-        s = tok.tokenizer.decode(printed, skip_special_tokens=True)
-        sys.stdout.write(s[len(shown[0]):])
-        sys.stdout.flush()
-        shown[0] = s
-
-    # the mesh in the options too: the kernels run per device inside shard_map (GSPMD does not partition them)
-    opts = M.Options(kernels=getattr(a, "kernels", "auto"), mesh=mesh if mesh is not None and mesh.size > 1 else None)
-    g = generate(params, [ids], cfg, sp, key=jax.random.key(a.seed), opts=opts, on_token=on_token, images=images)
-    sys.stdout.write("\n")
-    print(f"[{len(g.tokens[0])} tokens, finish: {g.finish_reason[0]}, "
-          f"mean logprob {np.mean(g.logprobs[0]) if g.logprobs[0] else 0.0:.3f}]", file=sys.stderr)
-
-
-# A model from any path (native, HF, run dir, RUN/checkpoints/N): one resolver for every command.
-from nemo_jax.sources import load_for_generation, restore_run_params  # noqa: E402,F401

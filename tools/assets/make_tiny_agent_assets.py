@@ -2,10 +2,10 @@
 demonstrations on the two tiny agent environments:
 
   gui  screenshots of generated windows -> `click X,Y` / `type TEXT` / `key NAME` actions, each answered by the
-       next screenshot (nemo_jax.rl.gui_env; other screens than the RL tasks: seeds 100 and 101; pictures as PNG
+       next screenshot (nemo_jax.rl.envs.gui; other screens than the RL tasks: seeds 100 and 101; pictures as PNG
        data URLs inside the JSONL): 3,072 one-button `click` screens (the grounding the GUI expert's RL starts
        from) and 1,024 `form` episodes (click the box, type the word, press Enter)
-  mcp  the tiny MCP shop (nemo_jax.rl.mcp_tiny_server: price, total and pair questions) answered with its tools,
+  mcp  the tiny MCP shop (nemo_jax.rl.envs.mcp_tiny_server: price, total and pair questions) answered with its tools,
        run through real episodes of the `mcp` environment (the tool definitions and answers are the server's own):
        the RL train split's tasks only (configs/grpo/tiny-vl-mcp.yaml's task_args: the held-out tasks stay
        unseen), each MCP_REPEAT times
@@ -17,8 +17,8 @@ import json
 import os
 import random
 
-from nemo_jax.rl.gui_env import GUIEnv
-from nemo_jax.rl.mcp_env import MCPEnv
+from nemo_jax.rl.envs.gui import GUIEnv
+from nemo_jax.rl.envs.mcp import MCPEnv
 
 OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "nemo_jax", "assets", "tiny_vl_agent")
 MCP_TASKS = {"n_eval": 64}  # configs/grpo/tiny-vl-mcp.yaml's task_args

@@ -14,8 +14,8 @@ import json
 import os
 import random
 
-from nemo_jax.rl.chart_env import ChartEnv
-from nemo_jax.rl.swe_env import SWEEnv
+from nemo_jax.rl.envs.chart import ChartEnv
+from nemo_jax.rl.envs.swe import SWEEnv
 
 ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "nemo_jax", "assets")
 

@@ -20,7 +20,7 @@ from nemo_jax.generate import load_for_generation
 from nemo_jax.lora import LoraConfig
 from nemo_jax.rl import TrainingClient
 from nemo_jax.rl.envs import Arithmetic
-from nemo_jax.rl.producer import sample_rollouts
+from nemo_jax.rl.transport.producer import sample_rollouts
 from nemo_jax.rl.rollout import Rollout, learner_batch
 
 

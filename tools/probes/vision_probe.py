@@ -15,7 +15,7 @@ import numpy as np
 
 from nemo_jax.data.images import preprocess
 from nemo_jax.model.vision import encode, pack_inputs
-from nemo_jax.rl.gui_env import GUIEnv, Screen
+from nemo_jax.rl.envs.gui import GUIEnv, Screen
 from nemo_jax.sources import load_for_generation
 
 

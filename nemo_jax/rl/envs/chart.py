@@ -1,5 +1,5 @@
 """`chart`: read a value off a chart drawn with known values. The vision-language model sees the chart in its
-prompt; its tools (nemo_jax.rl.code_tools) are `python` (a stateful interpreter in a sandbox whose folder holds
+prompt; its tools (nemo_jax.rl.envs.code_tools) are `python` (a stateful interpreter in a sandbox whose folder holds
 the chart as `chart.png`: measure it with PIL / numpy) and the image tools `crop(x0, y0, x1, y1)` and
 `zoom(x, y, factor)` (answered with the enlarged part of the chart as an image). A turn without a tool call is
 the answer: its last number is graded by relative error |answer - value| / |value|: reward 1 within `tolerance`
@@ -22,14 +22,12 @@ answer, and RL can learn which one pays.
 from __future__ import annotations
 
 import io
-import json
-import os
 
 import numpy as np
 
 from nemo_jax.extras import require
-from nemo_jax.rl.code_tools import CodeEpisode, call
-from nemo_jax.rl.episode import Observation, Task, demonstrate, last_number
+from nemo_jax.rl.envs.code_tools import CodeEpisode, call
+from nemo_jax.rl.envs.episode import Observation, Task, demonstrations, last_number, portable
 
 COLORS = {"red": (220, 40, 40), "green": (40, 160, 60), "blue": (50, 80, 230)}
 BASE, PX, TOP = 56, 4, 16  # bars style: row of value 0, pixels per unit, row of value 10
@@ -237,46 +235,12 @@ class ChartEnv:
     def demonstrations(self, split: str, n: int | None = None, direct: float = 0.0, seed: int = 0) -> list[dict]:
         """The expert's conversations on the first `n` tasks of `split` (tool results from real episodes; the chart
         a PNG data URL) -> SFT records {"messages", "tools"}; a `direct` share answer at a glance instead."""
-        import base64
-
-        def url(img) -> str:
-            return "data:image/png;base64," + base64.b64encode(png(img)).decode()
-
-        def plain(msg):
-            c = msg["content"]
-            if isinstance(c, str):
-                return dict(msg)
-            return dict(msg, content=[{"type": "image_url", "image_url": {"url": url(p["image"])}}
-                                      if p["type"] == "image" else p for p in c])
-
         rng = np.random.default_rng(seed)
-        recs = []
-        for task in self.tasks(split)[:n]:
-            turns = [f"{task.data['value']:g}"] if rng.random() < direct else self.expert(task)
-            obs, msgs, tools = demonstrate(self, task, turns, f"demo-{task.id}", message=plain)
-            if not (obs.done and obs.success):
-                raise RuntimeError(f"chart env: the expert failed task {task.id} ({obs.info})")
-            recs.append({"messages": msgs, "tools": tools})
-        return recs
+        return demonstrations(self, split, n, message=portable, turns_of=lambda task: (
+            [f"{task.data['value']:g}"] if rng.random() < direct else self.expert(task)))
 
 
-def main():
-    import argparse
+if __name__ == "__main__":  # (the demonstrations as SFT data: `nemo-jax demos --env chart`)
+    from nemo_jax.rl.envs.demos import main
 
-    ap = argparse.ArgumentParser(description="write the chart expert's demonstrations as SFT chat data (JSONL)")
-    ap.add_argument("--out", required=True, help="a directory: train.jsonl and eval.jsonl go there")
-    ap.add_argument("--n-train", type=int, default=1024)
-    ap.add_argument("--n-eval", type=int, default=32)
-    ap.add_argument("--seed", type=int, default=100)  # not the RL tasks' seed: other charts
-    ap.add_argument("--direct", type=float, default=0.0, help="share of glance answers (no tool)")
-    a = ap.parse_args()
-    env = ChartEnv(n_train=a.n_train, n_eval=a.n_eval, seed=a.seed)
-    os.makedirs(a.out, exist_ok=True)
-    for split in ("train", "eval"):
-        with open(os.path.join(a.out, f"{split}.jsonl"), "w") as f:
-            for r in env.demonstrations(split, direct=a.direct):
-                f.write(json.dumps(r) + "\n")
-
-
-if __name__ == "__main__":
-    main()
+    main(env="chart")

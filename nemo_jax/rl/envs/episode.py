@@ -1,6 +1,7 @@
-"""The episode protocol every RL environment speaks (the built-in ones in `nemo_jax.rl.envs`, `gui_env`, `mcp_env`,
-and user environments): its types and the wrapper of the synchronous form. A base module: it imports no
-environment, so the registry (`envs.make_env`) and the environments can all import it.
+"""The episode protocol every RL environment speaks (the built-in ones under `nemo_jax.rl.envs` and user
+environments): its types, the wrapper of the synchronous form, the bases of single-turn environments, and
+`demonstrate` (an expert's turns through a real episode). A base module: it imports no environment, so the
+registry (`nemo_jax.rl.envs.make_env`) and the environments can all import it.
 
 An environment hands out `Task`s (`tasks(split)`) and runs one EPISODE per rollout (`episode()` -> an object with):
 
@@ -26,6 +27,7 @@ messages to append or None when the episode is over, and `score(task, history)` 
 
 from __future__ import annotations
 
+import inspect
 import re
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -33,10 +35,10 @@ from typing import Protocol
 
 # The built-in environments by name (`rollout.env`, `nemo-jax eval --env`): where each class lives, imported only
 # when one is made (`nemo_jax.rl.envs.make_env`); the CLI's help lists them from here.
-BUILTIN_ENVS = {"arithmetic": "nemo_jax.rl.envs:Arithmetic", "constraints": "nemo_jax.rl.envs:Constraints",
-                "inbox": "nemo_jax.rl.envs:Inbox", "mcp": "nemo_jax.rl.mcp_env:MCPEnv",
-                "gui": "nemo_jax.rl.gui_env:GUIEnv", "swe": "nemo_jax.rl.swe_env:SWEEnv",
-                "chart": "nemo_jax.rl.chart_env:ChartEnv"}
+BUILTIN_ENVS = {"arithmetic": "nemo_jax.rl.envs.arithmetic:Arithmetic",
+                "constraints": "nemo_jax.rl.envs.constraints:Constraints", "inbox": "nemo_jax.rl.envs.inbox:Inbox",
+                "mcp": "nemo_jax.rl.envs.mcp:MCPEnv", "gui": "nemo_jax.rl.envs.gui:GUIEnv",
+                "swe": "nemo_jax.rl.envs.swe:SWEEnv", "chart": "nemo_jax.rl.envs.chart:ChartEnv"}
 
 
 def env_forms(sep: str = " | ") -> str:
@@ -61,7 +63,7 @@ def author_frames(e: BaseException) -> list:
     import sysconfig
     import traceback
 
-    pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    pkg = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep  # nemo_jax/
     stdlib = tuple(os.path.realpath(sysconfig.get_paths()[k]) + os.sep for k in ("stdlib", "platstdlib"))
     return [f for f in traceback.extract_tb(e.__traceback__)
             if not os.path.realpath(f.filename).startswith((pkg, *stdlib)) and not f.filename.startswith("<frozen")]
@@ -174,6 +176,18 @@ class SyncForm:
         return self.env.respond(task, history)
 
 
+def last_assistant(history: list[dict]) -> str:
+    return next((m["content"] for m in reversed(history) if m["role"] == "assistant"), "")
+
+
+class SingleTurn(HistoryEnv):
+    """Base for single-turn environments: no follow-up turns."""
+    max_turns = 1
+
+    def respond(self, task: Task, history: list[dict]) -> list[dict] | None:
+        return None
+
+
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
@@ -183,23 +197,103 @@ def last_number(text: str) -> float | None:
     return float(found[-1]) if found else None
 
 
+def _demo_calls(task: Task, turns: list[str], rollout_id: str, message):
+    """An expert's episode as the calls it makes: yields (method, *args), is sent each call's result; returns (the
+    last observation, the conversation, the tool definitions). `demonstrate` and `ademonstrate` drive it."""
+    obs = yield ("start", task, rollout_id)
+    tools, msgs = obs.tools, [message(m) for m in obs.messages]
+    for turn in turns:
+        msgs.append({"role": "assistant", "content": turn})
+        obs = yield ("step", msgs[-1])
+        msgs += [message(m) for m in obs.messages]
+    return obs, msgs, tools
+
+
 def demonstrate(env, task: Task, turns: list[str], rollout_id: str,
                 message=dict) -> tuple[Observation, list[dict], list[dict] | None]:
     """Run the assistant `turns` through a real episode of a synchronous environment (closed afterwards) -> (the
     last observation, the conversation: the task's messages, each turn and the environment's answers, every
     message passed through `message`; the tool definitions the episode offered). What an expert's demonstrations
     are made of."""
-    ep = env.episode()
+    ep, calls = env.episode(), _demo_calls(task, turns, rollout_id, message)
     try:
-        obs = ep.start(task, rollout_id)
-        tools, msgs = obs.tools, [message(m) for m in obs.messages]
-        for turn in turns:
-            msgs.append({"role": "assistant", "content": turn})
-            obs = ep.step(msgs[-1])
-            msgs += [message(m) for m in obs.messages]
+        call = next(calls)
+        while True:
+            call = calls.send(getattr(ep, call[0])(*call[1:]))
+    except StopIteration as done:
+        return done.value
     finally:
         ep.close()
-    return obs, msgs, tools
+
+
+async def ademonstrate(env, task: Task, turns: list[str], rollout_id: str,
+                       message=dict) -> tuple[Observation, list[dict], list[dict] | None]:
+    """`demonstrate` for an environment whose episode methods are `async def` (the MCP environment's)."""
+    ep, calls = env.episode(), _demo_calls(task, turns, rollout_id, message)
+    try:
+        call = next(calls)
+        while True:
+            call = calls.send(await _awaited(getattr(ep, call[0])(*call[1:])))
+    except StopIteration as done:
+        return done.value
+    finally:
+        await _awaited(ep.close())
+
+
+async def _awaited(x):
+    return await x if inspect.isawaitable(x) else x
+
+
+def demonstrations(env, split: str, n: int | None = None, *, turns_of=None, message=dict,
+                   concurrency: int = 8) -> list[dict]:
+    """The expert's conversations on the first `n` tasks of `split`, each run through a real episode of `env` ->
+    SFT records {"messages", "tools" (when the episode offered tools)}. `turns_of(task)` -> the assistant turns
+    (default: `env.expert`); `message` maps every message (`portable`: pictures as PNG data URLs). An episode whose
+    methods are `async def` runs `concurrency` at a time. Every demonstration must end the episode with success:
+    RuntimeError naming the task otherwise."""
+    import asyncio
+
+    turns_of = turns_of or env.expert
+    todo = list(env.tasks(split)[:n])
+    name = getattr(env, "name", type(env).__name__)
+
+    def record(task, out) -> dict:
+        obs, msgs, tools = out
+        if not (obs.done and obs.success):
+            raise RuntimeError(f"{name} env: the expert failed task {task.id} (reward {obs.reward}, {obs.info})")
+        return {"messages": msgs, **({} if tools is None else {"tools": tools})}
+
+    if not inspect.iscoroutinefunction(env.episode().start):
+        return [record(t, demonstrate(env, t, turns_of(t), f"demo-{t.id}", message)) for t in todo]
+
+    async def run():
+        gate = asyncio.Semaphore(max(1, concurrency))
+
+        async def one(task):
+            async with gate:
+                return record(task, await ademonstrate(env, task, turns_of(task), f"demo-{task.id}", message))
+        return await asyncio.gather(*(one(t) for t in todo))
+    return list(asyncio.run(run()))
+
+
+def png_data_url(img) -> str:
+    """A PIL image as a PNG data URL."""
+    import base64
+    import io
+
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def portable(message: dict) -> dict:
+    """A message whose pictures are PIL images (image parts) -> one whose pictures are PNG data URLs (image_url
+    parts): a record that stands alone, as SFT data."""
+    c = message["content"]
+    if isinstance(c, str):
+        return dict(message)
+    return dict(message, content=[{"type": "image_url", "image_url": {"url": png_data_url(p["image"])}}
+                                  if p["type"] == "image" else p for p in c])
 
 
 def as_environment(env) -> Environment:

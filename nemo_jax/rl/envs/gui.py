@@ -19,7 +19,7 @@ After each action the next observation is a tool message with the new screenshot
 An answer that is not an action ends the episode with the reward earned so far. Screens are `size` pixels square
 (64: the tiny VL model's whole patch budget, one language token per 16 x 16 pixels); train and eval screens come
 from different seeds. `demonstrations(split, n)` writes the expert's conversations (the SFT data of the tiny VL
-recipe: `python -m nemo_jax.rl.gui_env --out DIR`).
+recipe: `python -m nemo_jax.rl.envs.gui --out DIR`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import re
 
 import numpy as np
 
-from nemo_jax.rl.episode import HistoryEnv, Observation, Task
+from nemo_jax.rl.envs.episode import HistoryEnv, Observation, Task, demonstrations, portable
 
 COLORS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (50, 80, 230), "yellow": (235, 210, 40),
           "black": (20, 20, 20), "purple": (150, 60, 190)}
@@ -210,49 +210,10 @@ class GUIEnv(HistoryEnv):
     def demonstrations(self, split: str, n: int | None = None) -> list[dict]:
         """The expert's conversations on the first `n` tasks of `split` -> SFT records {"messages": [...]}, each
         screenshot an image part holding a PNG data URL (the records stand alone)."""
-        import base64
-        import io
-
-        def url(img) -> str:
-            buf = io.BytesIO()
-            img.save(buf, format="PNG")
-            return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-
-        recs = []
-        for task in self.tasks(split)[:n]:
-            ep = self.episode()
-            obs = ep.start(task, task.id)
-            msgs = []
-            for action in self.expert(task):
-                msgs += [{"role": m["role"], "content": [{"type": "image_url", "image_url": {"url": url(p["image"])}}
-                                                         if p["type"] == "image" else p for p in m["content"]]}
-                         for m in obs.messages]
-                msgs.append({"role": "assistant", "content": action})
-                obs = ep.step(msgs[-1])
-            if not (obs.done and obs.success):
-                raise RuntimeError(f"gui env: the expert failed task {task.id}")
-            recs.append({"messages": msgs})
-        return recs
+        return demonstrations(self, split, n, message=portable)
 
 
-def main():
-    import argparse
-    import json
-    import os
+if __name__ == "__main__":  # (the demonstrations as SFT data: `nemo-jax demos --env gui`)
+    from nemo_jax.rl.envs.demos import main
 
-    ap = argparse.ArgumentParser(description="write the gui expert's demonstrations as SFT chat data (JSONL)")
-    ap.add_argument("--out", required=True, help="a directory: train.jsonl and eval.jsonl go there")
-    ap.add_argument("--n-train", type=int, default=1024)
-    ap.add_argument("--n-eval", type=int, default=32)
-    ap.add_argument("--seed", type=int, default=100)  # not the RL tasks' seed: other screens
-    a = ap.parse_args()
-    env = GUIEnv(n_train=a.n_train, n_eval=a.n_eval, seed=a.seed)
-    os.makedirs(a.out, exist_ok=True)
-    for split in ("train", "eval"):
-        with open(os.path.join(a.out, f"{split}.jsonl"), "w") as f:
-            for r in env.demonstrations(split):
-                f.write(json.dumps(r) + "\n")
-
-
-if __name__ == "__main__":
-    main()
+    main(env="gui")

@@ -3,11 +3,11 @@
 
     env: mcp
     env_args:
-      server: [python, -m, nemo_jax.rl.mcp_tiny_server]      # the command that serves MCP over stdin/stdout
-      tasks: nemo_jax.rl.mcp_tiny_server:tasks                # module:function(split, **task_args) -> [Task]
+      server: [python, -m, nemo_jax.rl.envs.mcp_tiny_server]      # the command that serves MCP over stdin/stdout
+      tasks: nemo_jax.rl.envs.mcp_tiny_server:tasks                # module:function(split, **task_args) -> [Task]
       task_args: {n_train: 96, n_eval: 48}
-      scorer: nemo_jax.rl.mcp_tiny_server:score               # module:function(task, messages, calls) -> Score
-      expert: nemo_jax.rl.mcp_tiny_server:expert              # module:function(task) -> the assistant turns
+      scorer: nemo_jax.rl.envs.mcp_tiny_server:score               # module:function(task, messages, calls) -> Score
+      expert: nemo_jax.rl.envs.mcp_tiny_server:expert              # module:function(task) -> the assistant turns
       max_turns: 5
       episodes_per_server: 1                                  # N > 1: a process serves N episodes in turn
 
@@ -33,7 +33,7 @@ import sys
 import threading
 
 from nemo_jax.data.chat import tool_calls
-from nemo_jax.rl.episode import Observation, Score, Task
+from nemo_jax.rl.envs.episode import Observation, Score, Task, demonstrations
 
 
 def _function(spec: str, what: str):
@@ -202,11 +202,11 @@ class MCPEnv:
     name = "mcp"
     idle_close_s = 30.0
 
-    def __init__(self, server=None, tasks: str = "nemo_jax.rl.mcp_tiny_server:tasks", task_args: dict | None = None,
-                 scorer: str = "nemo_jax.rl.mcp_tiny_server:score", max_turns: int = 4, max_calls: int = 4,
+    def __init__(self, server=None, tasks: str = "nemo_jax.rl.envs.mcp_tiny_server:tasks", task_args: dict | None = None,
+                 scorer: str = "nemo_jax.rl.envs.mcp_tiny_server:score", max_turns: int = 4, max_calls: int = 4,
                  timeout_s: float = 0.0, close_timeout_s: float = 10.0, episodes_per_server: int = 1,
                  max_servers: int = 32, expert: str | None = None):
-        self.server = list(server) if server else [sys.executable, "-m", "nemo_jax.rl.mcp_tiny_server"]
+        self.server = list(server) if server else [sys.executable, "-m", "nemo_jax.rl.envs.mcp_tiny_server"]
         if not self.server or not all(isinstance(x, str) for x in self.server):
             raise ValueError(f"mcp env: server must be a command (a list of strings), got {server!r}")
         for key, v in (("episodes_per_server", episodes_per_server), ("max_servers", max_servers)):
@@ -341,29 +341,7 @@ class MCPEnv:
     def demonstrations(self, split: str, n: int | None = None, concurrency: int = 8) -> list[dict]:
         """The expert's conversations on the first `n` tasks of `split`, each run through a real episode (the
         server's answers as tool messages; the expert must reach success) -> SFT records {"tools", "messages"}."""
-        todo = self.tasks(split)[:n]
-
-        async def one(task: Task, gate: asyncio.Semaphore) -> dict:
-            async with gate:
-                ep = self.episode()
-                try:
-                    obs = await ep.start(task, f"demo-{task.id}")
-                    tools, msgs = obs.tools, list(obs.messages)
-                    for turn in self.expert(task):
-                        msgs.append({"role": "assistant", "content": turn})
-                        obs = await ep.step(msgs[-1])
-                        msgs += obs.messages
-                finally:
-                    await ep.close()
-            if not (obs.done and obs.success):
-                raise RuntimeError(f"mcp env: the expert failed task {task.id} (reward {obs.reward})")
-            return {"tools": tools, "messages": msgs}
-
-        async def run():
-            gate = asyncio.Semaphore(max(1, concurrency))
-            return await asyncio.gather(*(one(t, gate) for t in todo))
-
-        return list(asyncio.run(run()))
+        return demonstrations(self, split, n, concurrency=concurrency)
 
 
 def _retrieve(fut) -> None:

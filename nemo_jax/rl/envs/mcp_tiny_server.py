@@ -1,7 +1,7 @@
 """A tiny MCP server (stdio) for tests and the tiny recipe's MCP expert: a shop's price list and a calculator,
 with the task set, the scorer and the expert that go with it.
 
-    python -m nemo_jax.rl.mcp_tiny_server          # serves over stdin/stdout (what `mcp` environments start)
+    python -m nemo_jax.rl.envs.mcp_tiny_server          # serves over stdin/stdout (what `mcp` environments start)
 
 Tools: `lookup(item)` -> "ITEM: P dollars" (an unknown item is a tool error), `multiply(a, b)` -> "a * b = c",
 `add(a, b)` -> "a + b = c". Each number a tool answers stands after a space, as it does in the question and in a

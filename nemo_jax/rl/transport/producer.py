@@ -34,8 +34,10 @@ import jax
 import jax.numpy as jnp
 
 from nemo_jax.data.chat import content_text
-from nemo_jax.generate import Engine, SamplingParams, chunk_images, widen_images
-from nemo_jax.rl.episode import EnvironmentFailed, Observation, Task, as_environment, environment_failed
+from nemo_jax.fields import Fields
+from nemo_jax.generate import Engine, Sampler, SamplingParams, chunk_images, widen_images
+from nemo_jax.generate.sampling import request_sampling
+from nemo_jax.rl.envs.episode import EnvironmentFailed, Observation, Task, as_environment, environment_failed
 from nemo_jax.rl.rollout import ImageStore, Rollout
 from nemo_jax.threads import DaemonPool
 
@@ -245,15 +247,14 @@ class EpisodeDriver:
     that finished. Environment calls never block decoding; an episode past `timeout_s` (0: none) is scored 0,
     closed, and counted (`counts["timed_out"]`).
 
-    The sampler is an `Engine` or anything with its interface (`submit`, `feed`, `step` -> TurnEnds, `room`,
-    `release`, `busy`, `queued`, `version`): the rollout worker drives an OpenAI-compatible server through the
-    same loop (nemo_jax.rl.worker.ServerSampler). An environment error ends the driver (`report_failures=False`,
+    The sampler is a `nemo_jax.generate.Sampler`: the in-process `Engine`, or the rollout worker's `ServerSampler`
+    (nemo_jax.rl.transport.worker), which drives an OpenAI-compatible server through the same loop. An environment error ends the driver (`report_failures=False`,
     the in-process producer) or only its episode (`report_failures=True`: closed, nothing returned, and
     (group id, rollout id, reason) appended to `failures` for the caller to report); `fail` ends an episode the
     caller saw fail (e.g. the sampler could not sample its turn) the same way, and `abandon` ends a group's
     episodes without a word (its request was cancelled)."""
 
-    def __init__(self, engine: Engine, tok, cfg, env, sp: SamplingParams, *, images: ImageStore | None = None,
+    def __init__(self, engine: Sampler, tok, cfg, env, sp: SamplingParams, *, images: ImageStore | None = None,
                  timeout_s: float = 0.0, workers: int = 16, report_failures: bool = False):
         self.engine, self.env, self.sp = engine, as_environment(env), sp
         env = self.env
@@ -416,9 +417,12 @@ class EpisodeDriver:
         self.calls.close()
 
 
-def sampling_params(cfg, tok, max_new_tokens: int, temperature: float, top_p: float = 1.0, top_k: int = 0):
-    return SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                          stop_token_ids=stop_ids(cfg, tok))
+def sampling_params(cfg, tok, max_new_tokens: int, temperature: float, top_p: float = 1.0,
+                    top_k: int = 0) -> SamplingParams:
+    """The in-process sampler's parameters, translated as a rollout request's sampling is (`request_sampling`)."""
+    f = Fields({"max_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k},
+               lambda message, key: ValueError(message), "rollout.")
+    return request_sampling(f, vocab=cfg.vocab_size, stop_ids=stop_ids(cfg, tok))[0][0]
 
 
 def sample_rollouts(engine: Engine, tok, cfg, env, tasks: list[tuple[Task, str]], group_size: int,

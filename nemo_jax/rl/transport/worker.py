@@ -8,7 +8,7 @@ The loop (docs/serving.md has the layout and the server flags):
   1. The newest published adapter (RUN/policy/LATEST) is loaded into the server by name, `<run>-<hash>-v<version>`
      (vLLM's POST /v1/load_lora_adapter {"lora_name", "lora_path"}; SGLang's /load_lora_adapter), when LATEST
      moves; an older one this worker loaded is unloaded once no request of its own samples with it.
-  2. Requests are claimed (`spool.claim_request`) while the worker holds fewer than `--concurrency` groups. A
+  2. Requests are claimed (`board.claim_request`) while the worker holds fewer than `--concurrency` groups. A
      heartbeat thread renews every lease (each lease_s / 3) and looks for cancellations twice a second.
   3. Each group's episodes run through `EpisodeDriver`, the loop the in-process producer runs, on a
      `ServerSampler` in place of the Engine: every assistant turn is one request with the group's sampling
@@ -45,9 +45,11 @@ from dataclasses import dataclass
 
 from nemo_jax.data.chat import IMAGE_END, IMAGE_START, IMAGE_TOKEN
 from nemo_jax.extras import require
+from nemo_jax.fields import Fields
 from nemo_jax.generate import SamplingParams, TurnEnd
-from nemo_jax.rl import spool
-from nemo_jax.rl.producer import EpisodeDriver, stop_ids
+from nemo_jax.generate.sampling import request_sampling as translate
+from nemo_jax.rl.transport import board, policy, rollouts
+from nemo_jax.rl.transport.producer import EpisodeDriver, stop_ids
 from nemo_jax.rl.rollout import ImageStore
 
 
@@ -60,28 +62,17 @@ class TurnFailed(RuntimeError):
     """A turn the server could not sample: its episode is reported failed."""
 
 
-@dataclass(frozen=True)
-class RequestSampling(SamplingParams):
-    """A request's sampling parameters, with the stop strings a server cuts turns at."""
-    stop: tuple[str, ...] = ()
+def request_sampling(req: dict, stop_token_ids, vocab: int) -> SamplingParams:
+    """A posted request's `sampling` {temperature, top_p, top_k, max_tokens, stop} -> its SamplingParams (the
+    translation the servers use, `nemo_jax.generate.sampling.request_sampling`)."""
+    f = Fields(req.get("sampling") or {}, lambda message, key: WorkerError(f"request {req.get('group_id')!r}: "
+                                                                          f"{message}"), "sampling.")
+    return translate(f, vocab=vocab, stop_ids=stop_token_ids, default_max=256)[0][0]
 
 
-def request_sampling(req: dict, stop_token_ids) -> RequestSampling:
-    """A posted request's `sampling` {temperature, top_p, top_k, max_tokens, stop} -> RequestSampling."""
-    s = req.get("sampling") or {}
-    try:
-        stop = s.get("stop") or ()
-        return RequestSampling(max_new_tokens=int(s.get("max_tokens", 256)),
-                               temperature=float(s.get("temperature", 1.0)), top_p=float(s.get("top_p", 1.0)),
-                               top_k=max(0, int(s.get("top_k", 0))), stop_token_ids=tuple(stop_token_ids),
-                               stop=(stop,) if isinstance(stop, str) else tuple(stop))
-    except (TypeError, ValueError) as e:
-        raise WorkerError(f"request {req.get('group_id')!r}: sampling {s!r}: {e}") from None
-
-
-# ----------------------------------------------------------------------------- the server
-class Server:
-    """An OpenAI-compatible server: its kind (`vllm`, `sglang`, `nemo-jax`, from /v1/models `owned_by`), base
+# ----------------------------------------------------------------------------- the inference server's client
+class InferenceClient:
+    """A client of an OpenAI-compatible inference server: the server's kind (`vllm`, `sglang`, `nemo-jax`, from /v1/models `owned_by`), base
     model name and context length, and LoRA adapters loaded and unloaded by name."""
 
     LORA_PATHS = {"sglang": "/{}_lora_adapter"}  # vLLM and nemo-jax serve: /v1/{}_lora_adapter
@@ -218,12 +209,16 @@ class Server:
         return True
 
 
+Server = InferenceClient  # (its name before: it is the client of a server)
+
+
 # ----------------------------------------------------------------------------- the sampler EpisodeDriver drives
 @dataclass(eq=False)
-class _Seq:
+class _Turn:
+    """A conversation whose next turn the server samples (the request in flight, its retries)."""
     id: int
     tokens: list[int]  # the whole conversation so far: the prompt of its next turn
-    sp: RequestSampling
+    sp: SamplingParams
     tag: object
     pictures: bool
     turns: int = 0
@@ -246,7 +241,7 @@ def _token_ids(strings: list) -> list[int] | None:
     return out
 
 
-def parse_turn(kind: str, resp, sp: RequestSampling) -> tuple[list[int], list[float], str, list[int] | None]:
+def parse_turn(kind: str, resp, sp: SamplingParams) -> tuple[list[int], list[float], str, list[int] | None]:
     """A chat or completion response -> (token ids and behaviour logprobs of the sampled turn as returned, finish
     reason "stop" | "length", the prompt ids the server reports or None)."""
     if not resp.choices:
@@ -279,8 +274,8 @@ def parse_turn(kind: str, resp, sp: RequestSampling) -> tuple[list[int], list[fl
 
 
 class ServerSampler:
-    """The sampler `EpisodeDriver` drives (the `Engine` interface: submit / feed / step / room / release / busy /
-    queued / version) over an OpenAI-compatible server: each turn is one HTTP request (the official `openai`
+    """A `nemo_jax.generate.Sampler` (what `EpisodeDriver` drives, as it drives the in-process Engine) over an
+    OpenAI-compatible server: each turn is one HTTP request (the official `openai`
     client, on an event loop thread), many in flight at once; `step` returns the turns that came back.
 
     api "auto": a turn of a conversation without pictures is a completion of its token ids (exact); with pictures,
@@ -291,7 +286,7 @@ class ServerSampler:
 
     RETRY_S = (1.0, 10.0)  # a turn the server could not take is sent again after 1 s, doubling up to 10 s
 
-    def __init__(self, server: Server, *, api: str = "auto", chat=None, poll_s: float = 0.02):
+    def __init__(self, server: InferenceClient, *, api: str = "auto", chat=None, poll_s: float = 0.02):
         if api not in ("auto", "chat"):
             raise ValueError(f"--api {api!r}: expected auto or chat")
         self.server, self.api, self.chat, self.poll_s = server, api, chat, poll_s
@@ -300,10 +295,10 @@ class ServerSampler:
         self.failed: list[tuple[object, str]] = []
         self.counts = Counter()
         self.in_use = Counter()  # adapter name -> its requests in flight
-        self._seqs: dict[int, _Seq] = {}
+        self._seqs: dict[int, _Turn] = {}
         self._next = 0
         self._done: queue.Queue = queue.Queue()
-        self._retry: list[_Seq] = []  # turns to send again: the server was unreachable or overloaded
+        self._retry: list[_Turn] = []  # turns to send again: the server was unreachable or overloaded
         self._said = 0.0
         self._warned = False
         self._loop = asyncio.new_event_loop()
@@ -325,9 +320,9 @@ class ServerSampler:
     def busy(self) -> int:
         return sum(s.future is not None for s in self._seqs.values()) + len(self._retry)
 
-    def submit(self, tokens: list[int], sp: RequestSampling, *, images=None, tag=None) -> int:
+    def submit(self, tokens: list[int], sp: SamplingParams, *, images=None, tag=None) -> int:
         sid, self._next = self._next, self._next + 1
-        self._seqs[sid] = seq = _Seq(sid, list(tokens), sp, tag, bool(images))
+        self._seqs[sid] = seq = _Turn(sid, list(tokens), sp, tag, bool(images))
         self._launch(seq)
         return sid
 
@@ -348,7 +343,7 @@ class ServerSampler:
         if s is not None and s.future is not None:
             s.future.cancel()  # (the HTTP request is dropped; vLLM and SGLang abort it)
 
-    def _launch(self, seq: _Seq) -> None:
+    def _launch(self, seq: _Turn) -> None:
         name, version, _ = self.adapter
         model, extra = self.server.select(name)
         sp = seq.sp
@@ -456,7 +451,7 @@ class ServerSampler:
                 self._launch(seq)
         return out
 
-    def _mismatch(self, seq: _Seq, prompt: list[int]) -> None:
+    def _mismatch(self, seq: _Turn, prompt: list[int]) -> None:
         at = next((i for i, (a, b) in enumerate(zip(prompt, seq.tokens)) if a != b), min(len(prompt), len(seq.tokens)))
         where = (f"the server's prompt ({len(prompt)} tokens) differs from the worker's ({len(seq.tokens)}) from "
                  f"token {at} on (server {prompt[at:at + 8]}, worker {seq.tokens[at:at + 8]})")
@@ -506,9 +501,9 @@ def chat_messages(r, store: ImageStore | None) -> tuple[list[dict], list | None]
 # ----------------------------------------------------------------------------- the worker
 @dataclass(eq=False)
 class _Group:
-    lease: spool.Lease
+    lease: board.Lease
     task: object
-    sp: RequestSampling
+    sp: SamplingParams
     want: int  # rollouts the request asks for
     lease_s: float  # renew at least every lease_s / 3
     written: int = 0
@@ -530,7 +525,7 @@ class RolloutWorker:
     """The loop of `nemo-jax rollout-worker` (the module docstring): `run()` until stopped (SIGTERM / SIGINT,
     `stop()`, or `max_groups` groups completed)."""
 
-    def __init__(self, run_dir: str, server: Server, tok, cfg, env, *, worker_id: str | None = None,
+    def __init__(self, run_dir: str, server: InferenceClient, tok, cfg, env, *, worker_id: str | None = None,
                  concurrency: int = 4, lease_s: float | None = None, api: str = "auto", timeout_s: float = 0.0,
                  env_workers: int = 16, server_run_dir: str | None = None, quiet: bool = False):
         if concurrency < 1:
@@ -548,9 +543,9 @@ class RolloutWorker:
         where = hashlib.sha1(os.path.normpath(self.server_run_dir).encode()).hexdigest()[:8]
         self.run_name = f"{os.path.basename(os.path.normpath(self.run_dir))}-{where}"
         self.store = ImageStore(os.path.join(self.run_dir, "images")) if cfg.vision is not None else None
-        self.stop_token_ids = stop_ids(cfg, tok)
+        self.stop_token_ids, self.vocab = stop_ids(cfg, tok), cfg.vocab_size
         self.sampler = ServerSampler(server, api=api, chat=lambda r: chat_messages(r, self.store))
-        self.driver = EpisodeDriver(self.sampler, tok, cfg, env, RequestSampling(stop_token_ids=self.stop_token_ids),
+        self.driver = EpisodeDriver(self.sampler, tok, cfg, env, SamplingParams(stop_token_ids=self.stop_token_ids),
                                     images=self.store, timeout_s=timeout_s, workers=env_workers, report_failures=True)
         self.tasks = {t.id: t for t in env.tasks("train")}
         self.groups: dict[str, _Group] = {}
@@ -577,7 +572,7 @@ class RolloutWorker:
         if not force and now - self._last_policy < 0.5:
             return
         self._last_policy = now
-        latest = spool.latest_policy(self.run_dir)
+        latest = policy.latest_policy(self.run_dir)
         if latest is not None and (self.sampler.adapter[0] is None or latest[0] != self.sampler.version):
             v = latest[0]
             name = f"{self.run_name}-v{v}"
@@ -587,7 +582,7 @@ class RolloutWorker:
                 self.loaded[name] = v
                 self.counts["adapters_loaded"] += 1
                 self.log(f"policy {v} loaded into the server as {name}")
-            elif os.path.isdir(latest[1]) and spool.latest_policy(self.run_dir) == latest:
+            elif os.path.isdir(latest[1]) and policy.latest_policy(self.run_dir) == latest:
                 raise WorkerError(f"the server cannot load {path} (it exists here: give --server-run-dir, the run dir "
                                   "as the server's machine sees it, and check --max-lora-rank and the adapter's "
                                   "targets against the server's LoRA flags)")
@@ -597,7 +592,7 @@ class RolloutWorker:
 
     def _run_closed(self) -> bool:
         """Has the learner finished the run? (Then the worker stops: nothing more will be requested.)"""
-        got = spool.closed(self.run_dir)
+        got = board.closed(self.run_dir)
         if got is not None and self.finished is None:
             self.finished = got
             self.log(f"the learner finished the run{' at step ' + str(got['step']) if 'step' in got else ''} "
@@ -624,10 +619,10 @@ class RolloutWorker:
             with self._lock:
                 held = [g for g in self.groups.values() if not g.lost]
             for g in held:
-                if spool.cancelled(self.run_dir, g.lease.group_id):
+                if board.cancelled(self.run_dir, g.lease.group_id):
                     g.lost = "cancelled by the learner"  # (stale, or too many failed episodes)
                 elif now - g.renewed >= g.lease_s / 3:
-                    if spool.renew(g.lease):
+                    if board.renew(g.lease):
                         g.renewed = now
                     else:
                         g.lost = LOST
@@ -638,21 +633,22 @@ class RolloutWorker:
             return
         self._last_claim = now
         while len(self.groups) < self.concurrency and not self.stopping.is_set():
-            lease = spool.claim_request(self.run_dir, self.worker_id)
+            lease = board.claim_request(self.run_dir, self.worker_id)
             if lease is None:
                 return
             self._start(lease)
 
-    def _start(self, lease: spool.Lease) -> None:
+    def _start(self, lease: board.Lease) -> None:
         req, gid = lease.request, lease.group_id
         task = self.tasks.get(req.get("task_id"))
         posted = req.get("messages")
         if task is None or (posted is not None and json.loads(json.dumps(list(task.messages), default=str)) != posted):
-            spool.release(lease)
+            board.release(lease)
             what = "is not among" if task is None else "has other messages than the task of that id in"
             raise WorkerError(f"request {gid}: task {req.get('task_id')!r} {what} the worker's environment "
                               f"({getattr(self.env, 'name', '?')}): give the learner's rollout.env and env_args")
-        g = _Group(lease, task, request_sampling(req, self.stop_token_ids), int(req.get("rollouts", req["group_size"])),
+        g = _Group(lease, task, request_sampling(req, self.stop_token_ids, self.vocab),
+                   int(req.get("rollouts", req["group_size"])),
                    min(float(req.get("lease_s", 120.0)), self.lease_s or float("inf")), renewed=time.monotonic())
         with self._lock:
             self.groups[gid] = g
@@ -669,17 +665,17 @@ class RolloutWorker:
             g = self.groups.pop(gid)
         self.driver.abandon(gid)
         if release:
-            spool.release(g.lease, rollouts=g.want - g.written)
+            board.release(g.lease, rollouts=g.want - g.written)
 
     # ------------------------------------------------------------------ the loop
-    def _deliver(self, rollouts) -> None:
-        """Write the finished rollouts of groups still held (one file), count them."""
+    def _deliver(self, finished) -> None:
+        """Write the `finished` rollouts of groups still held (one file), count them."""
         keep, by = [], defaultdict(list)
-        for x in rollouts:
+        for x in finished:
             by[x.group_id].append(x)
         for gid, xs in by.items():
             g = self.groups.get(gid)
-            if g is None or g.lost or not spool.renew(g.lease):  # (a lost lease: the learner no longer wants them)
+            if g is None or g.lost or not board.renew(g.lease):  # (a lost lease: the learner no longer wants them)
                 self.counts["rollouts_dropped"] += len(xs)
                 if g is not None and not g.lost:
                     g.lost = LOST
@@ -687,7 +683,7 @@ class RolloutWorker:
             g.renewed = time.monotonic()
             keep += xs
         if keep:
-            spool.write_rollouts(os.path.join(self.run_dir, "spool"), keep, f"{self.worker_id}-{self._files:06d}")
+            rollouts.write_rollouts(os.path.join(self.run_dir, "spool"), keep, f"{self.worker_id}-{self._files:06d}")
             self._files += 1
             self.counts["rollouts_written"] += len(keep)
             for x in keep:
@@ -706,7 +702,7 @@ class RolloutWorker:
             g = self.groups.get(gid)
             if g is None or g.lost:
                 continue
-            spool.report_failure(g.lease, reason, f"{self.worker_id}-failed-{uuid.uuid4().hex[:12]}")
+            rollouts.report_failure(g.lease, reason, f"{self.worker_id}-failed-{uuid.uuid4().hex[:12]}")
             g.failed += 1
             self.counts["episodes_failed"] += 1
             self.log(f"group {gid}: episode {rid} failed: {reason}")
@@ -726,7 +722,7 @@ class RolloutWorker:
                 self.counts["groups_lost"] += 1
                 self.log(f"group {gid}: lease {g.lost}: {n} running episodes abandoned")
             elif g.written >= g.want:
-                spool.complete(g.lease)
+                board.complete(g.lease)
                 with self._lock:
                     del self.groups[gid]
                 self.counts["groups_completed"] += 1
@@ -797,17 +793,17 @@ def cli_worker(a) -> dict:
     env_args = json.loads(a.env_args) if a.env_args else None
     if env_args is not None and not isinstance(env_args, dict):
         raise ValueError(f"--env-args {a.env_args!r}: expected a JSON object")
-    if spool.closed(a.run) is not None:
+    if board.closed(a.run) is not None:
         print(f"rollout-worker: the learner finished the run ({a.run}/requests/CLOSED): nothing to sample",
               flush=True)
         return {}
-    server = Server(a.server, model=a.model, api_key=a.api_key, timeout_s=a.request_timeout, wait_s=a.wait_s)
+    server = InferenceClient(a.server, model=a.model, api_key=a.api_key, timeout_s=a.request_timeout, wait_s=a.wait_s)
     stopping = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):  # (the worker takes the signals over when it runs)
         signal.signal(sig, lambda *_: stopping.set())
     model, said = os.path.join(a.run, "model", "config.json"), False
     while not os.path.exists(model):  # the learner writes config.yaml, then model/ when it starts
-        if spool.closed(a.run) is not None:
+        if board.closed(a.run) is not None:
             print(f"rollout-worker: the learner finished the run ({a.run}/requests/CLOSED): nothing to sample",
                   flush=True)
             return {}

@@ -13,7 +13,7 @@ with no arguments, in order. Reported on its own copy of stdout, one line each, 
 
 It ends with os._exit, so exit handlers of the code under test never run after the report. The judge does not
 trust these lines either: a test passes only when it is reported exactly once, ok, and every value it computed
-matches what the host kept (nemo_jax.rl.swe_env.verdict).
+matches what the host kept (nemo_jax.rl.envs.swe.verdict).
 """
 
 import builtins
