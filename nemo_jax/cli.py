@@ -223,9 +223,10 @@ def cmd_sft(a):
 
     c = load_sft_config(a.config, _mesh_overrides(a.mesh) + list(a.overrides))  # checked before JAX starts
     _check_run(c, a.new_run)
+    from nemo_jax.rl.warmstart import make_source
     from nemo_jax.train.sft import main as sft_main
 
-    sft_main(a.config, config=c, verbose=a.verbose, new_run=a.new_run)
+    sft_main(a.config, config=c, verbose=a.verbose, new_run=a.new_run, make_source=make_source)
 
 
 def cmd_grpo(a):

@@ -148,10 +148,11 @@ class Recipe:
             raise RuntimeError(f"recipe stage {name} finished without writing {output}")
 
     def _sft(self, config: str, overrides: list[str], run_dir: str, dst: str, init: str | None):
+        from nemo_jax.rl.warmstart import make_source
         from nemo_jax.train.sft import main as sft_main
 
         extra = [f"run_dir={run_dir}"] + ([f"model.init={init}", "model.init_sft_config=null"] if init else [])
-        out = sft_main(_rel(config, self.path), list(overrides) + extra)
+        out = sft_main(_rel(config, self.path), list(overrides) + extra, make_source=make_source)
         if out.get("stopped_early"):
             return out  # a partial run: no stage output from it
         from nemo_jax.checkpoint import save_model
