@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from nemo_jax.config.model import NemotronHConfig, parse_pattern
 import sys
 
-from nemo_jax.generate import _append
+from nemo_jax.generate.decode import _append
 from nemo_jax.model import Options, forward, forward_cached, init, init_decode_state
 from nemo_jax.model.cache import state_shapes
 

@@ -295,7 +295,7 @@ class Bench:
         import jax.numpy as jnp
         import numpy as np
 
-        from nemo_jax import generate as G
+        from nemo_jax.generate import decode as G
         from nemo_jax import kernels as kernels_lib
         from nemo_jax.model import Options, init
         from nemo_jax.train.metrics import model_flops_per_token
@@ -350,7 +350,7 @@ def decode_program(bench: Bench, cfg, opts, sp, rows: int, max_len: int, new_par
     import jax
     import jax.numpy as jnp
 
-    from nemo_jax import generate as G
+    from nemo_jax.generate import decode as G
     from nemo_jax.model.cache import state_shapes
 
     params = bench.spec(jax.eval_shape(new_params))

@@ -1,6 +1,6 @@
 """Off-policy corrections measured against a real engine: GRPO on the tiny constraints task
 (configs/grpo/tiny-cpu.yaml, from the tiny SFT model) fed only by `nemo-jax rollout-worker` on vLLM CPU
-(tools/vllm_cpu.py), one run per variant and seed, side by side: `mismatch_kl`, staleness, the corrections'
+(tools/tiers/vllm_cpu.py), one run per variant and seed, side by side: `mismatch_kl`, staleness, the corrections'
 own figures and the held-out pass@1 curve (docs/grpo.md, "Off-policy corrections against vLLM").
 
     python bench/grpo_vllm.py [--venv DIR] [--sft RUN] [--steps 60] [--seeds 0] [--variants a,b,...] [--json OUT]
@@ -31,7 +31,7 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_spec = importlib.util.spec_from_file_location("vllm_cpu_tool", os.path.join(ROOT, "tools", "vllm_cpu.py"))
+_spec = importlib.util.spec_from_file_location("vllm_cpu_tool", os.path.join(ROOT, "tools", "tiers", "vllm_cpu.py"))
 tool = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(tool)
 
@@ -133,7 +133,7 @@ def summarize(run: str) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--venv", default=None, help="a vLLM CPU venv (default: $NEMO_JAX_VLLM_VENV or tools/vllm_cpu.py's)")
+    p.add_argument("--venv", default=None, help="a vLLM CPU venv (default: $NEMO_JAX_VLLM_VENV or tools/tiers/vllm_cpu.py's)")
     p.add_argument("--sft", default=None, help="a finished tiny SFT run (default: trained first, ~3 minutes)")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--seeds", default="0")
@@ -144,7 +144,7 @@ def main(argv=None) -> int:
     venv = tool.venv_dir(a.venv)
     versions = tool.venv_ready(venv)
     if versions is None:
-        raise SystemExit(f"no vLLM CPU venv at {venv}: python tools/vllm_cpu.py venv --venv {venv}")
+        raise SystemExit(f"no vLLM CPU venv at {venv}: python tools/tiers/vllm_cpu.py venv --venv {venv}")
     names = a.variants.split(",")
     bad = [n for n in names if n not in VARIANTS]
     if bad:

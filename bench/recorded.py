@@ -71,7 +71,7 @@ def main():
 def _decode_program(bench, args, jax, jnp):
     """generate()'s per-token program in the recorded tree (sample the last logits, append the token), lowered
     for the sampler row's shapes: what its decode loop ran once per token."""
-    from nemo_jax import generate as G
+    from nemo_jax.generate import decode as G
     from nemo_jax import kernels as kernels_lib
     from nemo_jax.model import Options, init
     from nemo_jax.model.cache import state_shapes

@@ -8,8 +8,8 @@ The model is the tiny Nemotron-H MoE of `nemo-jax sft` (`tiny.json`, pattern `ME
 MLP), random weights (seed 0), fp32, exported to one HF directory that both servers load; the adapter is rank 8 on
 every target (routed experts included), random A and B (it changes the samples), written in vLLM's layout and
 loaded by both (`--lora-modules` / `--adapters`). vLLM runs `python -m vllm.entrypoints.openai.api_server` from
-`--vllm-venv` (built by `tools/vllm_cpu.py venv`) with `--enforce-eager --dtype float32`; for MoE patterns it
-needs the project's vLLM CPU MoE plugin (tools/vllm_cpu_moe, on with VLLM_CPU_NONGATED_MOE=1 and
+`--vllm-venv` (built by `tools/tiers/vllm_cpu.py venv`) with `--enforce-eager --dtype float32`; for MoE patterns it
+needs the project's vLLM CPU MoE plugin (tools/tiers/vllm_cpu_moe, on with VLLM_CPU_NONGATED_MOE=1 and
 VLLM_CPU_NONGATED_MOE_LORA=1, which this script sets). Both servers: `--max-num-seqs 16`, `--max-model-len 2048`.
 
 Workload (as docs/performance.md's row): 16 chat-templated prompts sent as token ids to `/v1/completions`,
@@ -204,7 +204,7 @@ def median(xs):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--vllm-venv", default=os.environ.get("NEMO_JAX_VLLM_VENV") or os.path.join(
-        os.path.expanduser("~"), ".cache", "nemo_jax", "vllm-cpu"), help="a vLLM CPU venv (tools/vllm_cpu.py venv; "
+        os.path.expanduser("~"), ".cache", "nemo_jax", "vllm-cpu"), help="a vLLM CPU venv (tools/tiers/vllm_cpu.py venv; "
         "default: $NEMO_JAX_VLLM_VENV, else ~/.cache/nemo_jax/vllm-cpu, as that tool's)")
     ap.add_argument("--pattern", default=None, help="layer pattern instead of tiny.json's MEM*E- (e.g. M-M*--)")
     ap.add_argument("--runs", type=int, default=3)
@@ -223,7 +223,7 @@ def main():
     a = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # (the servers are stopped on the way out)
     if not os.path.exists(os.path.join(a.vllm_venv, "bin", "python")):
-        sys.exit(f"bench/serve_vs_vllm.py: no vLLM venv at {a.vllm_venv} (python tools/vllm_cpu.py venv --venv DIR)")
+        sys.exit(f"bench/serve_vs_vllm.py: no vLLM venv at {a.vllm_venv} (python tools/tiers/vllm_cpu.py venv --venv DIR)")
     levels = [1, a.concurrency]
     results: dict = {}
     info = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "host_cpus": os.cpu_count(),

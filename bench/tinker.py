@@ -83,7 +83,7 @@ def main(argv=None):
     from nemo_jax.lora import LoraConfig
     from nemo_jax.model import init
     from nemo_jax.rl.client import TrainingClient
-    from nemo_jax.tinker.service import LORA_ALPHA, lora_targets
+    from nemo_jax.tinker.registry import LORA_ALPHA, lora_targets
 
     tmp = tempfile.mkdtemp(prefix="bench-tinker-")
     cfg = NemotronHConfig.from_file(os.path.join(ROOT, "nemo_jax", "assets", "models", "tiny.json"))

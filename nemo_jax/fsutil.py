@@ -11,6 +11,8 @@
 * Outputs get the permissions `mkdir` and `open` would give them under the user's umask (a temporary is made
   private by `tempfile`; it is opened up before it is published), so another account (a vLLM server) can read them.
 * An output is never one of its command's inputs, inside one, or around one (`check_not_input`).
+* `read_json` / `read_yaml`: a user's file read with one clear line for a missing file or one that does not parse
+  (the file and the line named), in the error type the caller's command reports.
 * Content manifests (`write_manifest` / `verify_manifest`): the size and hash of every file of a folder, so a
   reader can prove a checkpoint is as it was written (`nemo_jax.checkpoint.latest_good_step`).
 """
@@ -367,6 +369,48 @@ def verify_manifest(folder: str) -> tuple[Damage | None, int]:
 
 
 _ERRNO_IN_TEXT = re.compile(r"\[Errno (\d+)\]|os_error_code='?(\d+)|Os \{ code: (\d+)|\(os error (\d+)\)")
+
+
+def read_json(path, missing: str = "no such file", *, error: type[Exception] = ValueError,
+              missing_error: type[Exception] = FileNotFoundError, where: str | None = None):
+    """The JSON value in the file `path`. A missing file raises `missing_error("WHERE: MISSING")` (`where`: what the
+    user named, default the path), one that does not parse `error("PATH: not valid JSON (what, line N)")`."""
+    return _read_structured(path, json.load, "JSON", (ValueError,), missing, error, missing_error, where)
+
+
+def read_yaml(path, missing: str = "no such file", *, error: type[Exception] = ValueError,
+              missing_error: type[Exception] = FileNotFoundError, where: str | None = None, mapping: bool = False):
+    """`read_json` for a YAML file (an empty file reads as None); `mapping`: the top level must be a mapping (an
+    empty file reads as {})."""
+    import yaml
+
+    data = _read_structured(path, yaml.safe_load, "YAML", (yaml.YAMLError, ValueError), missing, error,
+                            missing_error, where)
+    if mapping:
+        data = {} if data is None else data
+        if not isinstance(data, dict):
+            raise error(f"{os.fspath(path)}: top level must be a mapping")
+    return data
+
+
+def _read_structured(path, load, kind: str, parse_errors: tuple, missing: str, error, missing_error, where):
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return load(f)
+    except FileNotFoundError:
+        raise missing_error(f"{where or path}: {missing}") from None
+    except parse_errors as e:  # (a file that is not UTF-8 text is a ValueError too)
+        raise error(f"{path}: not valid {kind} ({_parse_error(e)})") from None
+
+
+def _parse_error(e: Exception) -> str:
+    """What a JSON or YAML parser says went wrong, with the file's line."""
+    if hasattr(e, "lineno"):  # json.JSONDecodeError
+        return f"{e.msg}, line {e.lineno}"
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    return f"{problem}, line {mark.line + 1}" if mark is not None else problem
 
 
 def os_error_code(e: BaseException, by_message: bool = False) -> int | None:

@@ -4,7 +4,7 @@
 when the interpreter exits and when `asyncio.run` ends: one call that never returns (a read of a FIFO, a plug-in
 environment's `start()` that hangs) then keeps a finished process alive until it is killed. A `DaemonPool` runs
 the same kind of calls on daemon threads, and `add_thread` lets its owner replace a thread that a call it gave up
-on still holds (nemo_jax.rl.producer.EnvCalls, nemo_jax.serve.app)."""
+on still holds (nemo_jax.rl.transport.producer.EnvCalls, nemo_jax.serve.app)."""
 
 from __future__ import annotations
 

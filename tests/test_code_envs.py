@@ -12,9 +12,9 @@ import threading
 
 import pytest
 
-from nemo_jax.rl.code_tools import call
+from nemo_jax.rl.envs.code_tools import call
 from nemo_jax.rl.envs import make_env
-from nemo_jax.rl.swe_env import make_task, protected, seal
+from nemo_jax.rl.envs.swe import make_task, protected, seal
 from nemo_jax.sandbox import SandboxSpec
 from nemo_jax.sandbox.local import probe_bwrap
 
@@ -183,7 +183,7 @@ def test_swe_task_folders(tmp_path):
     obs, _ = play(env, task, [call("apply_patch", patch=half), "done"])
     assert obs[-1].reward == 0.5 and not obs[-1].success  # one of two fail-to-pass, every pass-to-pass
     (d / "task.json").write_text("{")
-    with pytest.raises(ValueError, match=r"task.json: invalid JSON"):
+    with pytest.raises(ValueError, match=r"task.json: not valid JSON"):
         make_env("swe", tasks=str(tmp_path / "tasks"))
 
 
@@ -227,8 +227,8 @@ def test_chart_python_tool_figures_and_hostile_code(chart, host_listener):
 def test_parallel_start_and_close_bounded_by_env_workers(swe, monkeypatch):
     """The driver's worker pool (rollout.env_workers threads) runs episode calls: sandboxes start and close in
     parallel, never more at once than the pool's threads."""
-    import nemo_jax.rl.code_tools as ct
-    from nemo_jax.rl.producer import EnvCalls
+    import nemo_jax.rl.envs.code_tools as ct
+    from nemo_jax.rl.transport.producer import EnvCalls
 
     live, peak, lock = [0], [0], threading.Condition()
     real = ct.open_sandbox

@@ -347,4 +347,4 @@ def test_constraints_pin_every_dependency_within_its_range():
             problems.append(f"{req} is not pinned")
         elif not req.specifier.contains(pinned[name], prereleases=True):
             problems.append(f"{req}: the pin {pinned[name]} is outside the range")
-    assert not problems, "constraints.txt (tools/update_constraints.sh writes it):\n" + "\n".join(problems)
+    assert not problems, "constraints.txt (tools/maintenance/update_constraints.sh writes it):\n" + "\n".join(problems)

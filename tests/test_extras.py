@@ -6,7 +6,7 @@ nemo_jax of a package outside the core dependencies (their whole dependency clos
 `require` names a real extra; `EXTRA_MODULES` lists every extra. This is what `pip install -c constraints.txt .`
 lacking Pillow broke (the VL configs died on `from PIL import Image` after minutes of work).
 
-The venv tier (tests/test_venvs.py, `-m venv`, tools/test_venvs.sh) checks the same in real venvs.
+The venv tier (tests/test_venvs.py, `-m venv`, tools/tiers/test_venvs.sh) checks the same in real venvs.
 """
 
 import ast

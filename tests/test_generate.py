@@ -75,7 +75,7 @@ def test_stop_tokens_and_finish_reason(setup):
 def test_one_decode_program_serves_every_budget(setup):
     """The decode step depends on the sampling settings, not on max_new_tokens: a second budget on the same
     state shape compiles nothing new."""
-    from nemo_jax import generate as G
+    from nemo_jax.generate import decode as G
 
     cfg, params = setup
     greedy = SamplingParams(max_new_tokens=2, temperature=0.0)

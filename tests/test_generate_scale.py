@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from nemo_jax import model as M
-from nemo_jax.generate import (SamplingParams, _append, _decode_and_sample, append, continuous_generate, generate,
-                               load_for_generation, prefill)
+from nemo_jax.generate import (SamplingParams, append, continuous_generate, generate, load_for_generation,
+                               prefill)
+from nemo_jax.generate.decode import _append, _decode_and_sample
 from nemo_jax.model.attention import BLOCK
 from nemo_jax.model.cache import init_decode_state, state_shapes
 from nemo_jax.model.spec import param_specs

@@ -22,7 +22,7 @@ from nemo_jax.model import Options, init
 from nemo_jax.rl.client import TrainingClient
 from nemo_jax.rl.envs import Arithmetic, Constraints, JsonlTasks, Observation, Score, Task, make_env
 from nemo_jax.rl.learner import make_learner_step
-from nemo_jax.rl.producer import sample_rollouts, sample_rollouts_plain
+from nemo_jax.rl.transport.producer import sample_rollouts, sample_rollouts_plain
 from nemo_jax.rl.rollout import learner_batch
 
 from helpers import FAST_COMPILE, micro_model, tiny_cfg
@@ -365,7 +365,7 @@ def test_inbox_tools_checks_and_guardrails():
 def test_streamed_rollouts_equal_the_turn_by_turn_sampler(tok, base, monkeypatch):
     """The engine-driven episodes (2 decode rows for 4 two-turn rollouts, conversations parked and continued in
     their rows) give, greedy, the rollouts the plain turn-by-turn sampler gives."""
-    import nemo_jax.rl.producer as producer
+    import nemo_jax.rl.transport.producer as producer
 
     client = TrainingClient(CFG, base, LCFG)
     env = TwoTurns()
@@ -448,8 +448,8 @@ def test_a_waiting_episode_never_stalls_the_other_rows(tok, base, monkeypatch):
     through the second row, two turns each, and reach the driver one by one; adapters swapped in meanwhile
     sample the waiting rollout's next turn, so it spans two policy versions (staleness from the oldest). An
     episode past its time limit is scored 0, closed and counted; every episode is closed."""
-    import nemo_jax.rl.producer as producer
-    from nemo_jax.rl.producer import EpisodeDriver, sampling_params
+    import nemo_jax.rl.transport.producer as producer
+    from nemo_jax.rl.transport.producer import EpisodeDriver, sampling_params
 
     client = TrainingClient(CFG, base, LCFG)
     env = Gated()
@@ -473,7 +473,10 @@ def test_a_waiting_episode_never_stalls_the_other_rows(tok, base, monkeypatch):
     steps = engine.decode_steps
     assert sorted(r.rollout_id for r in done) == ["fast0", "fast1", "fast2"] and d.running == 1
     assert all(r.reward == 2.0 and r.success and r.policy_versions == [0] for r in done)
-    assert steps >= 3 * 2 * 3 and engine.parked == 1  # 3 rollouts x 2 turns x >= 3 tokens while "slow" waited
+    # every token the fast rollouts sampled (3 rollouts x 2 turns, one row between them) took a decode step while
+    # "slow" waited parked in the other row (a turn's length is not fixed: greedy picks can differ in the last bits
+    # with what else the batch holds)
+    assert steps >= sum(sum(r.loss_mask) for r in done) >= 3 * 2 and engine.parked == 1
     engine.set_adapters(jax.tree.map(lambda x: x * 1.0, client.adapters), 5)
     env.gate.set()
     while d.running and time.monotonic() - t0 < 120:
@@ -497,8 +500,8 @@ def test_a_plugin_environment_that_raises_in_start_is_shown_by_its_own_file_and_
     """A plug-in environment whose start() raises: the error names the author's file and line first, and the
     CLI prints only the author's frames and one line (no traceback of the sampler's internals)."""
     import nemo_jax.cli as cli
-    from nemo_jax.rl.episode import EnvironmentFailed
-    from nemo_jax.rl.producer import EpisodeDriver, sampling_params
+    from nemo_jax.rl.envs.episode import EnvironmentFailed
+    from nemo_jax.rl.transport.producer import EpisodeDriver, sampling_params
 
     (tmp_path / "my_env.py").write_text(textwrap.dedent("""
         from nemo_jax.rl.envs import Task
@@ -578,7 +581,7 @@ def test_a_hanging_start_costs_one_worker_not_the_pool(tok, base, capsys):
     """Two workers, a start() that hangs on 1 task in 4: the two hanging episodes time out (each costs its own
     thread, replaced with a line) and every episode started after them finishes with its reward; before the fix
     the hung calls held both workers and every later episode timed out too."""
-    from nemo_jax.rl.producer import EpisodeDriver, sampling_params
+    from nemo_jax.rl.transport.producer import EpisodeDriver, sampling_params
 
     client = TrainingClient(CFG, base, LCFG)
     env = HangsOneInFour()
@@ -609,7 +612,7 @@ def test_a_hanging_start_costs_one_worker_not_the_pool(tok, base, capsys):
 def test_env_calls_replace_abandoned_workers_up_to_a_bound_and_never_keep_the_process_alive():
     code = textwrap.dedent("""
         import threading, time
-        from nemo_jax.rl.producer import EnvCalls
+        from nemo_jax.rl.transport.producer import EnvCalls
         calls = EnvCalls(1, "environment hangs")
         forever = threading.Event()
         hung = [calls.call(("h", i), forever.wait) for i in range(5)]
@@ -640,7 +643,7 @@ def test_mcp_episode_round_trip_with_the_shipped_server(tok, base):
     import asyncio
 
     pytest.importorskip("mcp")
-    from nemo_jax.rl.mcp_env import MCPEnv
+    from nemo_jax.rl.envs.mcp import MCPEnv
 
     env = make_env("mcp", task_args={"n_train": 4, "n_eval": 2, "families": ["total"]}, max_turns=3)
     assert isinstance(env, MCPEnv) and len(env.tasks("train")) == 4
@@ -719,7 +722,7 @@ def test_gui_env_actions_screens_and_partial_credit():
     ends the episode, each form action is answered by a new screenshot, and the demonstrations are SFT records
     the chat data parser reads (pictures as data URLs)."""
     from nemo_jax.data.chat import ChatTokenizer, parse_record
-    from nemo_jax.rl.gui_env import GUIEnv, parse_action
+    from nemo_jax.rl.envs.gui import GUIEnv, parse_action
 
     assert parse_action("click 12, 40") == ("click", (12, 40)) and parse_action("key Enter") == ("key", "Enter")
     assert parse_action("I will do it.\ntype hello world") == ("type", "hello world") and parse_action("ok") is None

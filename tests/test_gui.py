@@ -10,7 +10,7 @@ import pytest
 from nemo_jax.rl.ablation import ImageAblation, ablate
 from nemo_jax.rl.envs import Observation, Task, make_env
 from nemo_jax.rl.grpo import standard_error
-from nemo_jax.rl.gui_env import GUIEnv
+from nemo_jax.rl.envs.gui import GUIEnv
 
 
 def _picture(obs):
@@ -137,7 +137,7 @@ def test_eval_help_lists_every_builtin_environment_from_the_registry(capsys):
     and each name builds its class."""
     from nemo_jax.cli import main
     from nemo_jax.rl.envs import make_env
-    from nemo_jax.rl.episode import BUILTIN_ENVS
+    from nemo_jax.rl.envs.episode import BUILTIN_ENVS
 
     with pytest.raises(SystemExit):
         main(["eval", "--help"])

@@ -257,7 +257,7 @@ def test_compare_logits_tool(hf_dir, tmp_path):
     cfg, params = load_pretrained(d / "hf")
     save_model(str(tmp_path / "native"), cfg, params)
     spec = importlib.util.spec_from_file_location(
-        "compare_logits", os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools", "compare_logits.py"))
+        "compare_logits", os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools", "probes", "compare_logits.py"))
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     out = tool.main([str(d / "hf"), str(tmp_path / "native"), "--ids", "3,14,15,92,65,35,8,9,7,93"])

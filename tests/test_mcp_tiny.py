@@ -1,4 +1,4 @@
-"""The tiny MCP shop task (nemo_jax.rl.mcp_tiny_server) and the `mcp` environment's server sessions: the expert
+"""The tiny MCP shop task (nemo_jax.rl.envs.mcp_tiny_server) and the `mcp` environment's server sessions: the expert
 earns full reward on every held-out task through real episodes, a no-op earns 0, wrong calls earn less, each step
 of the plan earns its share (graded progress), and a reused server serves its episodes in turn. No model."""
 
@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from nemo_jax.rl.envs import make_env
-from nemo_jax.rl.mcp_tiny_server import FAMILIES, PRICES, call_text, expert, score, tasks
+from nemo_jax.rl.envs.mcp_tiny_server import FAMILIES, PRICES, call_text, expert, score, tasks
 
 
 def _log(*calls):
@@ -125,7 +125,7 @@ def test_episode_cut_during_a_call_does_not_hand_its_server_on():
     """A session whose episode ended inside a tool call (a time limit) is closed, not reused; one that ended
     cleanly goes back to the pool only while it has served fewer than `episodes_per_server` episodes."""
     pytest.importorskip("mcp")
-    from nemo_jax.rl.mcp_env import MCPEnv
+    from nemo_jax.rl.envs.mcp import MCPEnv
 
     closed = []
 

@@ -279,7 +279,7 @@ def test_published_policies_vllm_layout_and_peft_logits(hf_model, tmp_path):
     from safetensors import safe_open
 
     from nemo_jax.rl.client import TrainingClient
-    from nemo_jax.rl.spool import latest_policy, published_versions
+    from nemo_jax.rl.transport.policy import latest_policy, published_versions
 
     d, cfg, params, toks = hf_model
     with open(d / "hf" / "config.json") as f:

@@ -357,7 +357,7 @@ def test_no_rollout_older_than_max_off_policy_steps_trains(bound):
 def test_spool_round_trip_and_rejections(tmp_path):
     from nemo_jax.rl.pool import RolloutPool
     from nemo_jax.rl.rollout import learner_batch
-    from nemo_jax.rl.spool import SpoolReader, write_rollouts
+    from nemo_jax.rl.transport.rollouts import SpoolReader, write_rollouts
 
     pool = RolloutPool(group_size=2, max_off_policy_steps=4)
     g = pool.open_group("t0")

@@ -187,7 +187,7 @@ def fake_engine(tmp_path, monkeypatch):
     root.mkdir()
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     monkeypatch.setenv("FAKE_ENGINE_ROOT", str(root))
-    import nemo_jax.sandbox.remote as remote
+    import nemo_jax.sandbox.containers as remote
 
     for cache in (remote._swept, remote._policies):
         monkeypatch.setattr(remote, "_swept" if cache is remote._swept else "_policies", set())

@@ -23,7 +23,8 @@ import httpx  # noqa: E402
 from nemo_jax.config.model import NemotronHConfig  # noqa: E402
 from nemo_jax.data.chat import ChatTokenizer  # noqa: E402
 from nemo_jax.generate import TurnEnd  # noqa: E402
-from nemo_jax.serve.app import ServerState, make_app, serve  # noqa: E402
+from nemo_jax.serve.app import ServerState, make_app  # noqa: E402
+from nemo_jax.serve.main import serve  # noqa: E402
 from nemo_jax.serve.openai import APIError  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -384,12 +385,12 @@ def test_bounded_queue_timeout_and_draining(running):
     for t in pool:
         t.join()
     assert [f.status_code for f in futs] == [200, 200]
-    srv.state.request_timeout = 1.0  # (a 1000-token request takes 20 s here)
+    srv.state.runner.request_timeout = 1.0  # (a 1000-token request takes 20 s here)
     t0 = time.monotonic()
     e = _error(srv.post("/v1/completions", {"prompt": "hi", "max_tokens": 1000}, timeout=300), 503)
     assert "--request-timeout" in e["message"] and time.monotonic() - t0 < 15
     _until(lambda: srv.engine.rows == [None], "the timed-out request's row freed", 10)
-    srv.state.request_timeout = 0.0
+    srv.state.runner.request_timeout = 0.0
     # draining: the one in flight finishes, new ones are refused
     done = []
     t = threading.Thread(target=lambda: done.append(srv.post("/v1/completions", {"prompt": "hi", "max_tokens": 30},
@@ -549,7 +550,7 @@ def test_hostile_inputs_are_400s_never_500s_or_hangs(running, tmp_path, logged, 
     import base64
 
     import nemo_jax.data.images as images
-    import nemo_jax.serve.app as app
+    import nemo_jax.serve.prompts as app
 
     media = tmp_path / "media"
     media.mkdir()
@@ -593,14 +594,14 @@ def test_hostile_inputs_are_400s_never_500s_or_hangs(running, tmp_path, logged, 
 def test_health_says_503_when_requests_cannot_be_served_and_one_sigterm_stops_a_stuck_server(running, monkeypatch):
     """With every request thread held (calls that never end), /health is 503, not 200; one SIGTERM still stops
     the server (status 0), its stuck threads left behind."""
-    import nemo_jax.serve.app as app
+    import nemo_jax.serve.runner as app
 
     monkeypatch.setattr(app, "HEALTH_PROBE_S", 0.3)
     srv = running()
     assert httpx.get(srv.url + "/health").status_code == 200
     stuck = threading.Event()
-    for _ in range(srv.state.work.limit):
-        srv.state.work.submit(stuck.wait)
+    for _ in range(srv.state.runner.work.limit):
+        srv.state.runner.work.submit(stuck.wait)
     assert httpx.get(srv.url + "/health").status_code == 503
     srv.server.handle_exit(15, None)
     srv.thread.join(30)
@@ -638,7 +639,7 @@ def test_serve_checks_the_port_before_loading_warns_on_every_interface_and_says_
     """`nemo-jax serve` on a taken port: one line naming it, before the model is loaded; on 0.0.0.0 without an
     API key: one warning line; the ready line is printed when the socket already accepts connections."""
     import nemo_jax.generate as generate
-    import nemo_jax.serve.app as app
+    import nemo_jax.serve.main as app
     from nemo_jax.cli import main
 
     loaded = []

@@ -15,7 +15,7 @@ import pytest
 from nemo_jax.rl.loss import policy_loss
 from nemo_jax.rl.pool import RolloutPool
 from nemo_jax.rl.rollout import Rollout, validate
-from nemo_jax.rl.spool import SpoolReader, write_rollouts
+from nemo_jax.rl.transport.rollouts import SpoolReader, write_rollouts
 
 
 def _rollout(group, task="t0", reward=1.0, version=0, n=6, **kw):
@@ -192,8 +192,8 @@ def test_finite_rewards_give_finite_advantages():
 # ----------------------------------------------------------------------------- requests and leases
 def test_claims_are_leases_that_expire_and_cancel(tmp_path):
     from nemo_jax.rl.envs import Task
-    from nemo_jax.rl.spool import (RequestBoard, cancelled, claim_request, complete, release, renew,
-                                   report_failure)
+    from nemo_jax.rl.transport.board import RequestBoard, cancelled, claim_request, complete, release, renew
+    from nemo_jax.rl.transport.rollouts import report_failure
 
     run = str(tmp_path)
     board = RequestBoard(run, lease_s=10.0)
@@ -244,7 +244,7 @@ def test_learner_restart_keeps_requests_and_in_flight_groups(tmp_path):
     requests of groups the restarted learner never opened are cancelled; a lost request is posted again; a
     worker that dies loses only its lease (reposted, counted as a failed episode)."""
     from nemo_jax.rl.grpo import GRPORunner, load_grpo_config
-    from nemo_jax.rl.spool import cancelled, claim_request, complete, post_request, renew
+    from nemo_jax.rl.transport.board import cancelled, claim_request, complete, post_request, renew
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     c = load_grpo_config(os.path.join(root, "configs/grpo/tiny-cpu.yaml"), [
@@ -289,7 +289,7 @@ def test_learner_restart_keeps_requests_and_in_flight_groups(tmp_path):
     assert not renew(dead) and b.pool.in_flight[dead.group_id]["failed"] == 1
     with open(os.path.join(run, "requests", dead.group_id + ".json")) as f:
         assert json.load(f)["rollouts"] == 2  # reposted for what the group still needs
-    from nemo_jax.rl.spool import report_failure
+    from nemo_jax.rl.transport.rollouts import report_failure
 
     nxt = next(x for x in iter(lambda: claim_request(run, "w3"), None) if x.group_id == dead.group_id)
 
@@ -323,7 +323,7 @@ def test_group_ids_never_repeat_across_learner_restarts(tmp_path):
     restarted learner's new groups (the same step, the same count of groups opened) get other ids, so each is
     claimed, none is skipped for its predecessor's cancel marker (which would lose its in-flight slot for good)."""
     from nemo_jax.rl.envs import Task
-    from nemo_jax.rl.spool import RequestBoard, cancelled, claim_request
+    from nemo_jax.rl.transport.board import RequestBoard, cancelled, claim_request
 
     run = str(tmp_path)
     task = Task("t0", ({"role": "user", "content": "hi"},))
@@ -343,8 +343,8 @@ def test_group_ids_never_repeat_across_learner_restarts(tmp_path):
 def test_a_release_killed_midway_leaves_a_claim_that_expires(tmp_path, monkeypatch):
     """`release(lease, rollouts)` killed between its steps (here: the last rename never happens) leaves the group
     as a claim the learner sees expire and posts again, never as a file nobody reads."""
-    from nemo_jax.rl import spool
     from nemo_jax.rl.envs import Task
+    from nemo_jax.rl.transport import board as spool
 
     run = str(tmp_path)
     board = spool.RequestBoard(run, lease_s=5.0)
@@ -372,7 +372,7 @@ def test_a_release_killed_midway_leaves_a_claim_that_expires(tmp_path, monkeypat
 
 def test_a_finished_run_closes_its_board(tmp_path):
     from nemo_jax.rl.envs import Task
-    from nemo_jax.rl.spool import RequestBoard, claim_request, closed
+    from nemo_jax.rl.transport.board import RequestBoard, claim_request, closed
 
     run = str(tmp_path)
     board = RequestBoard(run, lease_s=5.0)
@@ -391,7 +391,7 @@ def test_a_finished_run_closes_its_board(tmp_path):
 def test_publisher_writes_in_the_background_newest_first(tmp_path, monkeypatch):
     """submit returns at once; a version still waiting when a newer one comes is replaced (counted); a failed write
     is raised by the next submit / flush, naming the run dir."""
-    import nemo_jax.rl.spool as spool
+    from nemo_jax.rl.transport import policy as spool
 
     gate, writing, calls = threading.Event(), threading.Event(), []
 

@@ -179,7 +179,7 @@ def test_futures_long_poll_errors_and_other_runs():
 
 def test_lora_flags_and_checkpoint_paths(tmp_path):
     from nemo_jax.lora import LoraConfig, init_adapters
-    from nemo_jax.tinker.service import lora_targets
+    from nemo_jax.tinker.registry import lora_targets
     from nemo_jax.tinker.store import Store, parse_path
 
     tiny = _tiny_cfg(("linear_attention", "full_attention", "moe", "mlp"))
@@ -225,7 +225,7 @@ def test_image_chunks_reach_the_vision_tower():
     from nemo_jax.lora import LoraConfig, init_adapters
     from nemo_jax.model import init
     from nemo_jax.tinker.learner import Learner
-    from nemo_jax.tinker.service import flatten
+    from nemo_jax.tinker.sampling import flatten
 
     with open(os.path.join(ROOT, "nemo_jax", "assets", "models", "tiny-vl.json")) as f:
         hf = json.load(f)
@@ -316,7 +316,7 @@ class Server(ServeProcess):
 def served(tmp_path_factory):
     """The tiny model cut to an attention and an MLP layer (`helpers.micro_model`'s shape: what is tested here does
     not depend on the layer kinds, and its learner compiles ~5x faster than with Mamba and MoE layers; those are
-    exercised by tools/tinker_cookbook.py and bench/tinker.py on the whole tiny model), random fp32 weights, as an
+    exercised by tools/tiers/tinker_cookbook.py and bench/tinker.py on the whole tiny model), random fp32 weights, as an
     HF dir with its tokenizer; served with the Tinker API under ROOT."""
     from nemo_jax.data.chat import resolve
     from nemo_jax.hf.io import save_pretrained

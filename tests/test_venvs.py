@@ -1,4 +1,4 @@
-"""The venv tier (`pytest -m venv`, tools/test_venvs.sh; skipped otherwise): the base install and each extra in
+"""The venv tier (`pytest -m venv`, tools/tiers/test_venvs.sh; skipped otherwise): the base install and each extra in
 clean venvs (tests/venvs.py builds and caches them).
 
 * the base install (`pip install -c constraints.txt .`, no extra) imports every nemo_jax module that belongs to

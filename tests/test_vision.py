@@ -504,7 +504,7 @@ def test_rl_rollouts_with_images_train_on_the_pictures_they_were_sampled_with(vl
     prefill and continuation, into the rollouts as content-hashed files under the run dir, through validation,
     and into the learner batch: the learner's logprobs equal the sampler's behaviour logprobs, and they depend
     on the pictures."""
-    import nemo_jax.rl.producer as producer
+    import nemo_jax.rl.transport.producer as producer
     from nemo_jax.lora import LoraConfig
     from nemo_jax.rl.client import TrainingClient
     from nemo_jax.rl.rollout import ImageStore, RolloutImages, learner_batch, validate

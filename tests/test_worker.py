@@ -9,6 +9,7 @@ folder; a finished run stops its workers (exit 0)."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -196,10 +197,16 @@ def test_grpo_fed_by_rollout_workers_trains_on_policy(served):
 
 
 def _only_unknown_groups_rejected(run) -> dict:
-    rejected = _spool(run, "rejected")
-    reasons = [open(run / "spool" / "rejected" / (n + ".reason")).read() for n in rejected]
-    assert all("unknown_group" in r for r in reasons), reasons
-    return rejected
+    """{file: its rejected records} of spool/rejected, every one rejected as unknown_group. A file moves there whole
+    when any of its records is rejected: its .reason names those by line (the others were accepted: a worker's file
+    may hold rollouts of several groups)."""
+    out = {}
+    for n, records in _spool(run, "rejected").items():
+        reason = open(run / "spool" / "rejected" / (n + ".reason")).read()
+        bad = {int(m.group(1)): m.group(2) for m in re.finditer(r"line (\d+): (\w+)", reason)}
+        assert bad and set(bad.values()) == {"unknown_group"}, (n, reason)
+        out[n] = [x for i, x in enumerate(records, 1) if i in bad]
+    return out
 
 
 @pytest.mark.slow
@@ -289,9 +296,10 @@ def test_turn_parsing_chat_messages_and_server_kinds(tmp_path):
     from openai.types.chat import ChatCompletion
 
     from nemo_jax.rl.rollout import ImageStore
-    from nemo_jax.rl.worker import RequestSampling, Server, TurnFailed, WorkerError, chat_messages, parse_turn
+    from nemo_jax.generate import SamplingParams
+    from nemo_jax.rl.transport.worker import InferenceClient, TurnFailed, WorkerError, chat_messages, parse_turn
 
-    sp = RequestSampling(stop_token_ids=(2, 4))
+    sp = SamplingParams(stop_token_ids=(2, 4))
 
     def completion(ids, strs, lps, reason="stop", **extra):
         return Completion.model_validate({"id": "x", "object": "text_completion", "created": 0, "model": "m",
@@ -330,7 +338,7 @@ def test_turn_parsing_chat_messages_and_server_kinds(tmp_path):
         assert parts[3]["image_url"]["url"] == "data:image/png;base64," + base64.b64encode(f.read()).decode()
     assert tools == Live.tools
 
-    srv = object.__new__(Server)
+    srv = object.__new__(InferenceClient)
     srv.model, srv.kind = "base", "sglang"
     assert srv.select("run-v3") == ("base", {"lora_path": "run-v3"}) and srv.select(None) == ("base", {})
     srv.kind = "vllm"
@@ -348,7 +356,7 @@ def test_server_calls_outlast_a_restart_and_send_the_key(monkeypatch, capsys):
     --api-key or $NEMO_JAX_API_KEY as a bearer token."""
     import httpx
 
-    from nemo_jax.rl.worker import Server, WorkerError
+    from nemo_jax.rl.transport.worker import InferenceClient, WorkerError
 
     monkeypatch.setenv("NEMO_JAX_API_KEY", "k1")
     seen, down = [], [3]
@@ -365,8 +373,8 @@ def test_server_calls_outlast_a_restart_and_send_the_key(monkeypatch, capsys):
         if req.url.path == "/v1/models":
             return httpx.Response(200, json=_models_json())
         return httpx.Response(200, text="Success")
-    monkeypatch.setattr(Server, "QUIET_S", 0.05)
-    srv = Server("http://engine:8000/v1", wait_s=5.0, transport=httpx.MockTransport(handler))
+    monkeypatch.setattr(InferenceClient, "QUIET_S", 0.05)
+    srv = InferenceClient("http://engine:8000/v1", wait_s=5.0, transport=httpx.MockTransport(handler))
     assert srv.kind == "nemo-jax" and srv.load_adapter("run-v1", "/runs/r/policy/1")
     out = capsys.readouterr().out
     assert "ConnectError" in out and "HTTP 503" in out and "answers again" in out
@@ -376,11 +384,11 @@ def test_server_calls_outlast_a_restart_and_send_the_key(monkeypatch, capsys):
     with pytest.raises(WorkerError, match="no answer within"):
         srv.load_adapter("run-v2", "/runs/r/policy/2")
     with pytest.raises(WorkerError, match="give --api-key"):
-        Server("http://engine:8000", api_key="wrong", wait_s=1.0, transport=httpx.MockTransport(handler))
+        InferenceClient("http://engine:8000", api_key="wrong", wait_s=1.0, transport=httpx.MockTransport(handler))
     off = lambda req: httpx.Response(404, json={"error": {"message": "runtime LoRA updating is off (start ...)"}}) \
         if "lora" in req.url.path else httpx.Response(200, json=_models_json())  # noqa: E731
     with pytest.raises(WorkerError, match="does not load adapters at run time"):
-        Server("http://engine:8000", wait_s=1.0, transport=httpx.MockTransport(off)).load_adapter("a", "/x")
+        InferenceClient("http://engine:8000", wait_s=1.0, transport=httpx.MockTransport(off)).load_adapter("a", "/x")
     busy = [2]  # another worker on the same server is loading this version: wait for it, then "already loaded"
 
     def racing(req):
@@ -389,7 +397,7 @@ def test_server_calls_outlast_a_restart_and_send_the_key(monkeypatch, capsys):
         busy[0] -= 1
         word = "is being loaded by another request" if busy[0] > 0 else "has already been loaded"
         return httpx.Response(400, json={"error": {"message": f"The lora adapter 'a' {word}."}})
-    assert Server("http://engine:8000", wait_s=5.0, transport=httpx.MockTransport(racing)).load_adapter("a", "/x")
+    assert InferenceClient("http://engine:8000", wait_s=5.0, transport=httpx.MockTransport(racing)).load_adapter("a", "/x")
     assert busy[0] == 0
 
 
@@ -402,17 +410,17 @@ def test_workers_exit_when_the_learner_closes_the_run(tmp_path, capsys):
 
     from nemo_jax.config.model import NemotronHConfig
     from nemo_jax.data.chat import ChatTokenizer
-    from nemo_jax.rl import spool
+    from nemo_jax.rl.transport.board import RequestBoard
     from nemo_jax.rl.envs import make_env
-    from nemo_jax.rl.worker import RolloutWorker, Server, cli_worker
+    from nemo_jax.rl.transport.worker import InferenceClient, RolloutWorker, cli_worker
 
     run = tmp_path / "run"
     (run / "policy" / "1").mkdir(parents=True)
     (run / "policy" / "LATEST").write_text("1\n")
-    board = spool.RequestBoard(str(run), lease_s=30.0)
+    board = RequestBoard(str(run), lease_s=30.0)
     handler = lambda req: httpx.Response(200, json=_models_json()) if req.url.path == "/v1/models" \
         else httpx.Response(200, text="Success")  # noqa: E731
-    srv = Server("http://engine:8000", wait_s=2.0, transport=httpx.MockTransport(handler))
+    srv = InferenceClient("http://engine:8000", wait_s=2.0, transport=httpx.MockTransport(handler))
     with open(os.path.join(ROOT, "nemo_jax", "assets", "models", "tiny.json")) as f:
         cfg = NemotronHConfig.from_hf_dict(json.load(f))
     w = RolloutWorker(str(run), srv, ChatTokenizer.load("builtin:tiny"), cfg, make_env("arithmetic"),
@@ -437,10 +445,11 @@ def test_turns_outlast_a_server_restart_that_lost_the_adapters(monkeypatch):
     loop for --wait-s; the restarted server's answer (unknown adapter) counts as unloaded."""
     import httpx
 
-    from nemo_jax.rl.worker import RequestSampling, Server, ServerSampler
+    from nemo_jax.generate import SamplingParams
+    from nemo_jax.rl.transport.worker import InferenceClient, ServerSampler
 
     monkeypatch.setattr(ServerSampler, "RETRY_S", (0.01, 0.05))
-    monkeypatch.setattr(Server, "CLIENT_RETRIES", 0)
+    monkeypatch.setattr(InferenceClient, "CLIENT_RETRIES", 0)
     state = {"down": 0, "loaded": {"run-v1"}, "loads": [], "sent": 0}
 
     def control(req: httpx.Request):  # /v1/models, adapter loads and unloads
@@ -469,13 +478,13 @@ def test_turns_outlast_a_server_restart_that_lost_the_adapters(monkeypatch):
         return httpx.Response(200, json={"id": "c", "object": "text_completion", "created": 0, "model": model,
                                          "choices": [{"index": 0, "text": "", "finish_reason": "stop", "token_ids": [7, 2],
                                                       "logprobs": {"tokens": ["a", "b"], "token_logprobs": [-0.5, -0.1]}}]})
-    srv = Server("http://engine:8000", wait_s=600.0, transport=httpx.MockTransport(control),
+    srv = InferenceClient("http://engine:8000", wait_s=600.0, transport=httpx.MockTransport(control),
                  async_transport=httpx.MockTransport(completions))
     sampler = ServerSampler(srv, poll_s=0.01)
     try:
         sampler.set_adapter("run-v1", 1, "/runs/r/policy/1")
         state["down"] = 8  # the server goes away: 8 attempts fail (4 per turn) before it is back
-        sp = RequestSampling(max_new_tokens=4, stop_token_ids=(2,))
+        sp = SamplingParams(max_new_tokens=4, stop_token_ids=(2,))
         ids = [sampler.submit([1, 5, 6], sp, tag=i) for i in range(2)]
         t0 = time.monotonic()
         assert srv.unload_adapter("run-v0") is False and time.monotonic() - t0 < 5  # away: not waited for

@@ -1,4 +1,4 @@
-"""Clean venvs of the base install and of each extra, for the venv tier (tests/test_venvs.py, tools/test_venvs.sh).
+"""Clean venvs of the base install and of each extra, for the venv tier (tests/test_venvs.py, tools/tiers/test_venvs.sh).
 
 `base_venv()`: a venv (no system site-packages) holding the core dependencies of pyproject.toml, pinned by
 constraints.txt (`pip install -c constraints.txt REQS`); `extra_venv(EXTRA)`: a venv holding that extra's

@@ -11,6 +11,8 @@ from typing import Any
 
 import yaml
 
+from nemo_jax.fsutil import read_yaml
+
 
 def _type_ok(value, tp) -> tuple[bool, Any]:
     origin = typing.get_origin(tp)
@@ -101,16 +103,7 @@ def parse_override(s: str) -> tuple[list[str], Any]:
 def load_config(cls, path: str | None, overrides: list[str] = (), defaults: dict | None = None):
     data: dict = dict(defaults or {})
     if path:
-        try:
-            with open(path) as f:
-                loaded = yaml.safe_load(f) or {}
-        except FileNotFoundError:
-            raise FileNotFoundError(f"{path}: no such config file") from None
-        except yaml.YAMLError as e:
-            raise ValueError(f"{path}: invalid YAML ({e})") from None
-        if not isinstance(loaded, dict):
-            raise ValueError(f"{path}: top level must be a mapping")
-        data = _merge(data, loaded)
+        data = _merge(data, read_yaml(path, "no such config file", mapping=True))
     for o in overrides:
         keys, val = parse_override(o)
         node = data

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nemo_jax.config.vision import VisionConfig
+from nemo_jax.fsutil import read_json
 
 # One character per layer kind, as in the legacy `hybrid_override_pattern`.
 KIND_BY_CHAR = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
@@ -316,13 +317,7 @@ class NemotronHConfig:
         path = os.fspath(path)
         if os.path.isdir(path):
             path = os.path.join(path, "config.json")
-        try:
-            with open(path) as f:
-                d = json.load(f)
-        except FileNotFoundError:
-            raise FileNotFoundError(f"{path}: no such config file") from None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not valid JSON ({e})") from None
+        d = read_json(path, "no such config file")
         processor = None
         pre = os.path.join(os.path.dirname(path), "preprocessor_config.json")
         if d.get("model_type") == "nemotron_h_omni" and os.path.exists(pre):

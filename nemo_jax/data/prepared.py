@@ -27,7 +27,7 @@ import numpy as np
 
 from nemo_jax import fsutil, runlock
 from nemo_jax.data.chat import DataError, Document, resolve
-from nemo_jax.fsutil import check_not_input, os_error_code
+from nemo_jax.fsutil import check_not_input, os_error_code, read_json
 
 MANIFEST = "manifest.json"
 VERSION = 1
@@ -454,13 +454,8 @@ def is_prepared(path: str) -> bool:
 
 def read_manifest(path: str) -> dict:
     path = resolve(path)
-    try:
-        with open(os.path.join(path, MANIFEST)) as f:
-            m = json.load(f)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: no {MANIFEST} (not prepared data; run `nemo-jax data prepare`)") from None
-    except json.JSONDecodeError as e:
-        raise DataError(f"{os.path.join(path, MANIFEST)}: not valid JSON ({e.msg})") from None
+    m = read_json(os.path.join(path, MANIFEST), f"no {MANIFEST} (not prepared data; run `nemo-jax data prepare`)",
+                  error=DataError, where=path)
     if m.get("version") != VERSION:
         raise DataError(f"{os.path.join(path, MANIFEST)}: version {m.get('version')!r}, expected {VERSION}")
     return m

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from nemo_jax.fsutil import atomic_dir
+from nemo_jax.fsutil import atomic_dir, read_json
 from nemo_jax.hf.mapping import our_rows
 from nemo_jax.model.spec import unflatten_paths
 
@@ -351,13 +351,8 @@ _PER_EXPERT = re.compile(r"^(?P<module>.*\.mixer\.experts)\.(?P<j>\d+)\.(?P<para
 
 def read_peft_config(path) -> dict:
     fp = os.path.join(os.fspath(path), ADAPTER_CONFIG)
-    try:
-        with open(fp) as f:
-            conf = json.load(f)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{os.fspath(path)}: no {ADAPTER_CONFIG} (not a PEFT adapter directory)") from None
-    except json.JSONDecodeError as e:
-        raise PeftFormatError(f"{fp}: not valid JSON ({e})") from None
+    conf = read_json(fp, f"no {ADAPTER_CONFIG} (not a PEFT adapter directory)", error=PeftFormatError,
+                     where=os.fspath(path))
     if conf.get("peft_type", "LORA") != "LORA":
         raise PeftFormatError(f"{fp}: peft_type {conf.get('peft_type')!r}, only LORA adapters are supported")
     for k in ("use_dora", "lora_bias"):

@@ -6,9 +6,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-import yaml
-
 from nemo_jax.config.load import parse_override
+from nemo_jax.fsutil import read_yaml
 
 KINDS = ("take", "linear", "task_arithmetic", "add_adapters", "ties", "dare", "slerp")
 WHOLE_TENSOR = ("ties", "slerp")  # need a whole tensor at once (a global threshold / norm); others go by rows
@@ -187,13 +186,7 @@ def _set(node, keys: list[str], value, o: str):
 
 def load_recipe(path: str, overrides=()) -> Recipe:
     """YAML file + `key=value` overrides (dotted keys; list items by index, e.g. rules.1.linear.sft=0.3)."""
-    try:
-        with open(path) as f:
-            d = yaml.safe_load(f) or {}
-    except FileNotFoundError:
-        raise RecipeError(f"{path}: no such recipe file") from None
-    except yaml.YAMLError as e:
-        raise RecipeError(f"{path}: invalid YAML ({e})") from None
+    d = read_yaml(path, "no such recipe file", error=RecipeError, missing_error=RecipeError) or {}
     for o in overrides:
         try:
             keys, val = parse_override(o)

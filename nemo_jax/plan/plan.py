@@ -295,7 +295,7 @@ def plan_sampler(c, n_devices: int, kind: DeviceKind, batch: int, context: int, 
 
 def _plan_sampler(c, n_devices: int, kind: DeviceKind, batch: int, context: int, headroom: float,
                   target: str, prefill: int) -> list[dict]:
-    from nemo_jax import generate as G
+    from nemo_jax.generate import decode as G
     from nemo_jax.model.cache import state_shapes, state_shardings
     from nemo_jax.model.spec import abstract_params, param_specs
     from nemo_jax.parallel.mesh import make_mesh

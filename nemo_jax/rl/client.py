@@ -151,7 +151,7 @@ class TrainingClient:
         returns at once (`wait`: block until written). Keeps the newest `keep` versions (0: all) and every
         `keep_every`-th. Targets the format cannot hold are refused on the first call."""
         from nemo_jax.lora.peft import check_servable
-        from nemo_jax.rl.spool import PolicyPublisher
+        from nemo_jax.rl.transport.policy import PolicyPublisher
 
         key = (os.path.abspath(run_dir), format, keep, keep_every)
         if getattr(self, "_publisher_key", None) != key:

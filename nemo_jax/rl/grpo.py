@@ -47,9 +47,10 @@ from nemo_jax.rl.curriculum import Curriculum
 from nemo_jax.rl.ablation import ablate
 from nemo_jax.rl.envs import make_env
 from nemo_jax.rl.pool import RolloutPool
-from nemo_jax.rl.producer import ThreadProducer, as_text, sample_rollouts
+from nemo_jax.rl.transport.producer import ThreadProducer, as_text, sample_rollouts
 from nemo_jax.rl.rollout import RolloutImages, learner_batch
-from nemo_jax.rl.spool import RequestBoard, SpoolReader
+from nemo_jax.rl.transport.board import RequestBoard
+from nemo_jax.rl.transport.rollouts import SpoolReader
 from nemo_jax.train.checkpoint import catch_stop_signals
 from nemo_jax.train.metrics import MetricsLogger, check_logging
 from nemo_jax.train.sft import DTYPES, initial_params, options_from, start_run

@@ -12,7 +12,10 @@ be named), `docker` and `kubernetes` (a container or Pod per sandbox, driven thr
 docs/sandbox.md for what each isolates and what it does not.
 """
 
+from nemo_jax.moved import alias
 from nemo_jax.sandbox.base import BACKENDS, Limits, Result, SandboxError, SandboxSpec  # noqa: F401
+
+alias(__name__, {"remote": "nemo_jax.sandbox.containers"})  # (the container backends' module, by its old name)
 
 
 def open_sandbox(spec: SandboxSpec | dict | None = None, name: str = ""):
@@ -26,11 +29,11 @@ def open_sandbox(spec: SandboxSpec | dict | None = None, name: str = ""):
         return local.BwrapSandbox(spec, name)
     if backend == "rlimit":
         return local.RlimitSandbox(spec, name)
-    from nemo_jax.sandbox import remote
+    from nemo_jax.sandbox import containers
 
     if backend == "docker":
-        return remote.DockerSandbox(spec, name)
-    return remote.KubernetesSandbox(spec, name)
+        return containers.DockerSandbox(spec, name)
+    return containers.KubernetesSandbox(spec, name)
 
 
 def resolve_backend(spec: SandboxSpec) -> str:

@@ -21,14 +21,15 @@ changes nothing (`echo: false`, `best_of` = n, ...), or has no effect on what is
 from __future__ import annotations
 
 import json
-import math
 import os
 import stat
 import time
 import uuid
 from dataclasses import dataclass, field
 
-from nemo_jax.generate import MAX_STOP_BYTES, SamplingParams
+from nemo_jax.fields import Fields
+from nemo_jax.generate import SamplingParams
+from nemo_jax.generate.sampling import request_sampling
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 413: "RequestTooLargeError",
                422: "UnprocessableEntityError", 429: "RateLimitError", 500: "InternalServerError",
@@ -112,18 +113,9 @@ def check_fields(body: dict, endpoint: str) -> None:
                            "changes nothing is accepted)", param=k)
 
 
-def _number(body: dict, key: str, default, lo: float, hi: float, *, integer: bool = False, lo_open: bool = False):
-    """A numeric field, checked: a JSON number (an integer where `integer`), finite, in [lo, hi] ((lo, hi] with
-    `lo_open`)."""
-    v = body.get(key)
-    if v is None:
-        return default
-    kinds = int if integer else (int, float)
-    what = f"{'an integer' if integer else 'a number'} in {'(' if lo_open else '['}{lo}, {hi}]"
-    if isinstance(v, bool) or not isinstance(v, kinds) or not math.isfinite(v) or not (
-            lo < v <= hi if lo_open else lo <= v <= hi):
-        raise APIError(f"'{key}' must be {what}, got {json.dumps(v)[:80]}", param=key)
-    return v
+def fields(body: dict) -> Fields:
+    """The request's fields, read with checks: a wrong one is a 400 naming it (`param`)."""
+    return Fields(body, lambda message, key: APIError(message, param=key))
 
 
 # ----------------------------------------------------------------------------- requests -> sampling parameters
@@ -131,55 +123,14 @@ def sampling(body: dict, prompt_len: int, max_len: int, bucket: int, stop_ids: t
              top_logprobs: int = 0) -> tuple[list, list]:
     """The request's sampling fields, every number bounded -> (SamplingParams of each of its n samples, stop
     strings)."""
-    n = _number(body, "n", 1, 1, 64, integer=True)
-    temperature = float(_number(body, "temperature", 1.0, 0, 100))
-    top_p = float(_number(body, "top_p", 1.0, 0, 1, lo_open=True))
-    top_k = _number(body, "top_k", 0, -1, 2 ** 31 - 1, integer=True)
-    top_k = 0 if top_k >= vocab else max(top_k, 0)  # (at least the vocabulary: no truncation, as vLLM)
     room = max_len - -(-prompt_len // bucket) * bucket
     if room < 1:
         raise APIError(f"This model's maximum context length is {max_len} tokens; the prompt has {prompt_len}",
                        param="messages" if "messages" in body else "prompt")
-    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_new = _number(body, key, room, 1, 2 ** 31 - 1, integer=True)
-    if max_new > room:
-        raise APIError(f"This model's maximum context length is {max_len} tokens: {prompt_len} in the prompt "
-                       f"(rounded up to {max_len - room}) + {key}={max_new} do not fit", param=key)
-    min_tokens = _number(body, "min_tokens", 0, 0, max_new, integer=True)
-    seed = _number(body, "seed", None, -2 ** 63, 2 ** 64 - 1, integer=True)
-    stop = body.get("stop") or []
-    stop = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or len(stop) > 64 or not all(
-            isinstance(s, str) and 0 < len(s.encode()) <= MAX_STOP_BYTES for s in stop):
-        raise APIError(f"'stop' must be a string or a list of at most 64 strings of 1 to {MAX_STOP_BYTES} bytes",
-                       param="stop")
-    extra = body.get("stop_token_ids") or []
-    if not isinstance(extra, list) or len(extra) > 64 or not all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in extra):
-        raise APIError(f"'stop_token_ids' must be a list of at most 64 token ids in [0, {vocab})",
-                       param="stop_token_ids")
-    ids = tuple(sorted(set(extra) | (set() if body.get("ignore_eos") else set(stop_ids))))
-    penalties = dict(presence_penalty=float(_number(body, "presence_penalty", 0.0, -2, 2)),
-                     frequency_penalty=float(_number(body, "frequency_penalty", 0.0, -2, 2)),
-                     repetition_penalty=float(_number(body, "repetition_penalty", 1.0, 0, 10, lo_open=True)))
-    bias = body.get("logit_bias") or {}
-    if not isinstance(bias, dict) or len(bias) > 1024:
-        raise APIError("'logit_bias' must be an object of at most 1024 token ids -> biases", param="logit_bias")
-    pairs = []
-    for k, v in bias.items():
-        try:
-            t = int(k)
-        except ValueError:
-            raise APIError(f"'logit_bias' key {k!r:.40} is not a token id", param="logit_bias") from None
-        if not 0 <= t < vocab or isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
-            raise APIError(f"'logit_bias' {k!r:.40}: {json.dumps(v)[:40]}: token ids in [0, {vocab}), biases in "
-                           "[-100, 100]", param="logit_bias")
-        pairs.append((t, float(v)))
-    return [SamplingParams(max_new_tokens=max_new, temperature=temperature, top_k=top_k, top_p=top_p,
-                           stop_token_ids=ids, seed=None if seed is None else (seed + i) & 0xFFFFFFFF,
-                           min_tokens=min_tokens, logit_bias=tuple(sorted(pairs)), stop=tuple(stop),
-                           top_logprobs=top_logprobs, **penalties)
-            for i in range(n)], stop
+    f = fields(body)
+    return request_sampling(f, vocab=vocab, stop_ids=stop_ids, context=(max_len, prompt_len), room=room,
+                            max_keys=("max_completion_tokens", "max_tokens"), n=f.integer("n", 1, 1, 64),
+                            top_logprobs=top_logprobs)
 
 
 def options(body: dict, *, chat: bool, tokens_as_ids: bool) -> Options:
@@ -188,11 +139,11 @@ def options(body: dict, *, chat: bool, tokens_as_ids: bool) -> Options:
         if lp is not None and not isinstance(lp, bool):
             raise APIError(f"'logprobs' must be a boolean, got {json.dumps(lp)[:40]}", param="logprobs")
         lp = bool(lp)
-        top = _number(body, "top_logprobs", 0, 0, 20, integer=True)
+        top = fields(body).integer("top_logprobs", 0, 0, 20)
         if top and not lp:
             raise APIError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     else:
-        k = _number(body, "logprobs", None, 0, 20, integer=True)
+        k = fields(body).integer("logprobs", None, 0, 20)
         lp, top = k is not None, k or 0
     choice = body.get("tool_choice")
     tools = body.get("tools") if chat else None

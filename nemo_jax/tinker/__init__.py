@@ -12,22 +12,18 @@ SDK (0.38) and tinker-cookbook call, under /api/v1 beside the OpenAI routes (doc
 
 from __future__ import annotations
 
-from typing import NamedTuple
 
-
-class Tinker(NamedTuple):
-    service: object  # nemo_jax.tinker.service.TinkerService
-    mount: object  # (FastAPI app) -> None: adds the /api/v1 routes
-
-
-def start(state, a, tokenizer_dir: str) -> Tinker:
-    """The Tinker service over a serve `ServerState`, from `nemo-jax serve`'s arguments (--tinker-root,
-    --tinker-max-rank, --tinker-max-tokens, --ckpt)."""
+def service_for(state, a, tokenizer_dir: str):
+    """The Tinker API as a service of `nemo-jax serve` (a `nemo_jax.serve.app.Service`) over its `ServerState`,
+    from the command's arguments (--tinker-root, --tinker-max-rank, --tinker-max-tokens, --ckpt)."""
     from nemo_jax.extras import require
+    from nemo_jax.serve.app import KeyHeader, Service
     from nemo_jax.tinker.routes import mount
     from nemo_jax.tinker.service import TinkerService
 
     require("tinker", "tinker", "nemo-jax serve --tinker-root (the Tinker API)")
     svc = TinkerService(state, a.tinker_root, ckpt=a.ckpt, tokenizer_dir=a.tokenizer or tokenizer_dir,
                         max_rank=a.tinker_max_rank, max_tokens=a.tinker_max_tokens)
-    return Tinker(svc, lambda app: mount(app, svc))
+    return Service(lambda app: mount(app, svc), KeyHeader("/api/v1/", b"x-api-key", (b"", b"tml-"),
+                                                         "X-API-Key: tml-<key>"),
+                   f"Tinker API on http://{a.host}:{a.port}/api/v1, state under {svc.store.root}")

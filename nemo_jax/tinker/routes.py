@@ -1,4 +1,5 @@
-"""The Tinker API's HTTP routes under /api/v1, mounted on `nemo-jax serve`'s FastAPI app (`mount`).
+"""The Tinker API's HTTP routes under /api/v1, mounted on `nemo-jax serve`'s FastAPI app (`mount`), each written with
+its full path.
 
 Every endpoint SDK 0.38's training and sampling clients, RestClient lookups and the cookbook call (docs/tinker.md
 lists them). Bodies are JSON except forward_backward's request and the ForwardBackwardOutput / SampleResponse
@@ -11,8 +12,11 @@ import asyncio
 import json
 
 from nemo_jax.extras import require
+from nemo_jax.fields import Fields
+from nemo_jax.serve.openai import APIError
 from nemo_jax.tinker import wire
 from nemo_jax.tinker.losses import loss_config, refusal
+from nemo_jax.tinker.sequencer import Kind
 from nemo_jax.tinker.service import TinkerService
 from nemo_jax.tinker.store import check_name
 from nemo_jax.tinker.wire import UserError
@@ -33,6 +37,10 @@ ADAM = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weigh
         "grad_clip_norm": 0.0}  # the SDK's AdamParams defaults
 
 
+def _fields(body: dict, prefix: str = "") -> Fields:
+    return Fields(body, lambda message, key: UserError(message), prefix)
+
+
 def adam_params(body: dict) -> dict:
     """optim_step's parameters -> {name: float}, each checked."""
     p = body.get("adam_params") or body.get("optim_params")
@@ -41,37 +49,22 @@ def adam_params(body: dict) -> dict:
         raise UserError(f"optimizer {str(kind)[:40]!r} is not supported by nemo-jax serve: use AdamParams")
     if not isinstance(p, dict):
         raise UserError("optim_step needs adam_params")
-    out = {}
-    for k, default in ADAM.items():
-        x = p.get(k, default)
-        if isinstance(x, bool) or not isinstance(x, (int, float)) or not abs(x) < float("inf"):
-            raise UserError(f"adam_params.{k} must be a finite number, got {str(x)[:40]}")
-        out[k] = float(x)
-    if (out["learning_rate"] < 0 or not 0 <= out["beta1"] < 1 or not 0 <= out["beta2"] < 1 or out["eps"] < 0
-            or out["weight_decay"] < 0 or out["grad_clip_norm"] < 0):
-        raise UserError(f"adam_params: learning_rate, eps, weight_decay, grad_clip_norm >= 0 and betas in [0, 1) "
-                        f"(got {out})")
+    f = _fields(p, "adam_params.")
+    for k in ADAM:  # (JSON has no infinity or NaN: the SDK sends them as null, which is no default here)
+        if k in p and p[k] is None:
+            f.fail(k, "a finite number", p[k])
+    out = {k: float(f.number(k, default, 0, float("inf"))) for k, default in ADAM.items()}  # finite, >= 0
+    if out["beta1"] >= 1 or out["beta2"] >= 1:
+        raise UserError(f"adam_params: betas in [0, 1) (got {out['beta1']}, {out['beta2']})")
     return out
 
 
-def _opt_str(body: dict, key: str):
-    v = body.get(key)
-    if v is not None and not isinstance(v, str):
-        raise UserError(f"{key} must be a string")
-    return v
-
-
 def _ttl(body: dict):
-    t = body.get("ttl_seconds")
-    if t is not None and (not isinstance(t, int) or isinstance(t, bool) or t < 1):
-        raise UserError("ttl_seconds must be a positive integer or null")
-    return t
+    return _fields(body).integer("ttl_seconds", None, 1, 2 ** 63 - 1)
 
 
 def _meta(body: dict) -> dict:
-    m = body.get("user_metadata") or {}
-    if not isinstance(m, dict) or len(m) > 256:
-        raise UserError("user_metadata must be an object of at most 256 entries")
+    m = _fields(body).mapping("user_metadata", most=256)
     return {str(k)[:256]: str(v)[:4096] for k, v in m.items()}
 
 
@@ -80,8 +73,6 @@ def mount(app, svc: TinkerService) -> None:
     require("fastapi", "tinker", "the Tinker API (nemo-jax serve --tinker-root)")
     from fastapi import Request
     from fastapi.responses import JSONResponse, Response
-
-    from nemo_jax.serve.openai import APIError
 
     @app.exception_handler(UserError)
     async def user_error(request, e: UserError):  # (a client of another SDK version is told which one this is)
@@ -101,66 +92,64 @@ def mount(app, svc: TinkerService) -> None:
     def answer(x):
         return Response(x, media_type=wire.PROTO) if isinstance(x, bytes) else JSONResponse(x)
 
-    p = "/api/v1"
-
     # ---------------------------------------------------------------- client and session
-    @app.post(p + "/client/config")
+    @app.post("/api/v1/client/config")
     async def client_config(request: Request):
         await body_of(request)
         return CLIENT_CONFIG
 
-    @app.post(p + "/client/dynamic_config")
+    @app.post("/api/v1/client/dynamic_config")
     async def dynamic_config(request: Request):
         return DYNAMIC_CONFIG
 
-    @app.get(p + "/healthz")
+    @app.get("/api/v1/healthz")
     async def healthz():
         return {"status": "ok"}
 
-    @app.get(p + "/stats")  # (nemo-jax's own: not an SDK call)
+    @app.get("/api/v1/stats")  # (nemo-jax's own: not an SDK call)
     async def stats():
         return svc.stats()
 
-    @app.get(p + "/get_server_capabilities")
+    @app.get("/api/v1/get_server_capabilities")
     async def capabilities():
         return svc.capabilities()
 
-    @app.post(p + "/create_session")
+    @app.post("/api/v1/create_session")
     async def create_session(request: Request):
         return svc.create_session(await body_of(request))
 
-    @app.post(p + "/session_heartbeat")
+    @app.post("/api/v1/session_heartbeat")
     async def heartbeat(request: Request):
         state = svc.heartbeat((await body_of(request)).get("session_id"))
         if state != "ok":
             raise APIError(f"session {state}", status=410 if state == "finished" else 404)
         return {"type": "session_heartbeat"}
 
-    @app.post(p + "/telemetry")
+    @app.post("/api/v1/telemetry")
     async def telemetry(request: Request):
         await request.body()
         return {"status": "accepted"}
 
-    @app.post(p + "/sessions/{sid}/finish")
+    @app.post("/api/v1/sessions/{sid}/finish")
     async def finish(sid: str, request: Request):
         await request.body()
         svc.finish(sid)
         return {}
 
     # ---------------------------------------------------------------- training
-    @app.post(p + "/create_model")
+    @app.post("/api/v1/create_model")
     async def create_model(request: Request):
         return await asyncio.to_thread(svc.create_model, await body_of(request))
 
-    @app.post(p + "/get_info")
+    @app.post("/api/v1/get_info")
     async def get_info(request: Request):
         return svc.info((await body_of(request)).get("model_id"))
 
-    @app.post(p + "/unload_model")
+    @app.post("/api/v1/unload_model")
     async def unload_model(request: Request):
         return svc.unload((await body_of(request)).get("model_id"))
 
-    @app.post(p + "/forward_backward")
+    @app.post("/api/v1/forward_backward")
     async def forward_backward(request: Request):
         if "protobuf" not in request.headers.get("content-type", ""):
             raise UserError(f"forward_backward takes a protobuf ForwardBackwardRequest (Content-Type: {wire.PROTO})")
@@ -179,22 +168,22 @@ def mount(app, svc: TinkerService) -> None:
                 why = str(e)
         args = dict(data=req.data, loss_fn=req.loss_fn, config=cfg, forward_only=req.forward_only)
         merge = (req.loss_fn, tuple(sorted((cfg or {}).items())), req.forward_only)
-        return svc.submit(req.model_id, req.seq_id, "fwdbwd", args, merge,
+        return svc.submit(req.model_id, req.seq_id, Kind.FORWARD_BACKWARD, args, merge,
                           error=None if why is None else f"loss_fn {req.loss_fn[:80]!r}: {why}")
 
-    @app.post(p + "/optim_step")
+    @app.post("/api/v1/optim_step")
     async def optim_step(request: Request):
         body = await body_of(request)
-        return _ordered(svc, body, "optim", lambda: {"hp": adam_params(body)})
+        return _ordered(svc, body, Kind.OPTIM, lambda: {"hp": adam_params(body)})
 
-    @app.post(p + "/save_weights")
+    @app.post("/api/v1/save_weights")
     async def save_weights(request: Request):
         body = await body_of(request)
-        return _ordered(svc, body, "save_state", lambda: {
+        return _ordered(svc, body, Kind.SAVE_STATE, lambda: {
             "name": None if body.get("path") is None else check_name(body.get("path")), "ttl": _ttl(body),
             "overwrite": bool(body.get("overwrite")), "meta": _meta(body)})
 
-    @app.post(p + "/save_weights_for_sampler")
+    @app.post("/api/v1/save_weights_for_sampler")
     async def save_weights_for_sampler(request: Request):
         body = await body_of(request)
 
@@ -208,23 +197,23 @@ def mount(app, svc: TinkerService) -> None:
                 raise UserError(f"kind must be 'snapshot' or 'inflight', got {str(kind)[:40]!r}")
             return {"name": None if name is None else check_name(name), "sampling_seq": seq, "kind": kind,
                     "ttl": _ttl(body), "meta": _meta(body)}
-        return _ordered(svc, body, "save_sampler", args)
+        return _ordered(svc, body, Kind.SAVE_SAMPLER, args)
 
-    @app.post(p + "/load_weights")
+    @app.post("/api/v1/load_weights")
     async def load_weights(request: Request):
         return svc.load_weights(await body_of(request))
 
     # ---------------------------------------------------------------- sampling
-    @app.post(p + "/create_sampling_session")
+    @app.post("/api/v1/create_sampling_session")
     async def create_sampling_session(request: Request):
         return await asyncio.to_thread(svc.create_sampling_session, await body_of(request))
 
-    @app.get(p + "/samplers/{sid}")
+    @app.get("/api/v1/samplers/{sid}")
     async def get_sampler(sid: str):
         sp = svc.sampler(sid)
         return {"sampler_id": sp.id, "base_model": sp.base_model, "model_path": sp.model_path}
 
-    @app.post(p + "/asample")
+    @app.post("/api/v1/asample")
     async def asample(request: Request):  # (APIError 429 when the scheduler is full)
         body = await body_of(request)
         chunks = (body.get("prompt") or {}).get("chunks") if isinstance(body.get("prompt"), dict) else None
@@ -232,44 +221,43 @@ def mount(app, svc: TinkerService) -> None:
             return svc.sample(body)  # token ids only: quick, answered on the loop (no thread hop per sample)
         return await asyncio.to_thread(svc.sample, body)  # pictures to decode: off the loop
 
-    @app.post(p + "/cancel_future")
+    @app.post("/api/v1/cancel_future")
     async def cancel_future(request: Request):
         await request.body()
         return {}
 
-    @app.post(p + "/retrieve_future")
+    @app.post("/api/v1/retrieve_future")
     async def retrieve_future(request: Request):
         return answer(await svc.futures.retrieve((await body_of(request)).get("request_id")))
 
     # ---------------------------------------------------------------- checkpoints and runs (RestClient)
-    @app.get(p + "/training_runs")
+    @app.get("/api/v1/training_runs")
     async def training_runs(limit: int = 20, offset: int = 0):
         runs = await asyncio.to_thread(svc.store.runs)
         page = runs[max(offset, 0):max(offset, 0) + max(min(limit, 1000), 0)]
         return {"training_runs": [await asyncio.to_thread(svc.training_run, r["training_run_id"]) for r in page],
                 "cursor": {"offset": offset, "limit": limit, "total_count": len(runs)}}
 
-    @app.get(p + "/training_runs/{run_id}")
+    @app.get("/api/v1/training_runs/{run_id}")
     async def training_run(run_id: str):
         return await asyncio.to_thread(svc.training_run, run_id)
 
-    @app.get(p + "/training_runs/{run_id}/checkpoints")
+    @app.get("/api/v1/training_runs/{run_id}/checkpoints")
     async def checkpoints(run_id: str):
         svc.store.run_dir(run_id)
         return {"checkpoints": await asyncio.to_thread(svc.store.checkpoints, run_id)}
 
-    @app.delete(p + "/training_runs/{run_id}/checkpoints/{kind}/{name}")
+    @app.delete("/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}")
     async def delete_checkpoint(run_id: str, kind: str, name: str):
         await asyncio.to_thread(svc.delete_checkpoint, run_id, kind, name)
         return {}
 
-    @app.post(p + "/weights_info")
+    @app.post("/api/v1/weights_info")
     async def weights_info(request: Request):
         return await asyncio.to_thread(svc.weights_info, (await body_of(request)).get("tinker_path"))
 
 
-
-def _ordered(svc: TinkerService, body: dict, kind: str, args) -> dict:
+def _ordered(svc: TinkerService, body: dict, kind: Kind, args) -> dict:
     """A request that holds a place in its model's seq_id order: its bad input fails its future, and the requests
     after it still run."""
     try:
