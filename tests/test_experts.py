@@ -228,3 +228,20 @@ def test_rejection_sampling_keeps_each_distinct_success_once(tmp_path):
     capped = rejection_sampling(env, (cfg, params, TOK), "data.sources[0]", None, attempts=6, max_new_tokens=1,
                                 temperature=1.0, seed=0, per_task=1, rows=8, max_len=64)
     assert len(capped) == 2 and capped == [recs[0], next(r for r in recs if "1." in r["messages"][0]["content"])]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["tiny-swe", "tiny-vl-chart", "tiny-vl-mcp", "tiny-vl-gui"])
+def test_shipped_configs_rows_hold_their_expert_demonstrations(name):
+    """Every shipped config of an environment with an expert: a learner row (seq_len + 1 tokens) holds its
+    demonstrations whole (the swe and chart configs once cut the tokens that decide the reward)."""
+    from nemo_jax.config.model import NemotronHConfig
+    from nemo_jax.config.train import load_grpo_config
+    from nemo_jax.rl.grpo import demonstration_tokens
+    from nemo_jax.train.sft import model_config_path
+
+    c = load_grpo_config(os.path.join(ROOT, "configs/grpo", f"{name}.yaml"))
+    cfg = NemotronHConfig.from_file(model_config_path(c.model.config))
+    env = make_env(c.rollout.env, **c.rollout.env_args)
+    need = demonstration_tokens(env, ChatTokenizer.load(c.tokenizer), cfg, n=16)
+    assert 0 < need <= c.rollout.seq_len + 1, (name, need, c.rollout.seq_len)
