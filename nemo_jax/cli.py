@@ -250,9 +250,19 @@ def cmd_recipe(a):
 
 
 def cmd_eval(a):
+    from nemo_jax.rl.envs import make_env
+    from nemo_jax.rl.envs.demos import json_object
+
+    args = json_object(a.env_args, "--env-args")  # the environment is built before JAX loads: a bad one fails now
+    try:
+        env = make_env(a.env, **args)
+    except TypeError as e:  # an argument the environment does not take
+        raise ValueError(f"--env {a.env} --env-args: {e}") from None
+    except ValueError as e:
+        raise ValueError(f"--env {a.env}: {e}") from None
     from nemo_jax.rl.grpo import cli_eval
 
-    cli_eval(a)
+    cli_eval(a, env)
 
 
 def cmd_plan(a):
@@ -722,6 +732,7 @@ def main(argv=None):
     tune_xla_gpu()
     cmd = fsutil.COMMAND = " ".join(  # e.g. "lora export" (recorded in the output markers)
         x for x in (args.cmd, getattr(args, "lora_cmd", None), getattr(args, "data_cmd", None)) if x)
+    one_line_warnings(f"nemo-jax {cmd}")
     try:
         args.fn(args)
     except (ValueError, FileNotFoundError, MissingDependency) as e:
@@ -738,6 +749,14 @@ def main(argv=None):
             if e.author_traceback else ""
         print(f"{head}nemo-jax {cmd}: error: {e}", file=sys.stderr)
         raise SystemExit(1) from None
+
+
+def one_line_warnings(prog: str) -> None:
+    """Python warnings as one line each, `PROG: warning: message` (not the file, line number and source line of
+    the code that warned: a user has nothing to do with them)."""
+    import warnings
+
+    warnings.formatwarning = lambda message, category, filename, lineno, line=None: f"{prog}: warning: {message}\n"
 
 
 def _end_progress_bars():

@@ -546,7 +546,9 @@ def eval_engine(params, cfg, adapters=None, *, rows: int = 32, max_len: int = 10
     return Engine(params, cfg, batch=rows, max_len=max_len, adapters=adapters, key=jax.random.key(seed))
 
 
-def cli_eval(a) -> dict:
+def cli_eval(a, env=None) -> dict:
+    """`nemo-jax eval` on parsed arguments; `env`: the environment, already built from --env / --env-args (the CLI
+    builds it before JAX loads, so a bad one fails at once)."""
     import json
     import sys
 
@@ -561,7 +563,9 @@ def cli_eval(a) -> dict:
 
         adapters = jax.tree.map(jnp.asarray, load_adapters(a.adapters, cfg))
     tok = ChatTokenizer.load(a.tokenizer or tok_dir)
-    env = ablate(make_env(a.env, **(json.loads(a.env_args) if a.env_args else {})), a.images, a.seed)
+    if env is None:
+        env = make_env(a.env, **(json.loads(a.env_args) if a.env_args else {}))
+    env = ablate(env, a.images, a.seed)
     engine = eval_engine(params, cfg, adapters, rows=a.rows, max_len=a.max_len, seed=a.seed)
     say(f"{a.env}: {len(env.tasks(a.split))} {a.split} tasks x {a.attempts} attempts on {a.rows} sampler rows "
         "(the first attempts finish after the sampler compiles)")
