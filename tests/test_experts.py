@@ -245,3 +245,19 @@ def test_shipped_configs_rows_hold_their_expert_demonstrations(name):
     env = make_env(c.rollout.env, **c.rollout.env_args)
     need = demonstration_tokens(env, ChatTokenizer.load(c.tokenizer), cfg, n=16)
     assert 0 < need <= c.rollout.seq_len + 1, (name, need, c.rollout.seq_len)
+
+
+def test_eval_refuses_a_bad_environment_before_loading_the_model(tmp_path):
+    """`nemo-jax eval` checks --env and --env-args before JAX loads (a model path that does not exist is never
+    reached): one line naming the flag, exit 2, in well under the time a model takes to load."""
+    import time
+
+    for argv, words in ((["--env", "constraints", "--env-args", '{"k": 3,}'], "--env-args: not valid JSON"),
+                        (["--env", "constrains"], "--env constrains"),
+                        (["--env", "constraints", "--env-args", '{"kk": 3}'], "--env-args: ")):
+        t0 = time.monotonic()
+        out = subprocess.run([sys.executable, "-m", "nemo_jax.cli", "eval", "--ckpt", str(tmp_path / "nothing"), *argv],
+                             capture_output=True, text=True, timeout=120)
+        err = out.stderr.strip().splitlines()
+        assert out.returncode == 2 and len(err) == 1 and words in err[0], err
+        assert "jax" not in " ".join(err).lower() and time.monotonic() - t0 < 30
