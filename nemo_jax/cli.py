@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 
 from nemo_jax import fsutil
@@ -733,8 +734,14 @@ def main(argv=None):
     cmd = fsutil.COMMAND = " ".join(  # e.g. "lora export" (recorded in the output markers)
         x for x in (args.cmd, getattr(args, "lora_cmd", None), getattr(args, "data_cmd", None)) if x)
     one_line_warnings(f"nemo-jax {cmd}")
+    stop_on_signals()
     try:
         args.fn(args)
+    except Stopped as e:  # SIGINT / SIGTERM before the command took the signals over (a trainer's loop does)
+        _end_progress_bars()
+        print(f"nemo-jax {cmd}: stopped by {e} before it finished (no output is half-written: rerun the same "
+              "command to continue)", file=sys.stderr)
+        raise SystemExit(128 + getattr(signal, str(e), signal.SIGINT)) from None
     except (ValueError, FileNotFoundError, MissingDependency) as e:
         _end_progress_bars()
         print(f"nemo-jax {cmd}: error: {e}", file=sys.stderr)
@@ -749,6 +756,23 @@ def main(argv=None):
             if e.author_traceback else ""
         print(f"{head}nemo-jax {cmd}: error: {e}", file=sys.stderr)
         raise SystemExit(1) from None
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGINT or SIGTERM came before the command's own handling of them (a trainer saves and stops at a step)."""
+
+
+def stop_on_signals() -> None:
+    """SIGINT and SIGTERM stop the command at once, from the first moment: each raises `Stopped` in the main
+    thread (files being written are cleaned up as on any error). A process started in the background of a script
+    inherits SIGINT ignored, and a Ctrl-C before a trainer's loop took the signals over used to be lost: the run
+    went on to its last step. Commands that handle the signals themselves (sft and grpo during training, serve,
+    rollout-worker) take them over when they start."""
+    def stop(signum, frame):
+        raise Stopped(signal.Signals(signum).name)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, stop)
 
 
 def one_line_warnings(prog: str) -> None:
