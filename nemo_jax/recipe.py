@@ -227,11 +227,15 @@ class Recipe:
         return self.report()
 
     def _grpo(self, e: ExpertSection):
+        from nemo_jax.config.train import load_grpo_config
         from nemo_jax.rl.grpo import main as grpo_main
 
-        return grpo_main(_rel(e.config, self.path), list(e.overrides) + [
-            f"run_dir={self.out(f'expert-{e.name}')}", f"model.init={self.out('base-merge')}",
-            "model.init_sft_config=null", f"tokenizer={self.out('base-merge')}"])
+        config = _rel(e.config, self.path)
+        extra = [f"run_dir={self.out(f'expert-{e.name}')}", f"model.init={self.out('base-merge')}",
+                 "model.init_sft_config=null", f"tokenizer={self.out('base-merge')}"]
+        if load_grpo_config(config, list(e.overrides)).lora.init:  # its warm start: made in this run, from its base
+            extra.append(f"lora.init={self.out(f'expert-{e.name}-warm')}")
+        return grpo_main(config, list(e.overrides) + extra)
 
     # ------------------------------------------------------------------ report
     def stages(self) -> list[tuple[str, str, str | None]]:

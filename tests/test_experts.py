@@ -261,3 +261,21 @@ def test_eval_refuses_a_bad_environment_before_loading_the_model(tmp_path):
         err = out.stderr.strip().splitlines()
         assert out.returncode == 2 and len(err) == 1 and words in err[0], err
         assert time.monotonic() - t0 < 30
+
+
+def test_a_warm_start_trained_from_another_base_is_refused(tmp_path):
+    """lora.init names a LoRA run trained from another model.init (its config.yaml says which): refused in one line,
+    never loaded onto a base it was not fitted to (a first-hour run from runs/sft must not take a warm start that a
+    run from runs/tiny-cpu made)."""
+    from types import SimpleNamespace
+
+    from nemo_jax.train.sft import initial_adapters
+
+    warm = tmp_path / "warm"
+    warm.mkdir()
+    (warm / "config.yaml").write_text("model:\n  init: runs/other-base\n")
+    c = SimpleNamespace(lora=SimpleNamespace(init=str(warm), init_sft_config=None),
+                        model=SimpleNamespace(init="runs/sft", config="tiny", seed=0))
+    with pytest.raises(ValueError, match=r"lora.init .*warm was trained from model.init runs/other-base; this run "
+                                         r"starts from runs/sft"):
+        initial_adapters(c, None, None, tokenizer="builtin:tiny")

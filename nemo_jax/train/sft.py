@@ -97,6 +97,11 @@ def initial_adapters(c, cfg, lora_cfg, shardings=None, *, tokenizer: str, make_s
                                   f"lora.targets={list(lc.targets)}", f"lora.rank={lc.rank}", f"lora.alpha={lc.alpha}",
                                   f"lora.rslora={lc.rslora}", "lora.init=null", "lora.init_sft_config=null"],
              make_source=make_source)
+    theirs = _trained_from(init)
+    if theirs is not None and c.model.init != "random" and os.path.abspath(theirs) != os.path.abspath(c.model.init):
+        raise ValueError(f"lora.init {init} was trained from model.init {theirs}; this run starts from "
+                         f"{c.model.init}: the adapters were fitted to another model (give lora.init a path of its "
+                         "own for this base)")
     from nemo_jax.sources import load_adapters
 
     tree = load_adapters(init, cfg)
@@ -140,6 +145,16 @@ def env_sources(data, run_dir: str, make_source, model):
             make_source(src, f"data.sources[{i}]", path, model)
         out.append({"path": path, **({"weight": src["weight"]} if "weight" in src else {})})
     return dataclasses.replace(data, sources=out)
+
+
+def _trained_from(path: str) -> str | None:
+    """The `model.init` a LoRA run at `path` trained from (its config.yaml), or None (not a run dir)."""
+    from nemo_jax.fsutil import read_yaml
+
+    conf = os.path.join(path, "config.yaml")
+    if not os.path.isfile(conf):
+        return None
+    return ((read_yaml(conf) or {}).get("model") or {}).get("init")
 
 
 def _recorded_lora(path: str):
