@@ -73,6 +73,19 @@ class GRPORunner:
         self.tok = ChatTokenizer.load(c.tokenizer)
         self.env = make_env(c.rollout.env, **c.rollout.env_args)
         self.tasks = {t.id: t for t in self.env.tasks("train")}
+        # (rows that cannot hold an episode are refused before anything is trained or sampled)
+        longest = max((len(self.tok.tokenizer.encode(self.tok.render(as_text(list(t.messages))[0],
+                                                                     add_generation_prompt=True),
+                                                     add_special_tokens=False).ids)
+                       for t in self.tasks.values() if t.messages), default=0)
+        if longest >= c.rollout.seq_len:
+            raise ValueError(f"rollout.seq_len={c.rollout.seq_len} is too short: the longest {c.rollout.env} prompt "
+                             f"has {longest} tokens and leaves no room for an answer")
+        need = demonstration_tokens(self.env, self.tok, cfg)
+        if need > c.rollout.seq_len + 1:  # (a learner row holds seq_len + 1 tokens)
+            raise ValueError(f"rollout.seq_len={c.rollout.seq_len} is too short: the {c.rollout.env} expert's "
+                             f"demonstrations need {need} tokens (rollout.seq_len >= {need - 1}); the learner would "
+                             "train on the first part of each episode only, never on what earns its reward")
         lcfg = LoraConfig(tuple(c.lora.targets), c.lora.rank, c.lora.alpha, c.lora.rslora, c.lora.init_seed)
         warm = None
         if c.lora.init is not None:  # a warm start (trained first with lora.init_sft_config when missing)
@@ -108,18 +121,6 @@ class GRPORunner:
                          "max_tokens": r.max_new_tokens, "stop": list(r.stop)}
         unit = batch_shards(self.mesh) * c.optim.grad_accum  # rows split into micro-batches, each over the shards
         self.rows = math.ceil(c.rollout.groups_per_step * c.rollout.group_size / unit) * unit
-        longest = max((len(self.tok.tokenizer.encode(self.tok.render(as_text(list(t.messages))[0],
-                                                                     add_generation_prompt=True),
-                                                     add_special_tokens=False).ids)
-                       for t in self.tasks.values() if t.messages), default=0)
-        if longest >= c.rollout.seq_len:
-            raise ValueError(f"rollout.seq_len={c.rollout.seq_len} is too short: the longest {c.rollout.env} prompt "
-                             f"has {longest} tokens and leaves no room for an answer")
-        need = demonstration_tokens(self.env, self.tok, cfg)
-        if need > c.rollout.seq_len + 1:  # (a learner row holds seq_len + 1 tokens)
-            raise ValueError(f"rollout.seq_len={c.rollout.seq_len} is too short: the {c.rollout.env} expert's "
-                             f"demonstrations need {need} tokens (rollout.seq_len >= {need - 1}); the learner would "
-                             "train on the first part of each episode only, never on what earns its reward")
         eval_tasks = self.env.tasks("eval")
         self.eval_tasks = eval_tasks[:c.eval_tasks] if c.eval_tasks else eval_tasks
         self._eval_engine = None
