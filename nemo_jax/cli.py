@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import sys
+import threading
 
 from nemo_jax import fsutil
 from nemo_jax.config.train import CAST_DTYPES, cast_dtype
@@ -771,6 +772,8 @@ def stop_on_signals() -> None:
     def stop(signum, frame):
         raise Stopped(signal.Signals(signum).name)
 
+    if threading.current_thread() is not threading.main_thread():  # (main() called from a thread: an embedding's)
+        return
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, stop)
 

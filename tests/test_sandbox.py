@@ -306,5 +306,7 @@ def test_cli_says_which_backends_work(capsys):
 
     main(["sandbox", "--backend", "rlimit,firejail", "--sweep"])
     out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"python {sys.executable}: ") and "bound read-only: " in out[0]  # (its layout)
+    out = out[1:]
     assert out[0].startswith("swept ") and out[1].startswith("rlimit: works (limits only")
     assert out[2].startswith("firejail: cannot start: sandbox backend: 'firejail'")
