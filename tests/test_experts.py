@@ -231,7 +231,7 @@ def test_rejection_sampling_keeps_each_distinct_success_once(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["tiny-swe", "tiny-vl-chart", "tiny-vl-mcp", "tiny-vl-gui"])
+@pytest.mark.parametrize("name", ["tiny-swe", "tiny-vl-chart", "tiny-vl-mcp", "tiny-vl-gui", "tiny-arithmetic"])
 def test_shipped_configs_rows_hold_their_expert_demonstrations(name):
     """Every shipped config of an environment with an expert: a learner row (seq_len + 1 tokens) holds its
     demonstrations whole (the swe and chart configs once cut the tokens that decide the reward)."""

@@ -254,9 +254,10 @@ def test_a_signal_in_the_first_seconds_stops_the_command(tmp_path, micro):
     SIGINT ignored as a script's background job does: the command stops with one line (exit 130), or, once its
     training loop has the signal, saves and stops. It used to be lost: the run went on to its last step."""
     run = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "nemo_jax.cli", "sft", *BASE, micro, f"run_dir={run}",
-                             "steps=100000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    argv = [sys.executable, "-m", "nemo_jax.cli", "sft", *BASE, micro, f"run_dir={run}", "steps=100000"]
+    # (the shell ignores SIGINT and execs the command, which inherits that: no fork of this multithreaded process)
+    proc = subprocess.Popen(["sh", "-c", 'trap "" INT; exec "$@"', "sh", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     first = proc.stdout.readline()  # "sft: run ..." : the command has started
     assert first.startswith("sft: run"), first + proc.stderr.read()
     proc.send_signal(signal.SIGINT)
