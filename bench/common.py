@@ -8,7 +8,13 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from nemo_jax.hostmem import keep_freed_memory, tune_xla_cpu  # noqa: E402  (before jax is imported; see nemo_jax.hostmem)
+from nemo_jax.hostmem import (  # noqa: E402  (before jax is imported; see nemo_jax.hostmem)
+    choose_platforms, keep_freed_memory, quiet_plugin_noise, tune_xla_cpu)
+
+# as the `nemo-jax` command: on a host without accelerators but with a GPU plugin installed (the plan-gpu extra),
+# jax runs on the CPU and the plugin's CUDA lines stay out of stderr (a bench that sets JAX_PLATFORMS keeps it)
+choose_platforms()
+quiet_plugin_noise()
 
 # the same process-wide allocator settings as the `nemo-jax` command (they apply to torch's side too)
 HOST_MALLOC_KEEPS_FREED = keep_freed_memory()

@@ -10,6 +10,7 @@ implementation, the SSD kernel's chunk).
 import os, sys, time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import common  # noqa: F401  (process settings before jax: a CPU host with a GPU plugin runs quietly on the CPU)
 import jax, jax.numpy as jnp, numpy as np
 from nemo_jax.model import attention as A
 from nemo_jax.kernels import flash as F

@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 
 from nemo_jax import fsutil
 from nemo_jax.config.train import CAST_DTYPES, cast_dtype
@@ -223,9 +225,10 @@ def cmd_sft(a):
 
     c = load_sft_config(a.config, _mesh_overrides(a.mesh) + list(a.overrides))  # checked before JAX starts
     _check_run(c, a.new_run)
+    from nemo_jax.rl.warmstart import make_source
     from nemo_jax.train.sft import main as sft_main
 
-    sft_main(a.config, config=c, verbose=a.verbose, new_run=a.new_run)
+    sft_main(a.config, config=c, verbose=a.verbose, new_run=a.new_run, make_source=make_source)
 
 
 def cmd_grpo(a):
@@ -249,9 +252,19 @@ def cmd_recipe(a):
 
 
 def cmd_eval(a):
+    from nemo_jax.rl.envs import make_env
+    from nemo_jax.rl.envs.demos import json_object
+
+    args = json_object(a.env_args, "--env-args")  # the environment is built before JAX loads: a bad one fails now
+    try:
+        env = make_env(a.env, **args)
+    except TypeError as e:  # an argument the environment does not take
+        raise ValueError(f"--env {a.env} --env-args: {e}") from None
+    except ValueError as e:
+        raise ValueError(f"--env {a.env}: {e}") from None
     from nemo_jax.rl.grpo import cli_eval
 
-    cli_eval(a)
+    cli_eval(a, env)
 
 
 def cmd_plan(a):
@@ -721,8 +734,15 @@ def main(argv=None):
     tune_xla_gpu()
     cmd = fsutil.COMMAND = " ".join(  # e.g. "lora export" (recorded in the output markers)
         x for x in (args.cmd, getattr(args, "lora_cmd", None), getattr(args, "data_cmd", None)) if x)
+    one_line_warnings(f"nemo-jax {cmd}")
+    stop_on_signals()
     try:
         args.fn(args)
+    except Stopped as e:  # SIGINT / SIGTERM before the command took the signals over (a trainer's loop does)
+        _end_progress_bars()
+        print(f"nemo-jax {cmd}: stopped by {e} before it finished (no output is half-written: rerun the same "
+              "command to continue)", file=sys.stderr)
+        raise SystemExit(128 + getattr(signal, str(e), signal.SIGINT)) from None
     except (ValueError, FileNotFoundError, MissingDependency) as e:
         _end_progress_bars()
         print(f"nemo-jax {cmd}: error: {e}", file=sys.stderr)
@@ -737,6 +757,33 @@ def main(argv=None):
             if e.author_traceback else ""
         print(f"{head}nemo-jax {cmd}: error: {e}", file=sys.stderr)
         raise SystemExit(1) from None
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGINT or SIGTERM came before the command's own handling of them (a trainer saves and stops at a step)."""
+
+
+def stop_on_signals() -> None:
+    """SIGINT and SIGTERM stop the command at once, from the first moment: each raises `Stopped` in the main
+    thread (files being written are cleaned up as on any error). A process started in the background of a script
+    inherits SIGINT ignored, and a Ctrl-C before a trainer's loop took the signals over used to be lost: the run
+    went on to its last step. Commands that handle the signals themselves (sft and grpo during training, serve,
+    rollout-worker) take them over when they start."""
+    def stop(signum, frame):
+        raise Stopped(signal.Signals(signum).name)
+
+    if threading.current_thread() is not threading.main_thread():  # (main() called from a thread: an embedding's)
+        return
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, stop)
+
+
+def one_line_warnings(prog: str) -> None:
+    """Python warnings as one line each, `PROG: warning: message` (not the file, line number and source line of
+    the code that warned: a user has nothing to do with them)."""
+    import warnings
+
+    warnings.formatwarning = lambda message, category, filename, lineno, line=None: f"{prog}: warning: {message}\n"
 
 
 def _end_progress_bars():

@@ -148,10 +148,11 @@ class Recipe:
             raise RuntimeError(f"recipe stage {name} finished without writing {output}")
 
     def _sft(self, config: str, overrides: list[str], run_dir: str, dst: str, init: str | None):
+        from nemo_jax.rl.warmstart import make_source
         from nemo_jax.train.sft import main as sft_main
 
         extra = [f"run_dir={run_dir}"] + ([f"model.init={init}", "model.init_sft_config=null"] if init else [])
-        out = sft_main(_rel(config, self.path), list(overrides) + extra)
+        out = sft_main(_rel(config, self.path), list(overrides) + extra, make_source=make_source)
         if out.get("stopped_early"):
             return out  # a partial run: no stage output from it
         from nemo_jax.checkpoint import save_model
@@ -226,11 +227,15 @@ class Recipe:
         return self.report()
 
     def _grpo(self, e: ExpertSection):
+        from nemo_jax.config.train import load_grpo_config
         from nemo_jax.rl.grpo import main as grpo_main
 
-        return grpo_main(_rel(e.config, self.path), list(e.overrides) + [
-            f"run_dir={self.out(f'expert-{e.name}')}", f"model.init={self.out('base-merge')}",
-            "model.init_sft_config=null", f"tokenizer={self.out('base-merge')}"])
+        config = _rel(e.config, self.path)
+        extra = [f"run_dir={self.out(f'expert-{e.name}')}", f"model.init={self.out('base-merge')}",
+                 "model.init_sft_config=null", f"tokenizer={self.out('base-merge')}"]
+        if load_grpo_config(config, list(e.overrides)).lora.init:  # its warm start: made in this run, from its base
+            extra.append(f"lora.init={self.out(f'expert-{e.name}-warm')}")
+        return grpo_main(config, list(e.overrides) + extra)
 
     # ------------------------------------------------------------------ report
     def stages(self) -> list[tuple[str, str, str | None]]:

@@ -242,7 +242,7 @@ def _grpo_cmd(run_dir, steps):
     """The bandit on a random tiny model cut to attention + MLP (the adapters are on lm_head alone)."""
     model = micro_model(os.path.dirname(run_dir))
     return [sys.executable, "-m", "nemo_jax.cli", "grpo", "--config", os.path.join(ROOT, "configs/grpo/tiny-cpu.yaml"),
-            f"run_dir={run_dir}", f"steps={steps}", "model.init=random", "model.init_sft_config=null",
+            f"run_dir={run_dir}", f"steps={steps}", "model.init=random", "model.init_sft_config=null", "lora.init=null",
             f"model.config={model}",
             "rollout.env=bandit_env:Digits", "rollout.env_args={}", "rollout.group_size=6",
             "rollout.groups_per_step=4", "rollout.max_new_tokens=6", "rollout.seq_len=32", "optim.lr=0.03",

@@ -191,7 +191,7 @@ def test_cpu_host_commands_print_no_plugin_noise_and_keep_real_warnings(tmp_path
     assert not _noise_lines(r.stderr), r.stderr
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert lines[0] == "W0000 00:00:1.0 1 plugin.cc:7] a real warning from a plugin library", r.stderr
-    assert "UserWarning: a real Python warning from a plugin" in lines[1]
+    assert lines[1] == "nemo-jax serve: warning: a real Python warning from a plugin"  # (one line, as every warning)
     assert lines[-1] == f"nemo-jax serve: error: {tmp_path / 'missing'}: no such model, checkpoint or run dir"
 
     child = ("import subprocess, sys; from nemo_jax import hostmem; hostmem.quiet_plugin_noise(); "
@@ -229,3 +229,18 @@ def test_plan_answers_after_the_compilers_log_lines():
                        env=dict(os.environ, PYTHONPATH=ROOT))
     assert r.stdout.decode().splitlines() == ["I0000 00:00:1.0 1 gpu_compiler.cc:1] an XLA log line",
                                               "answer line 1", "answer line 2"], r.stdout
+
+
+@pytest.mark.skipif(not _gpu_plugin_installed(), reason="no GPU plugin installed (pip install '.[plan-gpu]')")
+def test_benches_on_a_cpu_host_print_no_plugin_noise():
+    """A bench script (bench/common.py first, then jax) on a CPU host with the CUDA plugin installed and nothing
+    set by the user runs on the CPU without the driver lines and tracebacks a bare `import jax` prints there."""
+    env = {k: v for k, v in os.environ.items() if k not in ("NEMO_JAX_QUIET_PLUGINS", "JAX_PLATFORMS")}
+    if any(os.path.exists(n) for n in hostmem._ACCELERATOR_NODES):
+        pytest.skip("an accelerator is present: jax's own choice stands")
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+    code = (f"import sys; sys.path.insert(0, {bench!r}); import common; import jax; "
+            "print(jax.devices()[0].platform)")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "cpu", r.stderr
+    assert not _noise_lines(r.stderr) and "Traceback" not in r.stderr, r.stderr

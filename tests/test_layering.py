@@ -37,7 +37,7 @@ ROOMS = {
     # rl: the environments know nothing of how they are sampled or trained; the rollout record, its pool and the
     # loss are what the transports carry and fill; the learner drives the transports
     "rl": (("envs",), ("rollout", "pool", "loss"), ("transport",),
-           ("learner", "client", "curriculum", "ablation", "grpo")),
+           ("learner", "client", "curriculum", "ablation", "warmstart", "grpo")),
     # generate: the sampling math, the model's prefill / decode programs, the Engine over them (and the interface
     # it implements), the command
     "generate": (("sampling",), ("decode",), ("sampler", "engine"), ("cli",)),

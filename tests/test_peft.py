@@ -328,10 +328,30 @@ def test_grpo_refuses_targets_the_publish_format_cannot_hold(tmp_path):
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     c = load_grpo_config(os.path.join(root, "configs/grpo/tiny-cpu.yaml"), [
-        f"run_dir={tmp_path / 'run'}", "model.init=random", "model.init_sft_config=null", "lora.targets=[mamba]",
+        f"run_dir={tmp_path / 'run'}", "model.init=random", "model.init_sft_config=null", "lora.init=null", "lora.targets=[mamba]",
         "rollout.publish_format=peft"])
     with pytest.raises(ValueError, match=r"rollout.publish_format=peft cannot hold the adapters on 1 target\(s\): "
                                          r"peft refuses LoRA on Mamba out_proj .*layers/mamba/mixer/out_proj/kernel.*"
                                          r"use rollout.publish_format=vllm"):
         GRPORunner(c, quiet=True)
     assert not (tmp_path / "run").exists()
+
+
+def test_cli_warnings_are_one_line(tmp_path):
+    """`nemo-jax lora export --format peft` of adapters on Mamba out_proj warns that peft refuses them: one line
+    `nemo-jax lora export: warning: ...`, not the file, line and source line of the code that warned."""
+    import subprocess
+    import sys
+
+    from nemo_jax.lora import save_adapter_checkpoint
+
+    cfg = tiny_cfg("ME*-")
+    lc = LoraConfig(targets=("mamba",), rank=4, alpha=8.0)
+    save_adapter_checkpoint(str(tmp_path / "ck"), cfg, lc, random_adapters(cfg, lc.targets))
+    out = subprocess.run([sys.executable, "-m", "nemo_jax.cli", "lora", "export", str(tmp_path / "ck"),
+                          str(tmp_path / "peft"), "--format", "peft"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = [x for x in out.stderr.splitlines() if x.strip()]
+    said = [x for x in lines if "out_proj" in x]
+    assert len(said) == 1 and said[0].startswith("nemo-jax lora export: warning: "), lines
+    assert not any("warnings.warn" in x or ".py:" in x for x in lines), lines

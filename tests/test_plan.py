@@ -241,3 +241,34 @@ def test_candidate_meshes_respect_nodes_and_experts():
     assert {m["data"] for m in ms} == {1, 8}
     assert all(m["expert"] == 1 for m in candidate_meshes(8, H100, 0))  # a dense model has no expert axis
     assert dataclasses.asdict(MeshSection(**ms[0]))  # each is a valid mesh section
+
+
+SMALL_DIMS = {"vocab_size": 512, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+              "intermediate_size": 64, "mamba_num_heads": 8, "mamba_head_dim": 8, "ssm_state_size": 16, "n_groups": 2,
+              "chunk_size": 128, "n_routed_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 32,
+              "moe_shared_expert_intermediate_size": 32, "moe_latent_size": 16}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["cpu", "gpu"])
+def test_the_super_preset_plans_on_each_target(tmp_path, monkeypatch, capsys, target):
+    """configs/sft/super-120b.yaml as shipped (all-to-all experts in chunks, layer remat, MTP) on Super's own layer
+    order, every width cut small: it answers `fits` on the CPU target and on XLA:GPU. Super's periodic order (scans
+    of runs inside a scan) with the GPU's grouped-matmul kernel used to fail to lower ("No constant handler for
+    type: DynamicJaxprTracer": the group sizes were closed over by a custom_jvp)."""
+    import os
+
+    from nemo_jax import cli
+
+    if target == "gpu":
+        _device("gpu")  # (skipped without the plugin)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "nemo_jax", "assets", "models", "super-120b-a12b.json")) as f:
+        small = dict(json.load(f), **SMALL_DIMS)
+    (tmp_path / "super-small.json").write_text(json.dumps(small))
+    monkeypatch.setenv("NEMO_JAX_PLAN_CACHE", str(tmp_path / "cache"))
+    cli.main(["plan", "--config", os.path.join(root, "configs", "sft", "super-120b.yaml"), "--devices", "8",
+              "--device-kind", "h100", "--target", target, "--json", f"model.config={tmp_path / 'super-small.json'}",
+              "data.seq_len=256", "data.batch_size=16", "model.moe_chunk_tokens=128"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits_all"], out

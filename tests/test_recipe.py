@@ -23,10 +23,18 @@ def _small_recipe(path):
     r["base"]["overrides"] = ["steps=4", "eval_every=0", "checkpoint.every=0", "data.seq_len=128",
                               f"model.config={micro_model(os.path.dirname(path))}"]
     r["sft"]["overrides"] = ["steps=2", "lora.targets=[]", "eval_every=0", "checkpoint.every=0", "data.seq_len=128"]
+    warm = os.path.join(os.path.dirname(path), "warm.yaml")  # a warm start cut to 2 steps on 8 demonstrations
+    with open(warm, "w") as f:
+        yaml.safe_dump({"steps": 2, "eval_every": 0, "checkpoint": {"every": 0}, "logging": {"tensorboard": False},
+                        "model": {"config": "tiny", "init": "random"}, "lora": {"targets": ["all"]},
+                        "data": {"eval": None, "seq_len": 64, "batch_size": 4, "sources": [
+                            {"env": "arithmetic", "env_args": {"n_train": 8, "n_eval": 3}, "tasks": 8}]}}, f)
     for e in r["experts"]:  # both experts with the same shapes: the second reuses the first's compiled programs
         keep = [o for o in e["overrides"] if not o.startswith(("steps=", "rollout.max_new_tokens=", "rollout.seq_len="))]
         e["overrides"] = keep + ["steps=2", "rollout.group_size=2", "rollout.groups_per_step=2",
                                  "rollout.max_new_tokens=16", "rollout.seq_len=128", "logging.tensorboard=false"]
+        if not any(o == "lora.init=null" for o in keep):  # (the constraints expert's warm start: in the run)
+            e["overrides"].append(f"lora.init_sft_config={warm}")
     for e in r["eval"]["envs"]:
         e["args"] = dict(e["args"], n_train=8, n_eval=3)
     r["eval"]["attempts"], r["eval"]["max_new_tokens"] = 1, 8
@@ -47,8 +55,10 @@ def test_recipe_runs_every_stage_and_a_rerun_skips_them(tmp_path):
     out = _run(recipe, run)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     stages = ["base", "sft", "base-merge", "expert-arithmetic", "expert-constraints", "final"]
-    for d in ("base", "sft", "base-merge", "expert-arithmetic/adapters", "expert-constraints/adapters", "final"):
+    for d in ("base", "sft", "base-merge", "expert-arithmetic/adapters", "expert-constraints/adapters", "final",
+              "expert-constraints-warm/adapters"):  # (the constraints expert's warm start, made in the run)
         assert (run / d).is_dir(), d
+    assert not (run / "expert-arithmetic-warm").exists()
     assert (run / "final" / "config.json").exists() and any(f.endswith(".safetensors")
                                                              for f in os.listdir(run / "final"))
     table = json.loads((run / "report.json").read_text())

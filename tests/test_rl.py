@@ -403,3 +403,57 @@ def test_long_rollouts_are_truncated_not_dropped():
     np.testing.assert_allclose(batch["behaviour_logprobs"][1], np.asarray(long.logprobs[1:13]) * np.asarray(mask[1:13]))
     np.testing.assert_allclose(batch["loss_weights"][1].sum(), 0.5)  # mean over its kept loss tokens, / N
     np.testing.assert_array_equal(batch["loss_mask"][0, :4], [0, 1, 1, 1])
+
+
+# ----------------------------------------------------------------------------- per-turn credit
+def test_turn_spans_and_credits():
+    """A rollout's turns are the runs of its loss mask; a turn's credit is the reward earned from it on
+    (discounted by gamma per turn); missing turn rewards, and the last turn, take the rollout's reward."""
+    from nemo_jax.rl.rollout import Rollout, turn_credits, turn_spans
+
+    mask = [0, 0, 1, 1, 0, 0, 1, 1, 1, 0, 1]
+    assert turn_spans(mask) == [(2, 4), (6, 9), (10, 11)]
+    r = Rollout(list(range(11)), mask, [0.0] * 11, 0.75, "t", "g", turn_rewards=[0.25, 0.25, 0.9])
+    np.testing.assert_allclose(turn_credits(r), [0.75, 0.5, 0.5])  # (the last turn: the rollout's 0.75)
+    np.testing.assert_allclose(turn_credits(r, gamma=0.5), [0.25 + 0.5 * 0.0 + 0.25 * 0.5, 0.0 + 0.5 * 0.5, 0.5])
+    bare = Rollout(list(range(11)), mask, [0.0] * 11, 1.0, "t", "g")  # no turn rewards recorded
+    np.testing.assert_allclose(turn_credits(bare), [1.0, 1.0, 1.0])
+
+
+def test_turn_credit_advantages_per_token():
+    """Under turn credit a token of turn t of rollout i gets A_i + beta (c_t - mean c); the learner batch then
+    holds [rows, seq_len] advantages of the targets; off, one advantage a row, as before."""
+    from nemo_jax.rl.rollout import Rollout, learner_batch
+
+    mask = [0, 1, 1, 0, 1, 1]
+    good = Rollout([1, 2, 3, 4, 5, 6], mask, [0.0, -1, -1, 0, -1, -1], 1.0, "t", "g", turn_rewards=[0.5, 1.0])
+    half = Rollout([1, 2, 3, 4, 5, 6], mask, [0.0, -1, -1, 0, -1, -1], 0.5, "t", "g", turn_rewards=[0.5, 0.5])
+    plain, _ = learner_batch([[good, half]], seq_len=8)
+    np.testing.assert_allclose(plain["advantages"], [0.25, -0.25])
+    batch, _ = learner_batch([[good, half]], seq_len=8, turn_credit=0.5)
+    # credits: good [1.0, 0.5], half [0.5, 0.0]; mean 0.5
+    np.testing.assert_allclose(batch["advantages"][0, :5], [0.25 + 0.25, 0.25 + 0.25, 0.25, 0.25, 0.25])
+    np.testing.assert_allclose(batch["advantages"][1, :5], [-0.25, -0.25, -0.25, -0.25 - 0.25, -0.25 - 0.25])
+    assert batch["advantages"].shape == (2, 8)
+
+
+def test_per_token_advantages_equal_per_rollout_ones_when_constant():
+    """policy_terms with [N, T] advantages that repeat each row's value: the same loss and gradient as [N]."""
+    lp, mu, adv, mask = _arrays(3)
+    w = loss_weights(mask)
+    f = lambda a, x: policy_loss(x, mu, a, mask, weights=w)[0]  # noqa: E731
+    per_row = jax.value_and_grad(lambda x: f(adv, x))(lp)
+    per_token = jax.value_and_grad(lambda x: f(np.repeat(adv[:, None], lp.shape[1], 1), x))(lp)
+    np.testing.assert_allclose(per_row[0], per_token[0], rtol=1e-6)
+    np.testing.assert_allclose(per_row[1], per_token[1], rtol=1e-6)
+
+
+def test_turn_rewards_round_trip_and_are_checked():
+    from nemo_jax.rl.rollout import validate
+
+    r = _rollout("g0", n=8, loss_mask=[0, 1, 1, 0, 0, 1, 1, 1], turn_rewards=[0.5, 1.0])
+    d = r.to_json()
+    assert d["turn_rewards"] == [0.5, 1.0] and validate(d, 100).turn_rewards == [0.5, 1.0]
+    assert validate(dict(d, turn_rewards=[0.5, 1.0, 1.0]), 100) == "bad_reward"  # more rewards than turns
+    assert validate(dict(d, turn_rewards=["1"]), 100) == "bad_reward"
+    assert "turn_rewards" not in _rollout("g1").to_json()  # (none recorded: not written)

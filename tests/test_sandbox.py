@@ -139,6 +139,13 @@ def test_backend_choice_and_clear_errors(monkeypatch):
         "apt-get install bubblewrap)")))
     with pytest.raises(SandboxError, match=r"no bwrap executable.*name one in sandbox.backend \(rlimit"):
         resolve_backend(SandboxSpec())  # auto never falls back to rlimit
+    # named where it is there but cannot start (no user namespaces): an error now, never a sandbox whose every
+    # command fails with bwrap's message in its stderr (an environment would have scored every episode 0)
+    monkeypatch.setattr(local, "bwrap_binary", lambda: "/usr/bin/true")
+    monkeypatch.setattr(local, "_probed", {("bwrap", sys.executable): "sandbox backend bwrap cannot start here: "
+                                           "bwrap: No permissions to create new namespace"})
+    with pytest.raises(SandboxError, match="cannot start here: bwrap: No permissions"):
+        open_sandbox({"backend": "bwrap"})
     monkeypatch.setenv("PATH", "/nonexistent")
     with pytest.raises(SandboxError, match="the `docker` command is not on PATH"):
         open_sandbox({"backend": "docker"})
@@ -299,5 +306,7 @@ def test_cli_says_which_backends_work(capsys):
 
     main(["sandbox", "--backend", "rlimit,firejail", "--sweep"])
     out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"python {sys.executable}: ") and "bound read-only: " in out[0]  # (its layout)
+    out = out[1:]
     assert out[0].startswith("swept ") and out[1].startswith("rlimit: works (limits only")
     assert out[2].startswith("firejail: cannot start: sandbox backend: 'firejail'")

@@ -246,3 +246,23 @@ def test_a_finished_run_extended_by_raising_steps_resumes_and_rebuilds_the_sched
     assert recs[1]["lr"] == pytest.approx(float(schedule(load_config(SFTConfig, None, BASE + ["steps=2"]).optim,
                                                                   2)(1)))
     assert recs[2]["lr"] == pytest.approx(float(schedule(c.optim, 3)(2))) and recs[2]["lr"] > 0
+
+
+@pytest.mark.slow
+def test_a_signal_in_the_first_seconds_stops_the_command(tmp_path, micro):
+    """SIGINT while the command starts (the model loading, its data being prepared), in a process that inherited
+    SIGINT ignored as a script's background job does: the command stops with one line (exit 130), or, once its
+    training loop has the signal, saves and stops. It used to be lost: the run went on to its last step."""
+    run = tmp_path / "run"
+    argv = [sys.executable, "-m", "nemo_jax.cli", "sft", *BASE, micro, f"run_dir={run}", "steps=100000"]
+    # (the shell ignores SIGINT and execs the command, which inherits that: no fork of this multithreaded process)
+    proc = subprocess.Popen(["sh", "-c", 'trap "" INT; exec "$@"', "sh", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    first = proc.stdout.readline()  # "sft: run ..." : the command has started
+    assert first.startswith("sft: run"), first + proc.stderr.read()
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=180)
+    if proc.returncode == 130:  # stopped before training
+        assert err.strip().splitlines()[-1].startswith("nemo-jax sft: stopped by SIGINT before it finished"), err
+    else:  # (the loop had taken the signal over already: a graceful stop)
+        assert proc.returncode == 0 and '"stopped_early": true' in out, out[-2000:] + err[-2000:]

@@ -222,6 +222,12 @@ class LoraSection:
     rslora: bool = False  # scale alpha/sqrt(rank) instead of alpha/rank
     init_seed: int = 0
     base_dtype: str = "float32"  # dtype the frozen base is held in: float32 | bfloat16
+    # a warm start (GRPO): the adapters to start from (an adapter checkpoint, a PEFT dir, or a LoRA SFT / GRPO run
+    # dir: its final or latest adapters) instead of fresh ones; their targets, rank and alpha must be these
+    init: str | None = None
+    # when `init` does not exist yet: a LoRA SFT config that trains it first, on the same base model, e.g. on an
+    # environment's demonstrations or the start's own verified successes (data.sources: {env: ...}, docs/grpo.md)
+    init_sft_config: str | None = None
 
     def __post_init__(self):
         _at_least(self, 1, "rank")
@@ -331,13 +337,19 @@ class PolicyLossConfig:
     is_high: float = 5.0
     # any kind: drop a rollout whose mean log-ratio learner/sampler over its loss tokens is beyond +- this (0: off)
     seq_mismatch_max: float = 0.0
+    # per-turn credit of multi-turn episodes (0: off, one advantage per rollout): a turn's tokens get
+    # A + turn_credit * (c_turn - mean c), c_turn the reward earned from that turn on (discounted by turn_gamma per
+    # turn), from the rewards the environment reports after each turn (docs/grpo.md#per-turn-credit)
+    turn_credit: float = 0.0
+    turn_gamma: float = 1.0
 
     def __post_init__(self):
         _one_of(self, "kind", POLICY_LOSS_KINDS)
         _within(self, "is_cap", 0, float("inf"), lo_open=True)
         _within(self, "is_low", 0, 1)
         _within(self, "is_high", 1, float("inf"))
-        _at_least(self, 0, "seq_mismatch_max")
+        _at_least(self, 0, "seq_mismatch_max", "turn_credit")
+        _within(self, "turn_gamma", 0, 1)
         _one_of(self, "reduction", REDUCTIONS)
         _within(self, "temperature", 0, float("inf"), lo_open=True)
         _one_of(self, "advantage_scale", ("none", "std"))
@@ -428,6 +440,9 @@ class GRPOConfig:
     log_every: int = 1
     eval_every: int = 0  # held-out eval every this many steps, and before the first (0: none)
     eval_attempts: int = 1  # attempts per held-out task (pass@k and consistency use k = eval_attempts)
+    # the start gate: the step-0 eval's pass@k - pass@1 below this (with eval_attempts >= 2) is warned of: the
+    # start rarely succeeds where it usually fails, so RL has little to sharpen (warm-start the expert first)
+    eval_min_headroom: float = 0.05
     eval_tasks: int = 0  # the fixed held-out set: the environment's first eval_tasks "eval" tasks (0: all)
     eval_rows: int = 0  # decode rows of the eval sampler (0: rollout.sampler_rows or one step's rollouts)
     seed: int = 0
@@ -446,7 +461,7 @@ class GRPOConfig:
 
     def __post_init__(self):
         _at_least(self, 1, "steps", "log_every", "eval_attempts")
-        _at_least(self, 0, "eval_every")
+        _at_least(self, 0, "eval_every", "eval_min_headroom")
         if not self.lora.targets:
             raise SettingError(self, "lora.targets", "grpo trains LoRA adapters: name some (e.g. [all])")
 
@@ -467,27 +482,35 @@ def load_sft_config(path: str | None, overrides=()) -> SFTConfig:
 
 
 def _init_config_from(c, path: str | None, overrides):
-    """`model.init_sft_config` as written in the config file at `path`: a relative path is looked up from that
-    file's folder and then each folder above it (the shipped configs name `configs/sft/...` from the repository
-    root), the working directory last; made absolute, so the run finds it from any directory. Given as an
-    override, it is the working directory's."""
+    """`model.init_sft_config` (and a GRPO config's `lora.init_sft_config`) as written in the config file at `path`:
+    a relative path is looked up from that file's folder and then each folder above it (the shipped configs name
+    `configs/sft/...` from the repository root), the working directory last; made absolute, so the run finds it
+    from any directory. Given as an override, it is the working directory's."""
     import dataclasses
+
+    for section in ("model", "lora"):
+        sec = getattr(c, section)
+        rel = getattr(sec, "init_sft_config", None)
+        if not (path and rel) or any(str(o).startswith(f"{section}.init_sft_config=") for o in overrides):
+            continue
+        c = dataclasses.replace(c, **{section: dataclasses.replace(sec, init_sft_config=_found_beside(path, rel))})
+    return c
+
+
+def _found_beside(path: str, rel: str) -> str:
+    """A path named in the config file at `path`: looked up from its folder and each folder above it, then the
+    working directory's (absolute paths as they are)."""
     import os
 
-    rel = c.model.init_sft_config
-    if not (path and rel) or os.path.isabs(rel) or any(str(o).startswith("model.init_sft_config=")
-                                                       for o in overrides):
-        return c
+    if os.path.isabs(rel):
+        return rel
     d = os.path.dirname(os.path.abspath(path))
     while True:
         if os.path.isfile(os.path.join(d, rel)):
-            found = os.path.join(d, rel)
-            break
+            return os.path.join(d, rel)
         if os.path.dirname(d) == d:
-            found = os.path.abspath(rel)
-            break
+            return os.path.abspath(rel)
         d = os.path.dirname(d)
-    return dataclasses.replace(c, model=dataclasses.replace(c.model, init_sft_config=found))
 
 
 def load_grpo_config(path: str | None, overrides=()) -> GRPOConfig:

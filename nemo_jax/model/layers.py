@@ -14,29 +14,33 @@ import numpy as np
 FROZEN_PRODUCT = "frozen_product"
 
 
-def frozen_product(mm, x, w):
-    """mm(x, w), its output named FROZEN_PRODUCT when w is not differentiated (its tangent a symbolic zero: a
-    closed-over frozen base, a stop_gradient); unchanged (and unnamed) when w is trained or nothing is."""
+def frozen_product(mm, x, w, *operands):
+    """mm(x, w, *operands), its output named FROZEN_PRODUCT when w is not differentiated (its tangent a symbolic
+    zero: a closed-over frozen base, a stop_gradient); unchanged (and unnamed) when w is trained or nothing is.
+    `operands` (integer group sizes, never differentiated) are passed as arguments, not closed over: a custom_jvp
+    whose function closes over a traced array leaks that tracer into the jaxpr XLA:GPU lowers under a scan of
+    checkpointed layers ("No constant handler for type: DynamicJaxprTracer")."""
     from jax.custom_derivatives import SymbolicZero
 
     @jax.custom_jvp
-    def f(x, w):
-        return mm(x, w)
+    def f(x, w, *operands):
+        return mm(x, w, *operands)
 
     def jvp(primals, tangents):
-        x, w = primals
-        dx, dw = tangents
+        x, w, *operands = primals
+        dx, dw = tangents[:2]
+        at = lambda x, w: mm(x, w, *operands)  # noqa: E731
         if isinstance(dw, SymbolicZero):
             if isinstance(dx, SymbolicZero):
-                y = mm(x, w)
+                y = at(x, w)
                 return y, jnp.zeros_like(y)
-            y, dy = jax.jvp(lambda x: mm(x, w), (x,), (dx,))
+            y, dy = jax.jvp(lambda x: at(x, w), (x,), (dx,))
             return jax.ad_checkpoint.checkpoint_name(y, FROZEN_PRODUCT), dy
         dx = jnp.zeros_like(x) if isinstance(dx, SymbolicZero) else dx
-        return jax.jvp(mm, (x, w), (dx, dw))
+        return jax.jvp(at, (x, w), (dx, dw))
 
     f.defjvp(jvp, symbolic_zeros=True)
-    return f(x, w)
+    return f(x, w, *operands)
 
 
 def linear(x: jax.Array, p: dict, dtype) -> jax.Array:

@@ -397,10 +397,14 @@ def _grouped_experts(xs, pe: dict, counts, dtype, impl: str, interpret: bool = F
 def _ragged_lora(x, w, lora, counts, dtype, impl: str, interpret: bool = False, out_dtype=jnp.float32):
     """A grouped matmul over expert groups, plus the per-expert LoRA delta (two more through rank r), -> rows in
     `out_dtype` (with an adapter the two terms are summed in fp32 first)."""
-    mm = lambda a, b, dt=jnp.float32: grouped_matmul(a, b, counts, impl, interpret=interpret, out_dtype=dt)  # noqa: E731
+    def mm(a, b, dt=jnp.float32, sizes=counts):
+        return grouped_matmul(a, b, sizes, impl, interpret=interpret, out_dtype=dt)
+
+    # (the group sizes pass through frozen_product as an operand: a traced array it must not close over)
     if lora is None:
-        return frozen_product(lambda a, b: mm(a, b, out_dtype), x, w)
-    y = frozen_product(mm, x, w) + lora["lora_scale"] * mm(mm(x, lora["lora_a"], dtype), lora["lora_b"])
+        return frozen_product(lambda a, b, sizes: mm(a, b, out_dtype, sizes), x, w, counts)
+    y = (frozen_product(lambda a, b, sizes: mm(a, b, jnp.float32, sizes), x, w, counts)
+         + lora["lora_scale"] * mm(mm(x, lora["lora_a"], dtype), lora["lora_b"]))
     return y.astype(out_dtype)
 
 

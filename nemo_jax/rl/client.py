@@ -35,14 +35,18 @@ from nemo_jax.train.step import TrainState, apply_update, combine_stat, train_st
 class TrainingClient:
     def __init__(self, cfg, base, lora_cfg: LoraConfig, mesh=None, *, optim: OptimSection = OptimSection(),
                  loss: PolicyLossConfig = PolicyLossConfig(), grad_accum: int = 1, total_steps: int = 1000,
-                 seed: int = 0, opts: Options | None = None, rules=None):
-        """base: the frozen model params (kept as given: place them on `mesh` and in the dtype you want)."""
+                 seed: int = 0, opts: Options | None = None, rules=None, adapters=None):
+        """base: the frozen model params (kept as given: place them on `mesh` and in the dtype you want);
+        adapters: the adapters to start from (a warm start, of `lora_cfg`'s layout; default: fresh ones)."""
         self.cfg, self.base, self.lora_cfg, self.mesh, self.loss_cfg = cfg, base, lora_cfg, mesh, loss
         self.grad_accum = grad_accum
         multi = mesh is not None and mesh.size > 1
         self.opts = opts or Options(mesh=mesh if multi else None)
         ad_sh = adapter_shardings(cfg, lora_cfg, mesh, rules) if multi else None
-        adapters = init_adapters(cfg, lora_cfg, jax.random.key(seed), shardings=ad_sh)
+        if adapters is None:
+            adapters = init_adapters(cfg, lora_cfg, jax.random.key(seed), shardings=ad_sh)
+        elif ad_sh is not None:
+            adapters = jax.device_put(adapters, ad_sh)
         self.tx, self.sched = make_optimizer(optim, adapters, total_steps, frozen=CONSTANT_LEAVES)  # scale: constant
         z = lambda: jnp.zeros((), jnp.int32)  # noqa: E731
         rng = jax.random.key_data(jax.random.key(seed + 1))

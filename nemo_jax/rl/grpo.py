@@ -53,7 +53,7 @@ from nemo_jax.rl.transport.board import RequestBoard
 from nemo_jax.rl.transport.rollouts import SpoolReader
 from nemo_jax.train.checkpoint import catch_stop_signals
 from nemo_jax.train.metrics import MetricsLogger, check_logging
-from nemo_jax.train.sft import DTYPES, initial_params, options_from, start_run
+from nemo_jax.train.sft import DTYPES, initial_adapters, initial_params, options_from, start_run
 
 
 MAX_DRAWS = 4  # groups drawn per step, at most, as a multiple of groups_per_step (zero-variance ones are skipped)
@@ -73,9 +73,28 @@ class GRPORunner:
         self.tok = ChatTokenizer.load(c.tokenizer)
         self.env = make_env(c.rollout.env, **c.rollout.env_args)
         self.tasks = {t.id: t for t in self.env.tasks("train")}
+        # (rows that cannot hold an episode are refused before anything is trained or sampled)
+        longest = max((len(self.tok.tokenizer.encode(self.tok.render(as_text(list(t.messages))[0],
+                                                                     add_generation_prompt=True),
+                                                     add_special_tokens=False).ids)
+                       for t in self.tasks.values() if t.messages), default=0)
+        if longest >= c.rollout.seq_len:
+            raise ValueError(f"rollout.seq_len={c.rollout.seq_len} is too short: the longest {c.rollout.env} prompt "
+                             f"has {longest} tokens and leaves no room for an answer")
+        need = demonstration_tokens(self.env, self.tok, cfg)
+        if need > c.rollout.seq_len + 1:  # (a learner row holds seq_len + 1 tokens)
+            raise ValueError(f"rollout.seq_len={c.rollout.seq_len} is too short: the {c.rollout.env} expert's "
+                             f"demonstrations need {need} tokens (rollout.seq_len >= {need - 1}); the learner would "
+                             "train on the first part of each episode only, never on what earns its reward")
         lcfg = LoraConfig(tuple(c.lora.targets), c.lora.rank, c.lora.alpha, c.lora.rslora, c.lora.init_seed)
+        warm = None
+        if c.lora.init is not None:  # a warm start (trained first with lora.init_sft_config when missing)
+            from nemo_jax.rl.warmstart import make_source
+
+            warm = initial_adapters(c, cfg, lcfg, tokenizer=c.tokenizer, make_source=make_source)
         self.client = TrainingClient(cfg, base, lcfg, self.mesh, optim=c.optim, loss=c.loss, total_steps=c.steps,
-                                     grad_accum=c.optim.grad_accum, seed=c.seed, opts=options_from(c.model, self.mesh))
+                                     grad_accum=c.optim.grad_accum, seed=c.seed, opts=options_from(c.model, self.mesh),
+                                     adapters=warm)
         self.pool = RolloutPool(c.rollout.group_size, c.rollout.max_off_policy_steps,
                                 c.rollout.max_failed_episodes or None)
         if c.rollout.publish_every:  # before any work: a format that cannot hold the targets is refused now
@@ -102,17 +121,13 @@ class GRPORunner:
                          "max_tokens": r.max_new_tokens, "stop": list(r.stop)}
         unit = batch_shards(self.mesh) * c.optim.grad_accum  # rows split into micro-batches, each over the shards
         self.rows = math.ceil(c.rollout.groups_per_step * c.rollout.group_size / unit) * unit
-        longest = max((len(self.tok.tokenizer.encode(self.tok.render(as_text(list(t.messages))[0],
-                                                                     add_generation_prompt=True),
-                                                     add_special_tokens=False).ids)
-                       for t in self.tasks.values() if t.messages), default=0)
-        if longest >= c.rollout.seq_len:
-            raise ValueError(f"rollout.seq_len={c.rollout.seq_len} is too short: the longest {c.rollout.env} prompt "
-                             f"has {longest} tokens and leaves no room for an answer")
         eval_tasks = self.env.tasks("eval")
         self.eval_tasks = eval_tasks[:c.eval_tasks] if c.eval_tasks else eval_tasks
         self._eval_engine = None
         self.truncated = 0  # rollouts truncated to rollout.seq_len so far
+        self.truncated_steps = 0  # steps that truncated any
+        self.no_signal_steps = 0  # steps whose every group had equal rewards (no update)
+        self.evals: list[tuple[int, float]] = []  # (step, held-out pass@1) of this process's evals
         self.mismatch_dropped = 0  # rollouts dropped by loss.seq_mismatch_max so far (this process)
         self.stop_requested = False
         self.step = 0
@@ -245,6 +260,10 @@ class GRPORunner:
         k = self.c.eval_attempts
         bar.write(f"step {self.step}: held-out eval on {ev['tasks']} tasks x {k}: reward {ev['reward_mean']:.3f} (se {ev['reward_se']:.3f})  "
                   f"pass@1 {ev['pass@1']:.3f}  pass@{k} {ev[f'pass@{k}']:.3f}  consistency {ev['consistency']:.3f}")
+        if not self.evals and self.step == 0:
+            for line in start_gate(ev, k, self.c.eval_min_headroom):
+                bar.write(line)
+        self.evals.append((self.step, ev["pass@1"]))
         return rec
 
     def run(self) -> dict:
@@ -265,6 +284,7 @@ class GRPORunner:
                                       c.loss.temperature, c.seed, self.lock, image_dir=self.image_dir,
                                       draw_p=self.draw_p)
         resumed = self.restore(producer)
+        first_step = self.step
         if self.board is not None:  # requests and in-flight groups are part of the run's state
             self._resume_requests()
         if producer is not None:
@@ -313,6 +333,9 @@ class GRPORunner:
                                     self.client.adapters, overwrite=True)
         last["step"] = self.step
         last["stopped_early"] = not done
+        if not self.quiet and jax.process_index() == 0:
+            for line in verdict(self.evals, self.no_signal_steps, self.step - first_step):
+                print(f"grpo {c.name}: {line}", flush=True)
         if not self.quiet and done:
             print(f"grpo {c.name}: done at step {self.step}; outputs in {self.run_dir}: adapters/ (final LoRA "
                   f"adapters), metrics.jsonl, config.yaml, checkpoints/" + (", policy/" if r.publish_every else ""),
@@ -344,8 +367,15 @@ class GRPORunner:
         stale = self.pool.counts["groups_stale_dropped"]
         rollouts = [x for g in seen for x in g]
         batch, counts = learner_batch(groups, r.seq_len, rows=self.rows, scale=c.loss.advantage_scale,
-                                      reduction=c.loss.reduction, max_len=r.max_new_tokens, images=self.images)
+                                      reduction=c.loss.reduction, max_len=r.max_new_tokens, images=self.images,
+                                      turn_credit=c.loss.turn_credit, turn_gamma=c.loss.turn_gamma)
         self.truncated += counts["truncated"]
+        if counts["truncated"]:
+            self.truncated_steps += 1
+            if self.truncated_steps in (1, 10, 100) or self.truncated_steps % 1000 == 0:
+                bar.write(f"grpo: warning: step {self.step + 1}: {counts['truncated']} of {counts['rollouts']} rollouts "
+                          f"longer than a learner row (rollout.seq_len={r.seq_len} + 1 tokens) were cut "
+                          f"({self.truncated_steps} steps so far): the learner misses their ends; raise rollout.seq_len")
         counts["zero_variance_frac"] = sum(len({x.reward for x in g}) == 1 for g in seen) / len(seen)
         t1 = time.perf_counter()
         rec = {"step": self.step + 1}
@@ -357,6 +387,7 @@ class GRPORunner:
             rec["rollouts_mismatch_dropped"] = self.mismatch_dropped
         else:  # nothing to learn from in MAX_DRAWS x groups_per_step groups: the step takes no update
             rec["skipped_no_signal"] = 1
+            self.no_signal_steps += 1
         self.step += 1
         if producer is not None:
             producer.set_policy(self.client.version, self.client.adapters)
@@ -413,6 +444,57 @@ class GRPORunner:
         return rec
 
 
+def demonstration_tokens(env, tok, cfg, n: int = 4) -> int:
+    """The longest of the environment expert's first `n` train demonstrations (0 without an expert), in tokens
+    as a learner row holds them: the chat template with the tool definitions, each picture's tokens."""
+    if not callable(getattr(env, "demonstrations", None)) or not callable(getattr(env, "expert", None)):
+        return 0
+    from nemo_jax.data.chat import IMAGE_TOKEN, parse_record
+
+    image_id = tok.tokenizer.token_to_id(IMAGE_TOKEN)
+    longest = 0
+    for rec in env.demonstrations("train", n):
+        doc = parse_record(rec, tok, cfg.vocab_size)
+        n_tok = len(doc.ids)
+        if doc.images and cfg.vision is not None:
+            from nemo_jax.data.images import load_image, picture_tokens
+
+            n_tok += sum(picture_tokens(cfg.vision, load_image(ref)) for ref in doc.images)
+            n_tok -= int(sum(t == image_id for t in doc.ids))
+        longest = max(longest, n_tok)
+    return longest
+
+
+def start_gate(ev: dict, k: int, min_headroom: float) -> list[str]:
+    """What the step-0 eval says of the start: its pass@1 and pass@k, and a warning when pass@k - pass@1 (how
+    often the start succeeds where it usually fails: what RL can sharpen) is below `min_headroom`."""
+    p1, pk = ev["pass@1"], ev[f"pass@{k}"]
+    lines = [f"grpo: start: held-out pass@1 {p1:.3f}, pass@{k} {pk:.3f}"]
+    if k < 2:
+        lines[0] += " (eval_attempts 1: the headroom pass@k - pass@1 is not measured)"
+    elif pk - p1 < min_headroom:
+        lines.append(f"grpo: warning: pass@{k} - pass@1 = {pk - p1:.3f} < eval_min_headroom {min_headroom:g}: the "
+                     "start rarely succeeds where it usually fails, so RL has little to sharpen; warm-start the "
+                     "expert first (lora.init_sft_config: demonstrations or rejection sampling, docs/grpo.md)")
+    return lines
+
+
+def verdict(evals: list[tuple[int, float]], no_signal: int, steps: int) -> list[str]:
+    """What the run says at its end: held-out pass@1 from its first eval to its last, and a warning when it did not
+    rise or when most steps had no signal (every group's rewards equal: no update)."""
+    lines = []
+    if len(evals) >= 2:
+        (s0, first), (s1, last) = evals[0], evals[-1]
+        lines.append(f"held-out pass@1 {first:.3f} at step {s0} -> {last:.3f} at step {s1}")
+        if last <= first:
+            lines.append(f"warning: held-out pass@1 did not rise ({first:.3f} -> {last:.3f}): the adapters learned "
+                         "nothing that carries over to unseen tasks")
+    if steps and no_signal > steps / 2:
+        lines.append(f"warning: {no_signal} of {steps} steps had no signal (every group's rewards were equal: no "
+                     "update): the tasks are too hard or too easy for this start")
+    return lines
+
+
 def rate_from_here(bar) -> None:
     """A tqdm bar's rate and ETA count from now on: its start time, last print and smoothed rate are reset at its
     current count (after the step that compiled: its minutes must not enter the steps' rate)."""
@@ -465,7 +547,9 @@ def eval_engine(params, cfg, adapters=None, *, rows: int = 32, max_len: int = 10
     return Engine(params, cfg, batch=rows, max_len=max_len, adapters=adapters, key=jax.random.key(seed))
 
 
-def cli_eval(a) -> dict:
+def cli_eval(a, env=None) -> dict:
+    """`nemo-jax eval` on parsed arguments; `env`: the environment, already built from --env / --env-args (the CLI
+    builds it before JAX loads, so a bad one fails at once)."""
     import json
     import sys
 
@@ -480,7 +564,9 @@ def cli_eval(a) -> dict:
 
         adapters = jax.tree.map(jnp.asarray, load_adapters(a.adapters, cfg))
     tok = ChatTokenizer.load(a.tokenizer or tok_dir)
-    env = ablate(make_env(a.env, **(json.loads(a.env_args) if a.env_args else {})), a.images, a.seed)
+    if env is None:
+        env = make_env(a.env, **(json.loads(a.env_args) if a.env_args else {}))
+    env = ablate(env, a.images, a.seed)
     engine = eval_engine(params, cfg, adapters, rows=a.rows, max_len=a.max_len, seed=a.seed)
     say(f"{a.env}: {len(env.tasks(a.split))} {a.split} tasks x {a.attempts} attempts on {a.rows} sampler rows "
         "(the first attempts finish after the sampler compiles)")

@@ -2,12 +2,13 @@
 (nemo_jax.rl.loss), backward into the trainable tree only (the adapters under LoRA), AdamW; micro-batched and
 on a mesh like the SFT step (it shares `train.step.accumulate` / `apply_update`).
 
-A learner batch (all [N, T] but `advantages` [N]; N divisible by the micro-batch count and the batch shards):
+A learner batch (all [N, T] but `advantages`: [N], or [N, T] under per-turn credit; N divisible by the micro-batch
+count and the batch shards):
   tokens, targets, segment_ids   model inputs; targets[t] is the token after tokens[t]
   loss_mask                      True on the sampled (policy) tokens among the targets
   behaviour_logprobs             the rollout policy's logprob of each target (0 off the mask)
   loss_weights                   `rl.loss.loss_weights` over the whole batch (global counts)
-  advantages                     `rl.loss.group_advantages`
+  advantages                     `rl.loss.group_advantages` (per token: `rl.rollout.token_advantages`)
 """
 
 from __future__ import annotations

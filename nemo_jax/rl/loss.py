@@ -94,14 +94,16 @@ def policy_terms(logprobs, behaviour_logprobs, advantages, weights, loss_mask, *
                  ref_kl_coef: float = 0.0, is_cap: float = 2.0, is_low: float = 0.5, is_high: float = 5.0,
                  seq_mismatch_max: float = 0.0):
     """The weighted loss sum and additive statistics (token sums; `_min` / `_max` keys combine by min / max) for
-    one (micro-)batch. logprobs, behaviour_logprobs, weights, loss_mask [N, T]; advantages [N]. Rows are whole
+    one (micro-)batch. logprobs, behaviour_logprobs, weights, loss_mask [N, T]; advantages [N] (one per rollout)
+    or [N, T] (one per token: per-turn credit). Rows are whole
     rollouts (micro-batches split rows, never a row), so the per-rollout mismatch bound sees each rollout whole."""
     if kind not in KINDS:
         raise ValueError(f"policy loss kind: {kind!r} (expected one of {', '.join(KINDS)})")
     lp = logprobs.astype(jnp.float32)
     mu = behaviour_logprobs.astype(jnp.float32)
     m = loss_mask.astype(jnp.float32)
-    a = advantages.astype(jnp.float32)[:, None]
+    a = advantages.astype(jnp.float32)
+    a = a if a.ndim == 2 else a[:, None]  # per token (per-turn credit) or per rollout
     log_ratio = jnp.clip(lp - mu, -LOG_RATIO_CLIP, LOG_RATIO_CLIP)
     rho = jnp.exp(log_ratio)
     gap = jax.lax.stop_gradient(jnp.exp(lp) - jnp.exp(mu))

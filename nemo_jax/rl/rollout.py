@@ -38,6 +38,13 @@ class Rollout:
     rollout_id: str = ""  # the episode's id (what `Episode.start` was given)
     timed_out: bool = False  # the episode ran past its time limit (scored 0)
     temperature: float | None = None  # the sampling temperature its logprobs are of (None: not recorded)
+    # the conversation's reward after each assistant turn (an episode's step() answers it), in turn order: the
+    # turns are the runs of loss_mask; per-turn credit reads it (loss.turn_credit); [] when not recorded
+    turn_rewards: list = field(default_factory=list)
+    # the conversation as chat messages and its tool definitions (the in-process sampler's; not written to spool
+    # files): what rejection-sampling fine-tuning keeps of a verified success
+    messages: list | None = field(default=None, repr=False, compare=False)
+    tools: list | None = field(default=None, repr=False, compare=False)
 
     @property
     def version(self) -> int:
@@ -51,7 +58,8 @@ class Rollout:
                 "policy_versions": list(map(int, self.policy_versions)), "success": bool(self.success),
                 "images": [dict(x) for x in self.images], "rollout_id": str(self.rollout_id),
                 "timed_out": bool(self.timed_out),
-                **({} if self.temperature is None else {"temperature": float(self.temperature)})}
+                **({} if self.temperature is None else {"temperature": float(self.temperature)}),
+                **({"turn_rewards": list(map(float, self.turn_rewards))} if self.turn_rewards else {})}
 
     def dedupe_key(self) -> str:
         """What makes two records the same rollout: its `rollout_id`, or (a producer that gives none) its content."""
@@ -207,10 +215,13 @@ def validate(d: dict, vocab_size: int, max_len: int | None = None, *, version: i
     if temp is not None and (not _number(temp) or temp < 0
                              or (temperature is not None and abs(temp - temperature) > 1e-6)):
         return "bad_temperature"
+    turn_rewards = _numbers(d.get("turn_rewards", []))
+    if turn_rewards is None or not np.all(np.isfinite(turn_rewards)) or len(turn_rewards) > len(turn_spans(mask)):
+        return "bad_reward"  # (at most one reward per assistant turn)
     r = Rollout(tokens=toks.tolist(), loss_mask=mask.tolist(), logprobs=lps.tolist(), reward=float(reward),
                 task_id=d["task_id"], group_id=d["group_id"], policy_versions=v.tolist(), success=success,
                 images=list(images), rollout_id=rid, timed_out=timed_out,
-                temperature=None if temp is None else float(temp))
+                temperature=None if temp is None else float(temp), turn_rewards=turn_rewards.tolist())
     if check_images(r, vision, image_root):
         return "bad_images"
     return r
@@ -250,9 +261,52 @@ class RolloutImages:
         return self.rows.row(pics)
 
 
+def turn_spans(mask) -> list[tuple[int, int]]:
+    """The assistant turns of a rollout: [start, end) of each run of sampled tokens (1s) in its loss mask."""
+    m = np.concatenate([[0], np.asarray(mask, np.int8) != 0, [0]]).astype(np.int8)
+    edges = np.flatnonzero(np.diff(m))
+    return list(zip(edges[0::2].tolist(), edges[1::2].tolist()))
+
+
+def turn_credits(r: Rollout, gamma: float = 1.0) -> list[float]:
+    """Each assistant turn's credit: the reward still earned from that turn on, discounted by `gamma` per turn:
+    c_t = sum_{k >= t} gamma^(k - t) d_k with d_k = R_k - R_(k-1) the progress turn k made (R_k: the
+    conversation's reward after turn k, `turn_rewards`, a turn without one keeping the reward before it; the
+    rollout's own reward after its last turn; R_0 = 0). With gamma 1, c_t = reward - R_(t-1): a turn is credited
+    with what was earned from it on, not before it (without turn rewards every turn gets the rollout's reward)."""
+    n = len(turn_spans(r.loss_mask))
+    after = [float(x) for x in r.turn_rewards[:n]]
+    after += [after[-1] if after else 0.0] * (n - len(after))
+    if n:
+        after[-1] = float(r.reward)  # (the rollout's reward is the last word: a timed-out episode scores 0)
+    progress = np.diff([0.0] + after)
+    credit, out = 0.0, []
+    for d in progress[::-1]:
+        credit = d + gamma * credit
+        out.append(credit)
+    return out[::-1]
+
+
+def token_advantages(group: list[Rollout], advantages, beta: float, gamma: float = 1.0) -> list[np.ndarray]:
+    """Per-token advantages of a group's rollouts under per-turn credit: a token of turn t of rollout i gets
+    A_i + beta * (c_t - mean c), the mean over every turn of the group (`turn_credits`); tokens outside the turns
+    get A_i (they carry no loss)."""
+    credits = [turn_credits(r, gamma) for r in group]
+    flat = [c for cs in credits for c in cs]
+    mean = float(np.mean(flat)) if flat else 0.0
+    out = []
+    for r, a, cs in zip(group, advantages, credits):
+        t = np.full(len(r.tokens), float(a), np.float32)
+        for (lo, hi), c in zip(turn_spans(r.loss_mask), cs):
+            t[lo:hi] = a + beta * (c - mean)
+        out.append(t)
+    return out
+
+
 def learner_batch(groups: list[list[Rollout]], seq_len: int, *, rows: int | None = None, scale: str = "none",
                   reduction: str = "rollout", max_len: int | None = None, drop_zero_variance: bool = True,
-                  images: RolloutImages | None = None) -> tuple[dict, dict]:
+                  images: RolloutImages | None = None, turn_credit: float = 0.0,
+                  turn_gamma: float = 1.0) -> tuple[dict, dict]:
     """Finished groups -> (learner batch of numpy arrays, counts). Groups whose rewards are all equal carry no
     signal: they are counted (`zero_variance_groups`) and left out (kept, with advantage 0, when
     drop_zero_variance=False: e.g. demonstrations for a cross-entropy term). Rows are padded to `rows` (a multiple the
@@ -260,7 +314,8 @@ def learner_batch(groups: list[list[Rollout]], seq_len: int, *, rows: int | None
     [:-1] in, tokens[1:] as targets, mask and logprobs of the targets. A rollout longer than a row (seq_len + 1
     tokens) is TRUNCATED to its first seq_len + 1 tokens: the loss covers the kept part, its group and advantage
     stay (counted: `truncated`, `truncated_tokens`). With `images`, each row's pictures (`pixel_values` and the
-    vision layout arrays) come along, so the learner's logprobs see what the sampler saw."""
+    vision layout arrays) come along, so the learner's logprobs see what the sampler saw. With `turn_credit` > 0
+    the advantages are per token ([rows, seq_len]: `token_advantages`), else one per row ([rows])."""
     kept = []
     zero = 0
     for g in groups:
@@ -269,6 +324,8 @@ def learner_batch(groups: list[list[Rollout]], seq_len: int, *, rows: int | None
             zero += 1
             if drop_zero_variance:
                 continue
+        if turn_credit:
+            adv = token_advantages(g, adv, turn_credit, turn_gamma)
         kept += list(zip(g, adv))
     n = len(kept)
     rows = n if rows is None else rows
@@ -276,7 +333,8 @@ def learner_batch(groups: list[list[Rollout]], seq_len: int, *, rows: int | None
         raise ValueError(f"learner batch: {n} rollouts do not fit {rows} rows")
     out = {"tokens": np.zeros((rows, seq_len), np.int32), "targets": np.zeros((rows, seq_len), np.int32),
            "segment_ids": np.zeros((rows, seq_len), np.int32), "loss_mask": np.zeros((rows, seq_len), bool),
-           "behaviour_logprobs": np.zeros((rows, seq_len), np.float32), "advantages": np.zeros((rows,), np.float32)}
+           "behaviour_logprobs": np.zeros((rows, seq_len), np.float32),
+           "advantages": np.zeros((rows, seq_len) if turn_credit else (rows,), np.float32)}
     truncated = truncated_tokens = 0
     pictures = []
     for i, (r, a) in enumerate(kept):
@@ -289,7 +347,10 @@ def learner_batch(groups: list[list[Rollout]], seq_len: int, *, rows: int | None
         out["segment_ids"][i, :t] = 1
         out["loss_mask"][i, :t] = np.asarray(r.loss_mask[1:t + 1], bool)
         out["behaviour_logprobs"][i, :t] = np.where(out["loss_mask"][i, :t], r.logprobs[1:t + 1], 0.0)
-        out["advantages"][i] = a
+        if turn_credit:
+            out["advantages"][i, :t] = a[1:t + 1]  # (the targets' advantages)
+        else:
+            out["advantages"][i] = a
         if images is not None:
             pictures.append(images.row(r, t))
     if images is not None:

@@ -26,6 +26,9 @@ def open_sandbox(spec: SandboxSpec | dict | None = None, name: str = ""):
     spec = spec if isinstance(spec, SandboxSpec) else SandboxSpec.from_dict(spec)
     backend = resolve_backend(spec)
     if backend == "bwrap":
+        why = local.probe_bwrap(spec)  # (once per process and interpreter): a bwrap that cannot start is an error
+        if why:  # here, not every command failing later with rc 1 and bwrap's message in its stderr
+            raise SandboxError(why)
         return local.BwrapSandbox(spec, name)
     if backend == "rlimit":
         return local.RlimitSandbox(spec, name)
@@ -82,7 +85,9 @@ def probe_backends(backends=None, sweep: bool = False) -> list[str]:
     if backends is None:
         backends = ["bwrap", "rlimit"] + [b for b, exe in (("docker", "docker"), ("kubernetes", "kubectl"))
                                           if shutil.which(exe)]
-    out = []
+    from nemo_jax.sandbox.local import describe_python
+
+    out = [describe_python()]
     if sweep:
         me = Owner.get()
         gone = sweep_local(me.root, keep=me.name)
@@ -100,8 +105,18 @@ def probe_backends(backends=None, sweep: bool = False) -> list[str]:
             out.append(f"{b}: works{note}; open {1000 * (t1 - t0):.0f} ms, a command {1000 * (t2 - t1):.0f} ms "
                        "(close included)")
         except (SandboxError, ValueError) as e:
-            out.append(f"{b}: cannot start: {e}")
+            fix = FIXES.get(b, "")
+            out.append(f"{b}: cannot start: {e}" + (f" ({fix})" if fix else ""))
     return out
+
+
+FIXES = {  # what to do when a backend cannot start here
+    "bwrap": "bubblewrap needs user namespaces or root: run as root, allow unprivileged user namespaces "
+             "(sysctl kernel.unprivileged_userns_clone=1 / apparmor_restrict_unprivileged_userns=0), or name the "
+             "interpreter to sandbox with sandbox.python; docs/sandbox.md",
+    "docker": "start the Docker daemon or point DOCKER_HOST at one",
+    "kubernetes": "point kubectl at a cluster (KUBECONFIG) where NetworkPolicies are enforced",
+}
 
 
 def __getattr__(name):

@@ -116,8 +116,34 @@ def interpreter_binds(python: str) -> tuple[list[str], list[str]]:
                               os.path.join(p, "pyvenv.cfg")) if os.path.lexists(x)]
     if not real.startswith("/usr/"):
         binds.append(python)
+    # a path inside another bound one is there already (binding it again would make its mount point inside a
+    # read-only bind: a venv's bin/python under its bin/ failed "Can't create file")
+    binds = [b for b in binds if not any(b != o and b.startswith(o.rstrip("/") + "/") for o in binds)]
     hide = sorted(s for s in sites if os.path.isdir(s))
     return binds, hide
+
+
+def describe_python(python: str | None = None) -> str:
+    """What the sandbox's interpreter is, in one line: a venv (its files linked or copied) over which installation
+    (pyenv, uv, conda, the system's), and what the sandbox binds of it read-only at its own place."""
+    python = python or sys.executable
+    if python == sys.executable:
+        base, prefix = sys.base_prefix, sys.prefix
+    else:
+        try:
+            base, prefix = json.loads(subprocess.run(
+                [python, "-c", "import json, sys; print(json.dumps([sys.base_prefix, sys.prefix]))"],
+                capture_output=True, text=True, timeout=60).stdout)
+        except (OSError, ValueError, subprocess.TimeoutExpired) as e:
+            return f"python {python}: cannot run it ({e})"
+    where = ("pyenv" if "/.pyenv/" in base else "uv" if "/uv/python/" in base
+             else "conda" if os.path.isdir(os.path.join(base, "conda-meta")) else
+             "the system's" if base.startswith("/usr") else "a Python")
+    what = (f"a venv ({'copied' if not os.path.islink(python) else 'linked'} files) at {prefix} over {where} "
+            f"{base}" if prefix != base else f"{where} {base}")
+    binds = interpreter_binds(python)[0]
+    return (f"python {python}: {what}; bound read-only: {', '.join(binds) if binds else '/usr only'} (and the "
+            "asked-for packages)")
 
 
 _runtime_lock = threading.Lock()
@@ -374,8 +400,10 @@ def _dirs_to(path: str, made: set) -> list[str]:
     out, cur = [], ""
     for part in path.strip("/").split("/")[:-1]:
         cur += "/" + part
-        if cur in ("/usr", "/tmp", "/proc", "/dev", "/work"):
+        if cur in ("/usr", "/proc", "/dev", "/work"):  # (bound or made whole: nothing is made inside them)
             return []
+        if cur == "/tmp":  # the sandbox's own tmpfs, made already; the folders under it are made here (a venv in
+            continue  # /tmp: bwrap would make them 0700, out of the sandbox uid's reach)
         if cur not in made:
             made.add(cur)
             out += ["--perms", "0755", "--dir", cur]

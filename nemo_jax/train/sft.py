@@ -77,6 +77,96 @@ def initial_params(c: SFTConfig, mesh, rules):
     return cfg, params
 
 
+def initial_adapters(c, cfg, lora_cfg, shardings=None, *, tokenizer: str, make_source=None):
+    """The adapters a LoRA run starts from: fresh ones (A random, B zero), or `lora.init`'s, trained first with
+    `lora.init_sft_config` when missing: a LoRA SFT of that config from the same base model (`model.init`), with
+    this run's targets, rank, alpha and `tokenizer` (`make_source`: what makes its environment data sources). The
+    warm adapters must be of this run's LoRA layout (targets and rank: every tensor's shape; alpha and rsLoRA where
+    the checkpoint records them); the result is placed in `shardings`."""
+    lc = c.lora
+    if lc.init is None:
+        return init_adapters(cfg, lora_cfg, shardings=shardings)
+    init = lc.init
+    if not os.path.exists(init):
+        if not lc.init_sft_config:
+            raise FileNotFoundError(f"lora.init {init}: no such adapters (set lora.init_sft_config to train them)")
+        print(f"lora.init {init} does not exist yet: training it with {lc.init_sft_config}", flush=True)
+        same_base = [f"model.init={c.model.init}", "model.init_sft_config=null"] + (
+            [f"model.config={c.model.config}", f"model.seed={c.model.seed}"] if c.model.init == "random" else [])
+        main(lc.init_sft_config, [f"run_dir={init}", *same_base, f"data.tokenizer={tokenizer}",
+                                  f"lora.targets={list(lc.targets)}", f"lora.rank={lc.rank}", f"lora.alpha={lc.alpha}",
+                                  f"lora.rslora={lc.rslora}", "lora.init=null", "lora.init_sft_config=null"],
+             make_source=make_source)
+    theirs = _trained_from(init)
+    if theirs is not None and c.model.init != "random" and os.path.abspath(theirs) != os.path.abspath(c.model.init):
+        raise ValueError(f"lora.init {init} was trained from model.init {theirs}; this run starts from "
+                         f"{c.model.init}: the adapters were fitted to another model (give lora.init a path of its "
+                         "own for this base)")
+    from nemo_jax.sources import load_adapters
+
+    tree = load_adapters(init, cfg)
+    want = jax.eval_shape(lambda: init_adapters(cfg, lora_cfg))
+    got_shapes = jax.tree.map(lambda x: tuple(np.shape(x)), tree)
+    want_shapes = jax.tree.map(lambda x: tuple(x.shape), want)
+    if got_shapes != want_shapes:
+        raise ValueError(f"lora.init {init}: its adapters are not of this run's lora.targets {list(lc.targets)} and "
+                         f"lora.rank {lc.rank} (another layout: train them with the same lora settings)")
+    recorded = _recorded_lora(init)
+    if recorded is not None and (recorded.alpha, recorded.rslora) != (lora_cfg.alpha, lora_cfg.rslora):
+        raise ValueError(f"lora.init {init}: trained with lora.alpha {recorded.alpha} (rslora {recorded.rslora}); "
+                         f"this run has {lora_cfg.alpha} ({lora_cfg.rslora}): the same adapters would scale otherwise")
+    if shardings is None:
+        return jax.tree.map(jnp.asarray, tree)
+    return jax.tree.map(lambda x, sh: jax.device_put(np.asarray(x), sh), tree, shardings)
+
+
+def env_sources(data, run_dir: str, make_source, model):
+    """`data.sources` entries an environment makes ({env: NAME, make: demonstrations | rejection_sampling, ...,
+    weight}) -> entries of the chat JSONL files `make_source(entry, where, path, model)` writes, once, as
+    RUN/data/env-<i>.jsonl (a rerun finds them made). `model`: (config, params, tokenizer) of the run's start."""
+    if not any(isinstance(src, dict) and "env" in src for src in data.sources):
+        return data
+    import dataclasses
+
+    first = next(i for i, src in enumerate(data.sources) if isinstance(src, dict) and "env" in src)
+    if make_source is None:
+        raise ValueError(f"data.sources[{first}]: an environment's data ({{env: ...}}) is made by `nemo-jax sft` and "
+                         "`nemo-jax grpo` (nemo_jax.rl.warmstart), not by this caller")
+    if jax.process_count() > 1:
+        raise ValueError(f"data.sources[{first}]: an environment's data is made in a single process: make it with "
+                         "a one-process run first (RUN/data/env-<i>.jsonl is then reused)")
+    out = []
+    for i, src in enumerate(data.sources):
+        if not (isinstance(src, dict) and "env" in src):
+            out.append(src)
+            continue
+        path = os.path.join(run_dir, "data", f"env-{i}.jsonl")
+        if not os.path.exists(path):
+            make_source(src, f"data.sources[{i}]", path, model)
+        out.append({"path": path, **({"weight": src["weight"]} if "weight" in src else {})})
+    return dataclasses.replace(data, sources=out)
+
+
+def _trained_from(path: str) -> str | None:
+    """The `model.init` a LoRA run at `path` trained from (its config.yaml), or None (not a run dir)."""
+    from nemo_jax.fsutil import read_yaml
+
+    conf = os.path.join(path, "config.yaml")
+    if not os.path.isfile(conf):
+        return None
+    return ((read_yaml(conf) or {}).get("model") or {}).get("init")
+
+
+def _recorded_lora(path: str):
+    """The LoraConfig an adapter checkpoint or LoRA run records, or None (a PEFT dir: its shapes were checked)."""
+    from nemo_jax.lora.checkpoint import is_adapter_checkpoint, load_adapter_checkpoint
+
+    for p in (path, os.path.join(path, "adapters")):
+        if is_adapter_checkpoint(p):
+            return load_adapter_checkpoint(p)[1]
+    return None
+
+
 def row_images(cfg, data, tok: ChatTokenizer | None):
     """The loader's image handling for a vision-language model (None for a text-only one). The tokenizer's
     `<image>` token must be the model's image_token_id."""
@@ -191,7 +281,9 @@ def _stop_gradient_where(params, pattern: str):
 
 
 class Trainer:
-    def __init__(self, c: SFTConfig, *, quiet: bool = False, devices=None):
+    def __init__(self, c: SFTConfig, *, quiet: bool = False, devices=None, make_source=None):
+        """make_source(entry, where, path, model): writes the chat JSONL an environment data source of `data.sources`
+        describes ({env: ...}; `nemo_jax.rl.warmstart.make_source`); without it such a source is refused."""
         check_logging(c.logging)  # a bad wandb mode or a missing extra fails before any work
         self.c = c
         self.quiet = quiet
@@ -203,11 +295,13 @@ class Trainer:
             raise ValueError(f"data.batch_size={c.data.batch_size} not divisible by {jax.process_count()} processes")
         prog = self.program = step_program(c, self.cfg, self.mesh, self.rules)
         self.opts, self.lora_cfg, self.frozen = prog.opts, prog.lora_cfg, None
+        start = params  # the model the run starts from (environment data sources may sample it)
         if prog.lora_cfg is not None:  # the trainable tree is the adapters; the base is frozen in lora.base_dtype
             dt = prog.base_dtype
             self.frozen = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(dt), p),
                                   out_shardings=prog.model_shardings)(params)
-            params = init_adapters(self.cfg, prog.lora_cfg, shardings=prog.trainable_shardings)
+            params = initial_adapters(c, self.cfg, prog.lora_cfg, prog.trainable_shardings,
+                                      tokenizer=c.data.tokenizer, make_source=make_source)
             if not quiet:
                 print(summary_table(self.cfg, prog.lora_cfg))
         self.tx, self.sched = prog.tx, prog.sched
@@ -223,7 +317,9 @@ class Trainer:
         if c.data.eval:  # read (and checked) before any data is prepared into the run dir
             self.eval_docs, _ = read_chat_jsonl(c.data.eval, self.tok, self.cfg.vocab_size, c.data.on_error)
         cache = os.path.join(self.run_dir, "data" if jax.process_count() == 1 else f"data/process-{jax.process_index()}")
-        docs, weights, self.source_names, self.rejected_lines = open_sources(c.data, self.cfg.vocab_size, cache,
+        data = env_sources(c.data, self.run_dir, make_source, (self.cfg, start, self.tok))
+        del start
+        docs, weights, self.source_names, self.rejected_lines = open_sources(data, self.cfg.vocab_size, cache,
                                                                               quiet=quiet)
         # The global batch is made of data.shards shards (default: one per row range the processes hold), each
         # packed from its own share of the documents; a process reads only the shards its rows fall in. The
@@ -488,7 +584,7 @@ def _asdict(c):
 
 
 def main(path: str | None = None, overrides=(), *, config: SFTConfig | None = None, verbose: bool = False,
-         new_run: bool = False):
+         new_run: bool = False, make_source=None):
     """`nemo-jax sft`: the config (`config`, or loaded from `path` + `overrides`) is validated before anything
     is written; the run dir gets its config.yaml once the trainer is built (model, data and mesh checked), and a
     run dir this call created is removed again when building the trainer fails. A run dir holding checkpoints
@@ -513,7 +609,7 @@ def main(path: str | None = None, overrides=(), *, config: SFTConfig | None = No
                   f"{c.data.batch_size} x {c.data.seq_len} tokens, into {run_dir}"
                   + ("" if verbose else " (--verbose prints the resolved config)"), flush=True)
         try:
-            tr = Trainer(c)
+            tr = Trainer(c, make_source=make_source)
         except Exception:  # (an interrupt keeps what was prepared, for the rerun)
             if new_dir and jax.process_index() == 0 and os.path.isdir(run_dir):
                 import shutil

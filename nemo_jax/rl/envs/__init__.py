@@ -24,8 +24,8 @@ import importlib
 from nemo_jax.rl.envs.arithmetic import Arithmetic  # noqa: F401 (the built-in environments, by their old path)
 from nemo_jax.rl.envs.constraints import Constraints  # noqa: F401
 from nemo_jax.rl.envs.episode import (BUILTIN_ENVS, Environment, Episode, HistoryEnv, HistoryEpisode,  # noqa: F401
-                                      Observation, Score, SingleTurn, SyncForm, Task, as_environment, demonstrate,
-                                      env_forms, last_assistant, last_number)
+                                      Observation, Score, SingleTurn, SyncForm, Task, ademonstrate, as_environment,
+                                      demonstrate, demonstrations, env_forms, last_assistant, last_number, portable)
 from nemo_jax.rl.envs.inbox import Inbox  # noqa: F401
 from nemo_jax.rl.envs.jsonl import JsonlTasks
 

@@ -96,6 +96,7 @@ class _Live:
     pending: Future | None = None
     pending_what: str = ""  # the episode method `pending` runs
     obs: Observation | None = None
+    turn_rewards: list = field(default_factory=list)  # the conversation's reward after each assistant turn
     timed_out: bool = False
     ended: bool = False
     sp: SamplingParams | None = None  # its own sampling parameters (None: the driver's)
@@ -150,7 +151,8 @@ class Conversation:
         obs = r.obs or Observation()
         reward, success = (0.0, False) if r.timed_out else (float(obs.reward), bool(obs.success))
         return Rollout(r.tokens, r.mask, r.lps, reward, r.task.id, r.group_id, sorted(r.versions) or [version],
-                       success, list(r.images), r.rollout_id, r.timed_out, temperature)
+                       success, list(r.images), r.rollout_id, r.timed_out, temperature,
+                       turn_rewards=[] if r.timed_out else list(r.turn_rewards), messages=list(r.text), tools=r.tools)
 
 
 class EnvCalls:
@@ -365,6 +367,7 @@ class EpisodeDriver:
             r.seq = self.engine.submit(ids, r.sp or self.sp, images=pics, tag=r)
             return
         r.obs = obs
+        r.turn_rewards.append(float(obs.reward))
         if obs.done or r.cut or r.turns >= self.max_turns:
             self.counts["cut"] += r.cut and not obs.done
             return self._finish(r, out)
