@@ -110,7 +110,8 @@ def test_demonstration_tokens_count_what_a_learner_row_holds(tmp_path, monkeypat
 def _grpo(tmp_path, *extra):
     model = micro_model(tmp_path)
     return [sys.executable, "-m", "nemo_jax.cli", "grpo", "--config", os.path.join(ROOT, "configs/grpo/tiny-cpu.yaml"),
-            f"run_dir={tmp_path / 'run'}", "model.init=random", "model.init_sft_config=null", "lora.init=null", f"model.config={model}",
+            f"run_dir={tmp_path / 'run'}", "model.init=random", "model.init_sft_config=null", "lora.init=null",
+            f"model.config={model}",
             "rollout.group_size=4", "rollout.groups_per_step=2", "rollout.in_flight_groups=2",
             "logging.tensorboard=false", "eval_every=0", "checkpoint.every=0", *extra]
 

@@ -328,7 +328,8 @@ def test_grpo_refuses_targets_the_publish_format_cannot_hold(tmp_path):
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     c = load_grpo_config(os.path.join(root, "configs/grpo/tiny-cpu.yaml"), [
-        f"run_dir={tmp_path / 'run'}", "model.init=random", "model.init_sft_config=null", "lora.init=null", "lora.targets=[mamba]",
+        f"run_dir={tmp_path / 'run'}", "model.init=random", "model.init_sft_config=null", "lora.init=null",
+        "lora.targets=[mamba]",
         "rollout.publish_format=peft"])
     with pytest.raises(ValueError, match=r"rollout.publish_format=peft cannot hold the adapters on 1 target\(s\): "
                                          r"peft refuses LoRA on Mamba out_proj .*layers/mamba/mixer/out_proj/kernel.*"

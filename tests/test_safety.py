@@ -951,7 +951,8 @@ def test_grpo_killed_in_its_first_compile_and_in_a_save_then_stopped_then_rerun(
 
     run = tmp_path / "g"
     argv = ["grpo", "--config", "configs/grpo/tiny-cpu.yaml", f"run_dir={run}", "model.init=random",
-            f"model.config={micro_model(str(tmp_path))}", "model.init_sft_config=null", "lora.init=null", "steps=3", "eval_every=0",
+            f"model.config={micro_model(str(tmp_path))}", "model.init_sft_config=null", "lora.init=null",
+            "steps=3", "eval_every=0",
             "rollout.env=arithmetic", "rollout.env_args={n_train: 8, n_eval: 2}", "rollout.group_size=2",
             "rollout.groups_per_step=1", "rollout.max_new_tokens=8", "rollout.seq_len=64", "rollout.publish_every=0",
             "checkpoint.every=1", "logging.tensorboard=false"]

@@ -248,7 +248,8 @@ def test_learner_restart_keeps_requests_and_in_flight_groups(tmp_path):
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     c = load_grpo_config(os.path.join(root, "configs/grpo/tiny-cpu.yaml"), [
-        f"run_dir={tmp_path / 'run'}", "model.init=random", "model.init_sft_config=null", "lora.init=null", "rollout.producer=none",
+        f"run_dir={tmp_path / 'run'}", "model.init=random", "model.init_sft_config=null", "lora.init=null",
+        "rollout.producer=none",
         "rollout.spool=true", "rollout.group_size=2", "rollout.in_flight_groups=3", "rollout.lease_s=0.3",
         "rollout.max_failed_episodes=1", "lora.targets=[lm_head]", "logging.tensorboard=false"])
     a = GRPORunner(c, quiet=True)

@@ -314,7 +314,8 @@ def test_greedy_completions_and_logprobs_equal_nemo_jax_with_and_without_adapter
 # ----------------------------------------------------------------------------- the loop
 def _grpo_cmd(sft, run, steps, *extra):
     return [sys.executable, "-m", "nemo_jax.cli", "grpo", "--config", GRPO_CONFIG, f"run_dir={run}", f"steps={steps}",
-            f"model.init={sft}", "lora.init=null", "rollout.spool=true", "rollout.producer=none", "rollout.publish_format=vllm",
+            f"model.init={sft}", "lora.init=null",
+            "rollout.spool=true", "rollout.producer=none", "rollout.publish_format=vllm",
             "logging.tensorboard=false", "log_every=1", *extra]
 
 

@@ -114,7 +114,8 @@ def served(tmp_path_factory):
 
 def _grpo(tmp, run, steps, *extra):
     return [sys.executable, "-m", "nemo_jax.cli", "grpo", "--config", os.path.join(ROOT, "configs/grpo/tiny-cpu.yaml"),
-            f"run_dir={run}", f"steps={steps}", f"model.init={tmp / 'model'}", "model.init_sft_config=null", "lora.init=null",
+            f"run_dir={run}", f"steps={steps}", f"model.init={tmp / 'model'}", "model.init_sft_config=null",
+            "lora.init=null",
             "tokenizer=builtin:tiny", "rollout.env=wenv:Turns", "rollout.env_args={}", "rollout.producer=none",
             "rollout.spool=true", "rollout.group_size=4", "rollout.groups_per_step=2", "rollout.max_new_tokens=8",
             "rollout.seq_len=96", "rollout.stop=[e]", "lora.targets=[all]", "lora.rank=4", "eval_every=0",
