@@ -75,6 +75,15 @@ def _committed(tree):
     return jax.device_put(tree, jax.config.jax_default_device or jax.devices()[0])
 
 
+def _whole_on(tree, mesh):
+    """Put `tree` (tables, adapters: small next to the weights) whole on every device of `mesh` (without a mesh:
+    committed to the default device, see `_committed`), so a jitted call mixing it with the sharded weights sees one
+    device set."""
+    if mesh is None:
+        return _committed(tree)
+    return jax.device_put(tree, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+
+
 def _rows_on(x, mesh):
     """Put a [b, ...] host array on `mesh` with its rows over the batch axes (without a mesh: committed to the
     default device, see `_committed`)."""

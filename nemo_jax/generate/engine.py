@@ -17,7 +17,7 @@ from nemo_jax.lora import attach
 from nemo_jax.model import model as M
 from nemo_jax.model.cache import (init_decode_state, unstack_state)
 from nemo_jax.model.vision import check_images
-from nemo_jax.generate.decode import _append, _committed, _keep_sharded, _mesh_of, _rows_on
+from nemo_jax.generate.decode import _append, _committed, _keep_sharded, _mesh_of, _rows_on, _whole_on
 from nemo_jax.generate.sampler import TurnEnd
 from nemo_jax.generate.sampling import _pow2, MAX_STOP_BYTES, MIN_WIDTHS, RowSampling, sample_step, SamplingParams, token_table, TOP_LOGPROBS
 
@@ -401,7 +401,8 @@ class Engine:
         `version`. The layers' adapters are copied one layer at a time; others (e.g. the lm_head's) are kept by
         reference: pass a copy when the caller's buffers will be donated."""
         with self._lock:
-            self._p = attach(self.params, _unstacked(adapters))
+            extra = _unstacked(adapters)
+            self._p = attach(self.params, _whole_on(extra, self.mesh) if extra else extra)
             if self.mesh is None:
                 self._p = _committed(self._p)
             self.version = int(version)
@@ -576,7 +577,7 @@ class Engine:
             rows.update(stop_bytes=sb, stop_lens=sl)
             if not self._tables:
                 tb, tl = token_table(self._token_bytes, V)
-                self._tables = _committed({"bytes": jnp.asarray(tb), "lens": jnp.asarray(tl)})
+                self._tables = _whole_on({"bytes": jnp.asarray(tb), "lens": jnp.asarray(tl)}, self.mesh)
         self._static = how
         self._rowp = {n: _rows_on(jnp.asarray(x), self.mesh) for n, x in rows.items()}
         # running arrays: made the first time a row needs them, reset for the rows whose turn starts now
