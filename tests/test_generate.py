@@ -125,6 +125,20 @@ def test_top_p_keeps_the_smallest_nucleus():
     np.testing.assert_allclose(np.exp(lp[:2]), [0.625, 0.375], rtol=1e-5)
 
 
+def test_min_p_cuts_below_its_share_of_the_top_token_after_temperature():
+    """vLLM's min-p: after the temperature, tokens less likely than min_p x the top token's probability are cut,
+    the rest renormalised; then top-k / top-p on what is left."""
+    logits = jnp.log(jnp.asarray([0.5, 0.3, 0.15, 0.05]))
+    lp = np.asarray(sampling_logprobs(logits, 1.0, min_p=0.35))  # threshold 0.175: keeps 0.5, 0.3
+    assert np.isfinite(lp).tolist() == [True, True, False, False]
+    np.testing.assert_allclose(np.exp(lp[:2]), [0.625, 0.375], rtol=1e-5)
+    hot = np.asarray(sampling_logprobs(logits, 2.0, min_p=0.35))  # tempered: 0.15 is now above 0.35 x the top
+    assert np.isfinite(hot).tolist() == [True, True, True, False]
+    assert np.isfinite(np.asarray(sampling_logprobs(logits, 1.0, min_p=0.0))).all()
+    both = np.asarray(sampling_logprobs(logits, 2.0, top_k=1, min_p=0.35))
+    assert np.isfinite(both).tolist() == [True, False, False, False]
+
+
 @pytest.mark.slow
 def test_unmerged_lora_equals_merged_weights(setup):
     cfg, params = setup
@@ -241,13 +255,15 @@ def test_per_row_sampling_equals_the_static_reference():
     the untempered distribution)."""
     from nemo_jax.generate import row_sampling_logprobs
 
-    logits = jax.random.normal(jax.random.key(0), (5, 97)) * 3
-    rows = [(0.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 3, 1.0), (0.9, 0, 0.6), (1.3, 5, 0.8)]
-    t, k, p = (jnp.asarray(x) for x in zip(*rows))
-    got = row_sampling_logprobs(logits, t, k.astype(jnp.int32), p, k_max=8, nucleus=True)
-    for i, (ti, ki, pi) in enumerate(rows):
-        want = sampling_logprobs(logits[i], ti if ti > 0 else 1.0, ki, pi)
+    logits = jax.random.normal(jax.random.key(0), (6, 97)) * 3
+    rows = [(0.0, 0, 1.0, 0.0), (0.7, 0, 1.0, 0.0), (1.0, 3, 1.0, 0.0), (0.9, 0, 0.6, 0.05), (1.3, 5, 0.8, 0.1),
+            (1.0, 0, 1.0, 0.02)]
+    t, k, p, m = (jnp.asarray(x) for x in zip(*rows))
+    got = row_sampling_logprobs(logits, t, k.astype(jnp.int32), p, k_max=8, nucleus=True, min_p=m)
+    for i, (ti, ki, pi, mi) in enumerate(rows):
+        want = sampling_logprobs(logits[i], ti if ti > 0 else 1.0, ki, pi, mi)
         np.testing.assert_allclose(got[i], want, rtol=1e-6, atol=1e-6)
+    assert np.isinf(np.asarray(got[5])).sum() > 0  # (min-p alone cuts)
     plain = row_sampling_logprobs(logits[:2], t[:2], k[:2].astype(jnp.int32), p[:2])  # no truncation compiled
     np.testing.assert_allclose(plain, got[:2], rtol=1e-6, atol=1e-6)
 

@@ -748,7 +748,8 @@ def test_fields_rule_and_bounds_as_pure_functions():
 
     check_fields({"messages": [], "user": "x", "metadata": {"a": 1}, "parallel_tool_calls": True, "min_p": 0.0,
                   "response_format": {"type": "text"}}, "chat")
-    for bad in ({"echo": False}, {"parallel_tool_calls": False}, {"min_p": 0.1}, {"guided_json": {}},
+    check_fields({"messages": [], "min_p": 0.1}, "chat")  # (applied by the sampler)
+    for bad in ({"echo": False}, {"parallel_tool_calls": False}, {"best_of": 3}, {"guided_json": {}},
                 {"response_format": {"type": "json_object"}}):
         with pytest.raises(APIError):
             check_fields(bad, "chat")
@@ -756,3 +757,6 @@ def test_fields_rule_and_bounds_as_pure_functions():
                           "repetition_penalty": 1.2, "min_tokens": 2, "max_tokens": 5}, 3, 64, 8, (2,), 512, 4)
     assert sps[0].top_k == 0 and sps[0].stop == ("ab",) and sps[0].logit_bias == ((3, -100.0),)
     assert [sp.seed for sp in sps] == [0xFFFFFFFF, 0] and sps[0].top_logprobs == 4 and stop == ["ab"]
+    assert sps[0].min_p == 0.0 and sampling({"min_p": 0.2}, 3, 64, 8, (2,), 512)[0][0].min_p == 0.2
+    with pytest.raises(APIError, match="min_p"):
+        sampling({"min_p": 1.5}, 3, 64, 8, (2,), 512)

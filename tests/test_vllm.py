@@ -93,7 +93,7 @@ class VLLM:
 
     def start(self, timeout: float = 900) -> float:
         cmd, env = tool.serve_command(VENV, self.model, port=self.port, max_lora_rank=8, max_loras=2,
-                                      max_cpu_loras=8)
+                                      max_cpu_loras=8, extra=["--enable-scale-out"])  # (+ /inference/v1/generate)
         self.starts += 1
         self.log = open(os.path.join(self.logdir, f"vllm-{self.port}-{self.starts}.log"), "w+")
         t0 = time.time()
@@ -309,6 +309,65 @@ def test_greedy_completions_and_logprobs_equal_nemo_jax_with_and_without_adapter
             assert r["max_abs_change_vs_base"] > 1e-2, (name, r)  # the adapter was applied
     assert {"in_proj", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj", "up_proj",
             "down_proj"} <= set(results["all"]["target_modules"])
+
+
+def test_token_in_route_equals_vllm(base, vllm):
+    """`POST /inference/v1/generate` (vLLM's token-in route, nemo_jax.serve.tokens) on nemo-jax serve and on vLLM,
+    the same export and the same requests (8 chat prompts as ids, greedy, top logprobs, the model's stop ids, a
+    cache salt, prompt ids back; then a stop id of the request's): the same token ids, finish and stop reasons,
+    logprobs within 1e-4, the same alternatives in the same order with the same ranks, and every key vLLM answers
+    present in nemo_jax's answer."""
+    from test_serve import Server
+
+    from nemo_jax.data.chat import ChatTokenizer
+    from nemo_jax.rl.transport.producer import stop_ids
+    from nemo_jax.sources import load_any
+
+    tmp, _, hf = base
+    cfg, _ = load_any(hf)
+    tok = ChatTokenizer.load(hf)
+    stops = sorted(stop_ids(cfg, tok))
+    with open(os.path.join(ROOT, "nemo_jax", "assets", "tiny_chat", "eval.jsonl")) as f:
+        convs = [json.loads(x)["messages"] for x in f][:8]
+    prompts = [tok.tokenizer.encode(tok.render(m[:-1] if m[-1]["role"] == "assistant" else m,
+                                               add_generation_prompt=True), add_special_tokens=False).ids
+               for m in convs]
+    srv = Server(tmp, ["--ckpt", hf, "--served-model-name", "base", "--max-model-len", "2048", "--max-num-seqs", "8"])
+
+    def keys(x, at="") -> set:
+        if isinstance(x, dict):
+            return {at + k for k in x} | {k for v_k, v in x.items() for k in keys(v, at + v_k + ".")}
+        return keys(x[0], at + "[].") if isinstance(x, list) and x else set()
+    try:
+        worst, compared, missing = 0.0, 0, set()
+        for i, p in enumerate(prompts):
+            sp = {"max_tokens": MAX_NEW, "temperature": 0, "logprobs": 3, "stop_token_ids": stops,
+                  "skip_special_tokens": False}
+            if i % 2:  # a stop id of the request's own: the second greedy token
+                first = vllm.post("/inference/v1/generate", {"model": "base", "token_ids": p, "sampling_params": {
+                    "max_tokens": 2, "temperature": 0}})["choices"][0]["token_ids"]
+                sp["stop_token_ids"] = stops + [first[-1]]
+            body = {"model": "base", "token_ids": p, "sampling_params": sp, "cache_salt": f"v{i}",
+                    "return_token_ids": True}
+            want, got = vllm.post("/inference/v1/generate", body), srv.post("/inference/v1/generate", body).json()
+            missing |= keys(want) - keys(got)
+            assert got["prompt_token_ids"] == want["prompt_token_ids"] == p
+            assert got["usage"]["completion_tokens"] == want["usage"]["completion_tokens"]
+            w, g = want["choices"][0], got["choices"][0]
+            assert (g["token_ids"], g["finish_reason"], g["stop_reason"]) == \
+                (w["token_ids"], w["finish_reason"], w["stop_reason"]), i
+            for a, b in zip(w["logprobs"]["content"], g["logprobs"]["content"]):
+                assert (b["token_id"], b["rank"]) == (a["token_id"], a["rank"])
+                assert [(x["token_id"], x["rank"]) for x in b["top_logprobs"]] == \
+                    [(x["token_id"], x["rank"]) for x in a["top_logprobs"]]
+                worst = max([worst, abs(a["logprob"] - b["logprob"])]
+                            + [abs(x["logprob"] - y["logprob"]) for x, y in zip(a["top_logprobs"], b["top_logprobs"])])
+                compared += 1
+    finally:
+        srv.close()
+    record("token_in_route", prompts=len(prompts), tokens=compared, max_abs_logprob_diff=worst,
+           keys_missing=sorted(missing))
+    assert compared > 0 and worst <= 1e-4 and not missing, (worst, missing)
 
 
 # ----------------------------------------------------------------------------- the loop

@@ -542,16 +542,19 @@ class Engine:
         sps = [s.sp for s in live.values()]
         S = _pow2(max([len(sp.stop_token_ids) for sp in sps] + [MIN_WIDTHS["stops"]]))
         temp, top_k, top_p = np.zeros(b, np.float32), np.zeros(b, np.int32), np.ones(b, np.float32)
+        min_p = np.zeros(b, np.float32)
         stops, count = np.full((b, S), -1, np.int32), np.zeros(b, np.int32)
         key = np.zeros((b,) + next(iter(live.values())).key.shape if live else (b, 2), np.uint32)
         for r, s in live.items():
             sp = s.sp
             if sp.temperature > 0:  # greedy rows keep the untruncated distribution (their logprobs)
-                temp[r], top_k[r], top_p[r] = sp.temperature, sp.top_k, sp.top_p
+                temp[r], top_k[r], top_p[r], min_p[r] = sp.temperature, sp.top_k, sp.top_p, sp.min_p
             stops[r, :len(sp.stop_token_ids)] = sp.stop_token_ids
             key[r], count[r] = s.key, s.sampled
         how = self.row_sampling(sps)
         rows = dict(temperature=temp, top_k=top_k, top_p=top_p, stops=stops, key=key, count=count)
+        if how.nucleus:  # (the step of every extra: min-p with the truncations)
+            rows["min_p"] = min_p
         if how.adjust:
             B = _pow2(max([len(sp.logit_bias) for sp in sps] + [MIN_WIDTHS["bias"]]))
             ids, bias = np.full((b, B), V, np.int32), np.zeros((b, B), np.float32)
@@ -601,10 +604,10 @@ class Engine:
     def row_sampling(self, sps) -> RowSampling:
         """The decode step's static variant for rows sampling with `sps`: the plain step when every row samples
         with temperature (or greedily) alone, else one step that serves every extra for any row (top-k and top-p
-        from one sort, penalties, logit_bias, min_tokens, stop strings, TOP_LOGPROBS alternatives), so that a
+        from one sort, min-p, penalties, logit_bias, min_tokens, stop strings, TOP_LOGPROBS alternatives), so that a
         server compiles two decode steps, not one per combination of what its requests ask for."""
         sps = list(sps)
-        if not any(sp.processed or (sp.temperature > 0 and (sp.top_k or sp.top_p < 1)) for sp in sps):
+        if not any(sp.processed or (sp.temperature > 0 and (sp.top_k or sp.top_p < 1 or sp.min_p > 0)) for sp in sps):
             return RowSampling()
         V = self.cfg.vocab_size
         top = max([sp.top_logprobs for sp in sps] + [TOP_LOGPROBS])

@@ -20,6 +20,7 @@ class SamplingParams:
     temperature: float = 1.0  # 0 = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
+    min_p: float = 0.0  # 0 = off; else tokens less likely than min_p x the most likely one's probability are cut
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None  # the Engine: a sequence's draws depend only on it (and the tokens), not on its batch
     # the Engine only (`generate` refuses them), as vLLM applies them, in this order: logit_bias and min_tokens,
@@ -35,9 +36,10 @@ class SamplingParams:
     def __post_init__(self):
         if not 1 <= self.max_new_tokens < _I32:
             raise ValueError(f"max_new_tokens must be >= 1 (got {self.max_new_tokens})")
-        if not (0 <= self.temperature < float("inf") and 0 < self.top_p <= 1 and 0 <= self.top_k < _I32):
-            raise ValueError(f"sampling: temperature >= 0, 0 < top_p <= 1, 0 <= top_k < 2^31 (got {self.temperature}, "
-                             f"{self.top_p}, {self.top_k})")
+        if not (0 <= self.temperature < float("inf") and 0 < self.top_p <= 1 and 0 <= self.top_k < _I32
+                and 0 <= self.min_p <= 1):
+            raise ValueError(f"sampling: temperature >= 0, 0 < top_p <= 1, 0 <= top_k < 2^31, 0 <= min_p <= 1 (got "
+                             f"{self.temperature}, {self.top_p}, {self.top_k}, {self.min_p})")
         bad = [t for t in self.stop_token_ids if not 0 <= t < _I32]
         if bad:
             raise ValueError(f"sampling: stop token id {bad[0]} is not in [0, 2^31)")
@@ -74,10 +76,14 @@ TOP_LOGPROBS = 20  # the Engine's step with extras returns this many alternative
 MIN_WIDTHS = {"stops": 8, "bias": 16, "stop_strings": 4, "stop_bytes": 32, "prompt": 256}
 
 
-def sampling_logprobs(logits: jax.Array, temperature: float, top_k: int = 0, top_p: float = 1.0) -> jax.Array:
-    """[..., V] fp32 logits -> log-probabilities of the distribution sampled from (-inf outside the kept set)."""
+def sampling_logprobs(logits: jax.Array, temperature: float, top_k: int = 0, top_p: float = 1.0,
+                      min_p: float = 0.0) -> jax.Array:
+    """[..., V] fp32 logits -> log-probabilities of the distribution sampled from (-inf outside the kept set): the
+    logits over the temperature, then (as vLLM) min-p, top-k, top-p."""
     x = logits.astype(jnp.float32) / max(temperature, 1e-6)
     V = x.shape[-1]
+    if min_p > 0:
+        x = _min_p_cut(x, jnp.float32(min_p))
     if top_k and top_k < V:
         kth = jax.lax.top_k(x, top_k)[0][..., -1:]
         x = jnp.where(x >= kth, x, -jnp.inf)
@@ -98,9 +104,16 @@ def sample_token(logits: jax.Array, key, sp: SamplingParams):
         tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
         return tok, jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0]
-    lp = sampling_logprobs(logits, sp.temperature, sp.top_k, sp.top_p)
+    lp = sampling_logprobs(logits, sp.temperature, sp.top_k, sp.top_p, sp.min_p)
     tok = _inverse_cdf_draw(key, lp)
     return tok, jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0]
+
+
+def _min_p_cut(x: jax.Array, min_p: jax.Array) -> jax.Array:
+    """x [..., V] tempered logits, min_p [...] -> x with -inf on tokens whose probability is below min_p times the
+    most likely token's (x - max < log min_p; min_p 0 cuts nothing)."""
+    top = jnp.max(x, axis=-1, keepdims=True)
+    return jnp.where(x - top < jnp.log(min_p)[..., None], -jnp.inf, x)
 
 
 def _inverse_cdf_draw(key, lp: jax.Array) -> jax.Array:
@@ -120,14 +133,17 @@ def _draw(u: jax.Array, lp: jax.Array) -> jax.Array:
 
 
 def row_sampling_logprobs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, *,
-                          k_max: int = 0, nucleus: bool = False) -> jax.Array:
-    """`sampling_logprobs` with per-row parameters: logits [b, V], temperature / top_k / top_p [b] (a row with
+                          k_max: int = 0, nucleus: bool = False, min_p: jax.Array | None = None) -> jax.Array:
+    """`sampling_logprobs` with per-row parameters: logits [b, V], temperature / top_k / top_p / min_p [b] (a row with
     temperature 0 is greedy: its distribution is the untempered one, as `sample_token` gives). Static `k_max` >=
     every row's top_k (0: no row truncates to its top k; >= V: any top k, read off the sort the nucleus uses) and
-    `nucleus` (some row has top_p < 1) leave the truncations out of the compiled step when no row asks for them."""
+    `nucleus` (some row has top_p < 1) leave the truncations out of the compiled step when no row asks for them, as
+    `min_p` None does min-p."""
     t = jnp.where(temperature > 0, temperature, 1.0).astype(jnp.float32)
     x = logits.astype(jnp.float32) / t[:, None]
     V = x.shape[-1]
+    if min_p is not None:
+        x = _min_p_cut(x, min_p.astype(jnp.float32))
     order = sorted_x = None
     if nucleus or k_max >= V:  # one sort serves both truncations (k_max >= V: any row's top k, read off it)
         order = jnp.argsort(-x, axis=-1)
@@ -238,7 +254,7 @@ def sample_step(logits: jax.Array, u: jax.Array, rows: dict, hist: dict, tables:
     rows = {**rows, **hist}
     x = process_logits(logits, rows, how)
     lp = row_sampling_logprobs(x, rows["temperature"], rows["top_k"], rows["top_p"], k_max=how.k_max,
-                               nucleus=how.nucleus)
+                               nucleus=how.nucleus, min_p=rows.get("min_p"))
     tok = jnp.where(rows["temperature"] > 0, _draw(u[:, None], lp), jnp.argmax(x, axis=-1).astype(jnp.int32))
     hist = dict(hist)
     if how.adjust:
@@ -268,7 +284,7 @@ def request_sampling(f, *, vocab: int, stop_ids=(), context: tuple[int, int] | N
     -> (the SamplingParams of each of its `n` samples, seeds seed, seed + 1, ...; its stop strings). The one
     translation of every caller: the OpenAI routes, the Tinker API, rollout requests and the in-process producer.
 
-    temperature, top_p, top_k (-1, 0 or the vocabulary's size and beyond: off), seed, min_tokens, the penalties and
+    temperature, top_p, top_k (-1, 0 or the vocabulary's size and beyond: off), min_p, seed, min_tokens, the penalties and
     logit_bias as vLLM reads them. The first of `max_keys` given (default: `room`, else `default_max`) may not
     exceed `room`, the tokens the prompt leaves (`context`: (max_len, prompt_len), named when it does not fit).
     `stop` strings end a turn besides `stop_ids` and `stop_token_ids`; `ignore_eos` drops `stop_ids`; with
@@ -277,6 +293,7 @@ def request_sampling(f, *, vocab: int, stop_ids=(), context: tuple[int, int] | N
     top_p = float(f.number("top_p", 1.0, 0, 1, lo_open=True))
     top_k = f.integer("top_k", 0, -1, _I32 - 1)
     top_k = 0 if top_k >= vocab else max(top_k, 0)  # (at least the vocabulary: no truncation, as vLLM)
+    min_p = float(f.number("min_p", 0.0, 0, 1))
     key = next((k for k in max_keys if f.has(k)), max_keys[-1])
     max_new = f.integer(key, room if room is not None else default_max, 1, _I32 - 1)
     if room is not None and max_new > room:
@@ -306,7 +323,7 @@ def request_sampling(f, *, vocab: int, stop_ids=(), context: tuple[int, int] | N
                           f.prefix + "logit_bias")
         bias.append((t, float(v)))
     min_tokens = f.integer("min_tokens", 0, 0, max_new)
-    return [SamplingParams(max_new_tokens=max_new, temperature=temperature, top_k=top_k, top_p=top_p,
+    return [SamplingParams(max_new_tokens=max_new, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                            stop_token_ids=tuple(sorted(ids)), seed=None if seed is None else (seed + i) & 0xFFFFFFFF,
                            min_tokens=min_tokens, logit_bias=tuple(sorted(bias)), stop=tuple(strings),
                            top_logprobs=top_logprobs, **penalties) for i in range(n)], list(strings)

@@ -11,6 +11,8 @@ Endpoints (the OpenAI API as vLLM serves it):
                                   (only with --enable-runtime-lora-updating)
     POST /v1/unload_lora_adapter  {"lora_name"}
     POST /tokenize, /detokenize   as vLLM's (prompt or messages -> tokens; tokens -> text)
+    POST /inference/v1/generate   vLLM's token-in / token-out route (nemo_jax.serve.tokens), and
+    POST /inference/v1/abort_requests
     GET  /health                  200 while the engine runs and the server takes requests, else 503 (no API key)
     GET  /metrics                 Prometheus text (nemo_jax.serve.metrics)
 
@@ -32,6 +34,7 @@ from nemo_jax.serve.openai import APIError, check_text
 from nemo_jax.serve.prompts import PromptBuilder
 from nemo_jax.serve.runner import ClientGone, CompletionRunner
 from nemo_jax.serve.scheduler import Scheduler
+from nemo_jax.serve.tokens import TokenRoutes
 
 
 class ServerState:
@@ -57,6 +60,7 @@ class ServerState:
         self.runner = CompletionRunner(self.scheduler, self.metrics, self.prompts, self.adapters,
                                        model_name=model_name, tokens_as_ids=tokens_as_ids,
                                        request_timeout=request_timeout)
+        self.tokens = TokenRoutes(self)
         self.started = time.time()
         self.compiles = None  # a warmup.CompileCounter from ready on (serve): compiles on a request's path
 
@@ -278,6 +282,15 @@ def make_app(state: ServerState, *, api_key: str | None = None, max_body: int = 
     @app.post("/detokenize")
     async def detokenize(request: Request):
         return state.prompts.detokenize(await body_of(request))
+
+    @app.post("/inference/v1/generate")
+    async def generate(request: Request):
+        return await state.tokens.generate(request, await body_of(request))
+
+    @app.post("/inference/v1/abort_requests")
+    async def abort_requests(request: Request):
+        state.tokens.abort(await body_of(request))
+        return Response(status_code=200)
 
     @app.get("/metrics")
     async def metrics():

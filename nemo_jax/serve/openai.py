@@ -74,21 +74,24 @@ class Options:
 
 
 # ----------------------------------------------------------------------------- which fields a request may carry
-_SAMPLING = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "stop_token_ids", "seed",
+_SAMPLING = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stop", "stop_token_ids", "seed",
              "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "stream",
              "stream_options", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "return_token_ids",
              "return_tokens_as_token_ids", "logprobs"}
 IMPLEMENTED = {
     "chat": _SAMPLING | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-                         "chat_template_kwargs", "continue_final_message", "add_generation_prompt"},
+                         "chat_template_kwargs", "continue_final_message", "add_generation_prompt", "reasoning_effort"},
     "completions": _SAMPLING | {"prompt"},
 }
 # accepted only at the value that changes nothing (null is always fine)
-_NEUTRAL = {"best_of": "n", "use_beam_search": False, "min_p": 0, "prompt_logprobs": 0, "priority": 0,
+_NEUTRAL = {"best_of": "n", "use_beam_search": False, "prompt_logprobs": 0, "priority": 0,
             "response_format": {"type": "text"}, "spaces_between_special_tokens": True}
 NEUTRAL = {"chat": {**_NEUTRAL, "parallel_tool_calls": True, "modalities": ["text"]},
            "completions": {**_NEUTRAL, "echo": False, "suffix": ""}}
-INERT = {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier", "request_id"}
+# accepted and without effect: `cache_salt` salts a prefix cache across requests, which this server does not keep
+INERT = {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier", "request_id",
+         "cache_salt"}
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 _HINTS = {"functions": " (use 'tools')", "function_call": " (use 'tool_choice')"}
 
 
@@ -113,21 +116,21 @@ def check_fields(body: dict, endpoint: str) -> None:
                            "changes nothing is accepted)", param=k)
 
 
-def fields(body: dict) -> Fields:
+def fields(body: dict, prefix: str = "") -> Fields:
     """The request's fields, read with checks: a wrong one is a 400 naming it (`param`)."""
-    return Fields(body, lambda message, key: APIError(message, param=key))
+    return Fields(body, lambda message, key: APIError(message, param=key), prefix)
 
 
 # ----------------------------------------------------------------------------- requests -> sampling parameters
 def sampling(body: dict, prompt_len: int, max_len: int, bucket: int, stop_ids: tuple[int, ...], vocab: int,
-             top_logprobs: int = 0) -> tuple[list, list]:
-    """The request's sampling fields, every number bounded -> (SamplingParams of each of its n samples, stop
-    strings)."""
+             top_logprobs: int = 0, *, prefix: str = "", prompt_field: str | None = None) -> tuple[list, list]:
+    """The request's sampling fields (`body`, or the object of them named `prefix`), every number bounded ->
+    (SamplingParams of each of its n samples, stop strings)."""
     room = max_len - -(-prompt_len // bucket) * bucket
     if room < 1:
         raise APIError(f"This model's maximum context length is {max_len} tokens; the prompt has {prompt_len}",
-                       param="messages" if "messages" in body else "prompt")
-    f = fields(body)
+                       param=prompt_field or ("messages" if "messages" in body else "prompt"))
+    f = fields(body, prefix)
     return request_sampling(f, vocab=vocab, stop_ids=stop_ids, context=(max_len, prompt_len), room=room,
                             max_keys=("max_completion_tokens", "max_tokens"), n=f.integer("n", 1, 1, 64),
                             top_logprobs=top_logprobs)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 
-from nemo_jax.serve.openai import APIError, Prompt, local_image, sampling, template_messages
+from nemo_jax.serve.openai import REASONING_EFFORTS, APIError, Prompt, local_image, sampling, template_messages
 from nemo_jax.threads import DaemonPool
 
 MEDIA_READ_TIMEOUT_S = 30.0  # one local image file read, at most (a slow or stuck file: 503, its thread replaced)
@@ -48,6 +48,12 @@ class PromptBuilder:
         kwargs = body.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, dict) or not all(isinstance(k, str) and k.isidentifier() for k in kwargs):
             raise APIError("'chat_template_kwargs' must be an object of names", param="chat_template_kwargs")
+        effort = body.get("reasoning_effort")
+        if effort is not None:  # (as vLLM: handed to the template, which may read it; the bundled ones do not)
+            if effort not in REASONING_EFFORTS:
+                raise APIError(f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}",
+                               param="reasoning_effort")
+            kwargs = {"reasoning_effort": effort, **kwargs}
         cont = bool(body.get("continue_final_message"))
         text_len = sum(len(m["content"]) for m in msgs if isinstance(m.get("content"), str))
         if text_len > self.max_prompt_bytes:
@@ -121,6 +127,14 @@ class PromptBuilder:
         samples, stop = sampling(body, len(tokens), self.max_len, self.bucket, self.stop_ids, self.cfg.vocab_size,
                                  top_logprobs)
         return Prompt(tokens, images, samples, stop)
+
+    def token_prompt(self, ids, sampling_params: dict, top_logprobs: int) -> Prompt:
+        """A token-in request's prompt (`/inference/v1/generate`): its ids checked, its `sampling_params` read."""
+        self.check_ids(ids, "token_ids")
+        samples, stop = sampling(sampling_params, len(ids), self.max_len, self.bucket, self.stop_ids,
+                                 self.cfg.vocab_size, top_logprobs, prefix="sampling_params.",
+                                 prompt_field="token_ids")
+        return Prompt(list(ids), [], samples, stop)
 
     def prompts(self, body: dict, *, chat: bool, top_logprobs: int) -> list[Prompt]:
         """A chat request's one prompt, or a completion request's prompts, each with its sampling parameters."""

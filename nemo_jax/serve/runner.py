@@ -87,14 +87,17 @@ class CompletionRunner:
         return APIError(f"the request did not finish within {self.request_timeout:g} s (--request-timeout)",
                         status=503)
 
-    async def run(self, request, prompts: list[Prompt], adapter) -> list[list]:
+    async def run(self, request, prompts: list[Prompt], adapter, *, progress=None, abort=None) -> list[list] | None:
         """Every prompt through the scheduler -> each prompt's samples. A client that goes away, or the request
-        timeout, cancels them (their rows are freed at once)."""
-        jobs, futures = self._jobs(prompts, adapter)
+        timeout, cancels them (their rows are freed at once). `progress`: handed each sample's tokens as they come
+        (`Job.progress`, on the event loop, with the prompt's index first); `abort`: an asyncio.Event that, once
+        set, cancels them too and makes this return None."""
+        jobs, futures = self._jobs(prompts, adapter, progress)
         results = asyncio.gather(*futures, return_exceptions=True)  # (a cancelled one: no unretrieved exception)
         gone = asyncio.ensure_future(_disconnected(request))
+        waits = [results, gone] + ([asyncio.ensure_future(abort.wait())] if abort is not None else [])
         try:
-            done, _ = await asyncio.wait([results, gone], timeout=self.request_timeout or None,
+            done, _ = await asyncio.wait(waits, timeout=self.request_timeout or None,
                                          return_when=asyncio.FIRST_COMPLETED)
             if results in done:
                 out = results.result()
@@ -107,10 +110,14 @@ class CompletionRunner:
             if gone in done:
                 self._cancel(jobs, "cancelled")
                 raise ClientGone()
+            if done:
+                self._cancel(jobs, "aborted")
+                return None
             self._cancel(jobs, "timed_out")
             raise self._timed_out()
         finally:
-            gone.cancel()
+            for w in waits[1:]:
+                w.cancel()
             for f in futures:  # (the gather then ends with their CancelledErrors as results, nothing unretrieved)
                 f.cancel()
             self._cancel(jobs, "cancelled")

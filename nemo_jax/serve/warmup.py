@@ -144,7 +144,7 @@ def warm_up(engine, adapters=(), *, say=lambda line: print(line, flush=True)) ->
         say(f"nemo-jax serve: warm-up skipped: {engine.max_len} positions per row hold no {engine.bucket}-token "
             "piece and a token")
         return WarmUp(time.perf_counter() - t0, 0, 0, 0)
-    extras = dict(top_k=4, top_p=0.9, top_logprobs=2, presence_penalty=0.1, frequency_penalty=0.1,
+    extras = dict(top_k=4, top_p=0.9, min_p=0.01, top_logprobs=2, presence_penalty=0.1, frequency_penalty=0.1,
                   repetition_penalty=1.1, logit_bias=((1, 0.5),), min_tokens=1)
     if engine._token_bytes is not None:
         extras["stop"] = ("\x00\x01",)
