@@ -34,7 +34,7 @@ def test_greedy_generate_is_the_completions_route_and_the_learner(served):
     assert out["request_id"] == "generate-tokens-abc" and out["model"] == "tiny" and out["output_mode"] == "tokens"
     assert out["prompt_token_ids"] == PROMPT
     assert out["usage"] == {"prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13,
-                            "prompt_tokens_details": None}
+                            "prompt_tokens_details": None, "completion_tokens_details": None}
     (ch,) = out["choices"]
     assert ch["index"] == 0 and ch["finish_reason"] == "length" and ch["stop_reason"] is None
     assert ch["weight_versions"] == [{"version": "tiny:0", "start": 0, "end": 8}]

@@ -195,7 +195,8 @@ class TokenRoutes:
             completion += k
         return {"request_id": rid, "model": model, "created": int(time.time()),
                 "usage": {"prompt_tokens": len(prompt.tokens), "completion_tokens": completion,
-                          "total_tokens": len(prompt.tokens) + completion, "prompt_tokens_details": None},
+                          "total_tokens": len(prompt.tokens) + completion, "prompt_tokens_details": None,
+                          "completion_tokens_details": None},
                 "prompt_logprobs": None, "prompt_token_id_logprobs": None,
                 "prompt_token_ids": list(prompt.tokens) if opt.prompt_ids else None, "mm_placeholders": None,
                 "metrics": None, "kv_transfer_params": None, "ec_transfer_params": None,

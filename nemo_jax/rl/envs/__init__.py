@@ -12,6 +12,7 @@ Built in (`make_env(name, **args)`), each in its module here:
   gui           screenshots of generated windows and forms; click / type / key actions (`gui`)
   swe           a repository, an issue, hidden tests; run / python / apply_patch in a sandbox (`swe`)
   chart         a chart drawn with known values; a number to read off it with python / crop / zoom (`chart`)
+  nemo_gym      a NeMo-Gym resources server (its JSONL rows, tool routes and /verify) over HTTP (`nemo_gym`)
   jsonl:PATH    a user task set: one JSON object per line, {"id", "prompt" | "messages", "answer",
                 "verifier": "exact" | "regex" | "numeric", "tolerance" (numeric), "split" (train | eval)}
   pkg.mod:Class a user environment (either form), built with the config's `env_args`

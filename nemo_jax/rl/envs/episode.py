@@ -38,7 +38,8 @@ from typing import Protocol
 BUILTIN_ENVS = {"arithmetic": "nemo_jax.rl.envs.arithmetic:Arithmetic",
                 "constraints": "nemo_jax.rl.envs.constraints:Constraints", "inbox": "nemo_jax.rl.envs.inbox:Inbox",
                 "mcp": "nemo_jax.rl.envs.mcp:MCPEnv", "gui": "nemo_jax.rl.envs.gui:GUIEnv",
-                "swe": "nemo_jax.rl.envs.swe:SWEEnv", "chart": "nemo_jax.rl.envs.chart:ChartEnv"}
+                "swe": "nemo_jax.rl.envs.swe:SWEEnv", "chart": "nemo_jax.rl.envs.chart:ChartEnv",
+                "nemo_gym": "nemo_jax.rl.envs.nemo_gym:NeMoGymEnv"}
 
 
 def env_forms(sep: str = " | ") -> str:
