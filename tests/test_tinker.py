@@ -294,10 +294,10 @@ def test_a_new_client_compiles_nothing():
 class Server(ServeProcess):
     """`nemo-jax serve` with the Tinker API under `root` and the tests' key (test_serve's server process)."""
 
-    def __init__(self, tmp, hf: str, root: str, extra=()):
+    def __init__(self, tmp, hf: str, root: str, extra=(), env: dict | None = None):
         super().__init__(tmp, ["--ckpt", hf, "--tinker-root", root, "--served-model-name", "tiny", "--max-model-len",
                                "128", "--max-num-seqs", "4", "--bucket", "32", "--max-request-mb", "1",
-                               "--tinker-max-rank", "16", "--shutdown-timeout", "1", *extra], api_key=KEY)
+                               "--tinker-max-rank", "16", "--shutdown-timeout", "1", *extra], api_key=KEY, env=env)
 
     def sdk(self):
         client = tinker.ServiceClient(base_url=self.url, api_key="tml-" + KEY)

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nemo_jax.lora import LoraConfig
+from nemo_jax.lora import LoraConfig, adapter_shardings
 from nemo_jax.model.model import stack_layers
 from nemo_jax.tinker import wire
 from nemo_jax.tinker.futures import FutureStore
@@ -161,10 +161,17 @@ class TinkerService:
         """A request of model `mid` in its seq_id order (`Sequencer.submit`)."""
         return self.sequencer.submit(self.registry.model(mid), seq, kind, args, merge, error)
 
+    def place(self, adapters, lora: LoraConfig):
+        """An adapter set where the learner computes with it: on a served mesh, each leaf placed by the sharding
+        rules the base's are (`adapter_shardings`); else on the default device."""
+        if self.s.mesh is None:
+            return jax.tree.map(jnp.asarray, adapters)
+        return jax.device_put(adapters, adapter_shardings(self.cfg, lora, self.s.mesh))
+
     def _register(self, s: Session, mid: str, base: str, lora: LoraConfig, flags: dict, adapters, meta: dict,
                   opt=None) -> Model:
         put = lambda t: jax.tree.map(jnp.asarray, t)  # noqa: E731
-        adapters = put(adapters)
+        adapters = self.place(adapters, lora)
         if opt is None:
             m, v, step = zeros_like_trained(adapters), zeros_like_trained(adapters), 0
         else:
@@ -197,7 +204,7 @@ class TinkerService:
         if lora.targets != m.lora.targets or lora.rank != m.lora.rank:
             raise UserError(f"{it.args['path']} holds LoRA rank {lora.rank} on {list(lora.targets)}; model {m.id} "
                             f"has rank {m.lora.rank} on {list(m.lora.targets)}")
-        m.adapters = jax.tree.map(jnp.asarray, adapters)
+        m.adapters = self.place(adapters, lora)
         if opt is not None:
             m.adam_m, m.adam_v, m.step = jax.tree.map(jnp.asarray, opt[0]), jax.tree.map(jnp.asarray, opt[1]), opt[2]
         m.grads = None
