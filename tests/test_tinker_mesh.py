@@ -42,8 +42,9 @@ def served(tmp_path_factory):
 
 
 def test_the_learner_on_a_mesh_equals_one_device():
-    """In-process: the Tinker learner over the base placed by the sharding rules on fsdp=4 x tensor=2 (the base
-    restacked from serve's per-layer copy, as the service does) and adapters placed by the same rules gives the
+    """In-process: the Tinker learner over the base placed by the sharding rules on fsdp=4 x tensor=2 (held one
+    layer at a time, the serving engine's copy the service shares; and stacked) and adapters placed by the same
+    rules gives the
     unsharded learner's logprobs, loss and gradients (1e-5), with each device holding a quarter of the embedding
     or less, and gradients that stay sharded."""
     import numpy as np
@@ -67,13 +68,15 @@ def test_the_learner_on_a_mesh_equals_one_device():
             for n in (12, 30, 7)]
     one = Learner(cfg, params).run(ad, rows, "cross_entropy", {}, backward=True)
     mesh_ad = jax.device_put(ad, adapter_shardings(cfg, lora, mesh))
-    got = Learner(cfg, stack_layers(jax.jit(unstack_layers)(sharded))).run(mesh_ad, rows, "cross_entropy", {},
-                                                                            backward=True)
-    for a, b in zip(one[0], got[0]):
-        np.testing.assert_allclose(a, b, atol=1e-5)
-    np.testing.assert_allclose(one[1], got[1], rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(one[2]), jax.tree.leaves(got[2])):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+    # the service's base: the serving engine's own per-layer copy (no stacked second copy); and a stacked one
+    for base in (jax.jit(unstack_layers)(sharded), stack_layers(jax.jit(unstack_layers)(sharded))):
+        got = Learner(cfg, base).run(mesh_ad, rows, "cross_entropy", {}, backward=True)
+        for a, b in zip(one[0], got[0]):
+            np.testing.assert_allclose(a, b, atol=1e-5)
+        np.testing.assert_allclose(one[1], got[1], rtol=1e-5)
+        assert jax.tree.structure(got[2]) == jax.tree.structure(one[2])  # (gradients of the stacked adapters)
+        for a, b in zip(jax.tree.leaves(one[2]), jax.tree.leaves(got[2])):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
     emb = sharded["embeddings"]["embedding"]
     assert emb.addressable_shards[0].data.size * 4 <= emb.size
     assert any(len(set(x.sharding.spec) - {None}) for x in jax.tree.leaves(got[2]) if hasattr(x.sharding, "spec"))

@@ -23,13 +23,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from nemo_jax.lora import LoraConfig, attach, init_adapters
-from nemo_jax.model.model import Options
+from nemo_jax.model.model import Options, unstack_layers
 from nemo_jax.rl.learner import token_logprobs
 from nemo_jax.tinker.losses import LOSSES, token_losses
 from nemo_jax.train.optimizer import global_norm
 
 MIN_LEN = 32
 TRAINED = ("lora_a", "lora_b")
+
+
+def held_like(base, adapters):
+    """Stacked adapters as `base` holds its layers: one by one (sliced inside the caller's jit, so gradients come
+    back stacked) when the base's layers are lists, else as they are."""
+    per_layer = any(isinstance(v, list) for v in base.get("layers", {}).values())
+    return unstack_layers(adapters) if adapters and per_layer and "layers" in adapters else adapters
 
 
 def _pow2(n: int) -> int:
@@ -42,6 +49,8 @@ def bucket_len(n: int) -> int:
 
 class Learner:
     def __init__(self, cfg, base, *, opts: Options = Options(), max_tokens: int = 16384):
+        """`base`: the model's params, stacked or held one layer at a time (`unstack_layers`: the serving
+        engine's copy, shared as it is: no second copy of the weights). Adapters stay stacked either way."""
         self.cfg, self.base, self.opts, self.max_tokens = cfg, base, opts, max_tokens
         self._fns: dict = {}
 
@@ -51,7 +60,7 @@ class Learner:
             cfg, opts = self.cfg, self.opts
 
             def loss(adapters, base, batch, config):
-                lp = token_logprobs(attach(base, adapters), batch, cfg, opts)
+                lp = token_logprobs(attach(base, held_like(base, adapters)), batch, cfg, opts)
                 per_row = jnp.sum(token_losses(loss_fn, lp, batch, config), axis=1)
                 return jnp.sum(per_row), (lp, per_row)
             self._fns[key] = jax.jit(jax.value_and_grad(loss, has_aux=True) if backward else loss)

@@ -23,7 +23,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from nemo_jax.lora import LoraConfig, adapter_shardings
-from nemo_jax.model.model import stack_layers
 from nemo_jax.tinker import wire
 from nemo_jax.tinker.futures import FutureStore
 from nemo_jax.tinker.learner import Learner, adamw, new_adapters, zeros_like_trained
@@ -52,9 +51,9 @@ class TinkerService:
         self.tokenizer_dir = os.path.abspath(tokenizer_dir)
         self.store = Store(store_root)
         self.futures = FutureStore()
-        # the learner trains on stacked layers; serve holds the engine's per-layer copy (a second copy of the base
-        # weights while the Tinker API is on)
-        self.learner = Learner(self.cfg, stack_layers(serve_state.params), max_tokens=max_tokens)
+        # the learner computes over the engine's own copy of the base (its layers one by one): the weights are held
+        # once, whether the Tinker API is on or not
+        self.learner = Learner(self.cfg, serve_state.params, max_tokens=max_tokens)
         self.registry = Registry(serve_state.model_name, ckpt)
         self._creating: dict[str, str] = {}  # model id -> request id of its create / load (a retry gets it)
         handlers = {Kind.CREATE: self._create_model, Kind.LOAD_CREATE: self._load_create,
