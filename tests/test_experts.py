@@ -231,6 +231,55 @@ def test_rejection_sampling_keeps_each_distinct_success_once(tmp_path):
     assert len(capped) == 2 and capped == [recs[0], next(r for r in recs if "1." in r["messages"][0]["content"])]
 
 
+class _Picture:
+    """Two tasks whose prompt shows a picture; every answer succeeds."""
+    name, max_turns = "picture", 1
+
+    def tasks(self, split):
+        from PIL import Image
+
+        from nemo_jax.rl.envs import Task
+
+        return [Task(f"p{i}", ({"role": "user", "content": [
+            {"type": "image", "image": Image.new("RGB", (16, 16), (40 * i, 90, 200))},
+            {"type": "text", "text": f"What colour is picture {i}?"}]},)) for i in range(2)]
+
+    def respond(self, task, history):
+        return None
+
+    def score(self, task, history):
+        from nemo_jax.rl.envs import Score
+
+        return Score(1.0, True)
+
+
+def test_rejection_sampling_keeps_pictures_as_the_chat_data_reads_them(tmp_path):
+    """A vision-language environment's successes are kept with their pictures as PNG data URLs: records the chat
+    data parser reads back into the same image tokens and pixels the sampler saw."""
+    import jax
+    import numpy as np
+
+    from nemo_jax.config.model import NemotronHConfig
+    from nemo_jax.data.chat import ChatTokenizer, parse_record
+    from nemo_jax.data.images import load_image
+    from nemo_jax.model.spec import init
+    from nemo_jax.rl.envs import as_environment
+    from nemo_jax.rl.warmstart import rejection_sampling
+
+    cfg = NemotronHConfig.from_file(micro_model(tmp_path, base="tiny-vl"))
+    params = init(cfg, jax.random.key(0))
+    tok = ChatTokenizer.load("builtin:tiny_vl")
+    recs = rejection_sampling(as_environment(_Picture()), (cfg, params, tok), "data.sources[0]", None, attempts=3,
+                              max_new_tokens=2, temperature=1.0, seed=0, per_task=1, rows=4, max_len=256)
+    assert len(recs) == 2
+    for i, rec in enumerate(recs):
+        parts = rec["messages"][0]["content"]
+        assert parts[0]["type"] == "image_url" and parts[0]["image_url"]["url"].startswith("data:image/png;base64,")
+        doc = parse_record(json.dumps(rec), tok, cfg.vocab_size)
+        assert len(doc.images) == 1 and doc.mask.any() and list(doc.image_hw[0]) == [16, 16]
+        assert np.asarray(load_image(doc.images[0])).reshape(-1, 3)[0].tolist() == [40 * i, 90, 200]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["tiny-swe", "tiny-vl-chart", "tiny-vl-mcp", "tiny-vl-gui", "tiny-arithmetic"])
 def test_shipped_configs_rows_hold_their_expert_demonstrations(name):

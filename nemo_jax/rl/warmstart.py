@@ -61,17 +61,16 @@ def make_source(entry: dict, where: str, path: str, model) -> int:
 def rejection_sampling(env, model, where: str, n: int | None, *, attempts: int, max_new_tokens: int,
                        temperature: float, seed: int, per_task: int | None, rows: int, max_len: int) -> list[dict]:
     """The start model's successful conversations on the first `n` train tasks, `attempts` each: every distinct
-    success once, at most `per_task` of a task -> SFT records {"messages", "tools"?}."""
+    success once, at most `per_task` of a task -> SFT records {"messages", "tools"?} (pictures as PNG data URLs,
+    as the chat data reads them)."""
     import jax
 
     from nemo_jax.generate import Engine
+    from nemo_jax.rl.envs.episode import portable
     from nemo_jax.rl.transport.producer import sample_rollouts
 
     cfg, params, tok = model
     tasks = list(env.tasks("train")[:n])
-    if any(not isinstance(m.get("content"), str) for t in tasks for m in t.messages):
-        raise ValueError(f"{where}: {getattr(env, 'name', 'the environment')} shows pictures: rejection sampling "
-                         "keeps text conversations only (make: demonstrations instead)")
     engine = Engine(params, cfg, batch=rows, max_len=max_len, key=jax.random.key(seed))
     got = sample_rollouts(engine, tok, cfg, env, [(t, f"rft-{t.id}") for t in tasks], attempts, max_new_tokens,
                           temperature, seed=seed)
@@ -80,7 +79,7 @@ def rejection_sampling(env, model, where: str, n: int | None, *, attempts: int, 
     for r in got:
         if not r.success or (per_task and per.get(r.task_id, 0) >= per_task):
             continue
-        rec = {"messages": r.messages, **({"tools": r.tools} if r.tools else {})}
+        rec = {"messages": [portable(m) for m in r.messages], **({"tools": r.tools} if r.tools else {})}
         key = json.dumps(rec, sort_keys=True)
         if key in seen:
             continue

@@ -293,7 +293,10 @@ def portable(message: dict) -> dict:
     c = message["content"]
     if isinstance(c, str):
         return dict(message)
-    return dict(message, content=[{"type": "image_url", "image_url": {"url": png_data_url(p["image"])}}
+
+    def url(img) -> str:  # (a picture given as a path or URL already stands alone)
+        return img if isinstance(img, str) else png_data_url(img)
+    return dict(message, content=[{"type": "image_url", "image_url": {"url": url(p["image"])}}
                                   if p["type"] == "image" else p for p in c])
 
 

@@ -84,6 +84,7 @@ class _Live:
     episode: object
     deadline: float = 0.0  # time.monotonic() past which it times out (0: never)
     text: list = field(default_factory=list)  # the conversation, image parts as markers
+    convo: list = field(default_factory=list)  # the conversation as the episode gave it (its pictures kept)
     tools: list | None = None
     tokens: list = field(default_factory=list)
     mask: list = field(default_factory=list)
@@ -119,6 +120,7 @@ class Conversation:
     def opening(self, r: _Live, obs: Observation) -> tuple[list[int], list]:
         r.obs, r.tools = obs, obs.tools
         r.text, pics = as_text(list(obs.messages), f"episode {r.rollout_id}: start")
+        r.convo = list(obs.messages)
         if not r.text:
             raise ValueError(f"episode {r.rollout_id}: start() gave no messages")
         ids, pics = self._ids(self.tok.render(r.text, r.tools, add_generation_prompt=True), pics, r)
@@ -134,12 +136,14 @@ class Conversation:
         r.cut = reason != "stop"
         msg = {"role": "assistant", "content": self.tok.tokenizer.decode(tokens, skip_special_tokens=True)}
         r.text.append(msg)
+        r.convo.append(msg)
         return msg
 
     def following(self, r: _Live, obs: Observation) -> tuple[list[int], list]:
         follow, pics = as_text(list(obs.messages), f"episode {r.rollout_id}: step")
         ids, pics = self._ids(_turn_delta(self.tok, r.text, follow, r.tools), pics, r)
         r.text += follow
+        r.convo += list(obs.messages)
         r.tokens += ids
         r.mask += [0] * len(ids)
         r.lps += [0.0] * len(ids)
@@ -152,7 +156,7 @@ class Conversation:
         reward, success = (0.0, False) if r.timed_out else (float(obs.reward), bool(obs.success))
         return Rollout(r.tokens, r.mask, r.lps, reward, r.task.id, r.group_id, sorted(r.versions) or [version],
                        success, list(r.images), r.rollout_id, r.timed_out, temperature,
-                       turn_rewards=[] if r.timed_out else list(r.turn_rewards), messages=list(r.text), tools=r.tools)
+                       turn_rewards=[] if r.timed_out else list(r.turn_rewards), messages=list(r.convo), tools=r.tools)
 
 
 class EnvCalls:
