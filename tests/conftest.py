@@ -47,7 +47,8 @@ def _drop_compiled_programs():
 # tiers that run only when the -m expression names their marker (the default run deselects them), and how to run each
 OPT_IN_TIERS = {"venv": "tools/tiers/test_venvs.sh: the base install and each extra in clean venvs",
                 "vllm": "python tools/tiers/vllm_cpu.py tier: a real vLLM process, with $NEMO_JAX_VLLM_VENV",
-                "nemo_gym": "python tools/tiers/nemo_gym.py tier: real NeMo-Gym resources servers, in their own venv"}
+                "nemo_gym": "python tools/tiers/nemo_gym.py tier: real NeMo-Gym resources servers, in their own venv",
+                "verifiers": "python tools/tiers/verifiers.py tier: verifiers 0.4 environments, in a venv with verifiers"}
 
 
 # The longest modules (seconds on one worker, a 2-core host), started first: xdist hands out whole modules

@@ -13,6 +13,7 @@ Built in (`make_env(name, **args)`), each in its module here:
   swe           a repository, an issue, hidden tests; run / python / apply_patch in a sandbox (`swe`)
   chart         a chart drawn with known values; a number to read off it with python / crop / zoom (`chart`)
   nemo_gym      a NeMo-Gym resources server (its JSONL rows, tool routes and /verify) over HTTP (`nemo_gym`)
+  verifiers:ID  an installed verifiers 0.4 environment package (its Taskset), run by verifiers (`verifiers_env`)
   jsonl:PATH    a user task set: one JSON object per line, {"id", "prompt" | "messages", "answer",
                 "verifier": "exact" | "regex" | "numeric", "tolerance" (numeric), "split" (train | eval)}
   pkg.mod:Class a user environment (either form), built with the config's `env_args`
@@ -39,6 +40,10 @@ def make_env(spec: str, **args) -> Environment:
         return getattr(importlib.import_module(mod), cls)(**args)
     if spec.startswith("jsonl:"):
         return JsonlTasks(spec[len("jsonl:"):], **args)
+    if spec.startswith("verifiers:"):  # (before the plug-in form: `verifiers:<id>` names a taskset package)
+        from nemo_jax.rl.envs.verifiers_env import VerifiersEnv
+
+        return VerifiersEnv(spec[len("verifiers:"):], **args)
     if ":" in spec:
         mod, _, cls = spec.partition(":")
         try:

@@ -44,7 +44,7 @@ BUILTIN_ENVS = {"arithmetic": "nemo_jax.rl.envs.arithmetic:Arithmetic",
 
 def env_forms(sep: str = " | ") -> str:
     """Every form an environment name may take (the built-in names, jsonl:PATH, package.module:Class)."""
-    return sep.join([*BUILTIN_ENVS, "jsonl:PATH", "package.module:Class"])
+    return sep.join([*BUILTIN_ENVS, "jsonl:PATH", "verifiers:ID", "package.module:Class"])
 
 
 class EnvironmentFailed(RuntimeError):

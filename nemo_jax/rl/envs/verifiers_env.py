@@ -1,0 +1,293 @@
+"""`verifiers:<id>`: an installed verifiers 0.4 environment package (a v1 `Taskset`) as an environment, unchanged.
+
+    env: verifiers:glossary            # <id>: the package's module name, as `vf.load_taskset` takes it
+    env_args:
+      harness: null                    # the agent program verifiers runs (default: the null harness, a chat loop)
+      taskset: {}                      # more fields of the taskset's config (its TasksetConfig)
+      n_eval: 0                        # the last n_eval tasks are held out (else both splits are every task)
+      max_turns: 8                     # model turns per episode
+      success_reward: 1.0              # success: a reward of at least this
+
+verifiers runs each episode as it would for its own eval or for prime-rl: the taskset's task, its tool servers, the
+harness program (in the `subprocess` runtime, on this machine: it needs `uv`, which the verifiers extra installs)
+and the task's `@vf.reward` methods. The model is nemo_jax's own sampler: the harness's model calls reach a
+chat-completions endpoint this module serves on localhost (each episode's calls name it by the `model` they
+send), and each call becomes the nemo_jax episode's next observation; the turn nemo_jax samples is the call's
+answer (its tool calls parsed from the text into OpenAI `tool_calls`). nemo_jax keeps its own token record through
+its chat template, so the learner trains on exactly the tokens and behaviour logprobs it sampled. When the
+harness ends, the reward is verifiers' own (`trace.reward`: the weighted sum of the task's rewards) and its
+metrics are logged with the rollout.
+
+One training sample per episode: a harness whose next call does not extend the conversation it was answered
+(a branch in verifiers' trace: a rewritten history, a sub-agent) ends the episode with one clear error. Needs
+`verifiers==0.4.0` (its pins clash with nemo_jax's `mcp` and `worker` extras: a venv of its own,
+`python tools/tiers/verifiers.py venv`)."""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import json
+import os
+import sys
+import threading
+import time
+import uuid
+
+from nemo_jax.data.chat import split_tool_calls
+from nemo_jax.rl.envs.episode import Observation, Task
+
+API_KEY_VAR = "NEMO_JAX_VERIFIERS_KEY"  # the bridge takes any key; verifiers' client reads one from the environment
+
+
+def _need_verifiers():
+    try:
+        import verifiers.v1 as vf  # noqa: F401
+    except ImportError as e:
+        raise ValueError(f"rl.env verifiers:<id> needs verifiers 0.4 installed ({e}): python tools/tiers/verifiers.py "
+                         "venv builds a venv with it") from None
+    return vf
+
+
+def _text(content) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+
+
+def chat_message(m: dict) -> dict:
+    """An OpenAI chat message from the harness -> the message nemo_jax's chat template takes (text content; image
+    parts kept as OpenAI image_url parts)."""
+    role = m.get("role")
+    if role == "developer":
+        role = "system"
+    content = m.get("content")
+    if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "image_url" for p in content):
+        return {"role": role, "content": [p for p in content if isinstance(p, dict) and p.get("type") in
+                                          ("text", "image_url")]}
+    return {"role": role, "content": _text(content)}
+
+
+def completion(text: str, tools, model: str, cut: bool) -> tuple[dict, dict]:
+    """An assistant turn nemo_jax sampled -> (the chat.completion answer, the assistant message as the harness will
+    send it back)."""
+    content, calls = split_tool_calls(text, tools)
+    tool_calls = [{"id": f"call_{uuid.uuid4().hex[:16]}", "type": "function",
+                   "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}} for c in calls]
+    message = {"role": "assistant", "content": content}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    reason = "length" if cut else ("tool_calls" if tool_calls else "stop")
+    return ({"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+             "model": model, "choices": [{"index": 0, "message": message, "finish_reason": reason}],
+             "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}}, message)
+
+
+def stream_chunks(reply: dict, usage: bool) -> list[dict]:
+    """A chat.completion -> the chat.completion.chunk events of a streamed answer (the whole turn in one delta)."""
+    ch = reply["choices"][0]
+    delta = {"role": "assistant", "content": ch["message"]["content"]}
+    if ch["message"].get("tool_calls"):
+        delta["tool_calls"] = [dict(c, index=i) for i, c in enumerate(ch["message"]["tool_calls"])]
+    head = {k: reply[k] for k in ("id", "created", "model")}
+    out = [dict(head, object="chat.completion.chunk", choices=[{"index": 0, "delta": delta, "finish_reason": None}]),
+           dict(head, object="chat.completion.chunk", choices=[{"index": 0, "delta": {},
+                                                                "finish_reason": ch["finish_reason"]}])]
+    if usage:
+        out.append(dict(head, object="chat.completion.chunk", choices=[], usage=reply["usage"]))
+    return out
+
+
+class _Bridge:
+    """The chat-completions endpoint on localhost the harnesses' model calls reach, on the environment's loop: a
+    call is queued for the episode its `model` names and answered when that episode's turn is sampled."""
+
+    def __init__(self):
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.url = ""
+
+    async def start(self) -> None:
+        from aiohttp import web
+
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        self.runner = web.AppRunner(app, access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}/v1"
+
+    async def _chat(self, request):
+        from aiohttp import web
+
+        body = await request.json()
+        q = self.queues.get(body.get("model"))
+        if q is None:
+            return web.json_response({"error": {"message": f"no episode named {body.get('model')!r}"}}, status=404)
+        answer = asyncio.get_running_loop().create_future()
+        await q.put(("call", (body, answer)))
+        status, reply = await answer
+        if status != 200 or not body.get("stream"):
+            return web.json_response(reply, status=status)
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await out.prepare(request)
+        for chunk in stream_chunks(reply, bool((body.get("stream_options") or {}).get("include_usage"))):
+            await out.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        await out.write(b"data: [DONE]\n\n")
+        await out.write_eof()
+        return out
+
+
+class VerifiersEpisode:
+    def __init__(self, env: "VerifiersEnv"):
+        self.env = env
+        self.key = None
+
+    def _on_loop(self, coro):
+        return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.env.loop))
+
+    async def start(self, task: Task, rollout_id: str) -> Observation:
+        vf = _need_verifiers()
+        env = self.env
+        self.key, self.seen, self.tools, self.answer, self.turns = f"nemo-jax-{uuid.uuid4().hex}", [], None, None, 0
+        self.queue = await self._on_loop(_make_queue())
+        env.bridge.queues[self.key] = self.queue
+        ctx = vf.ModelContext(model=self.key, client=vf.EvalClientConfig(base_url=env.bridge.url,
+                                                                       api_key_var=API_KEY_VAR))
+        self.run = asyncio.run_coroutine_threadsafe(self._episode(task.data["vf_task"], ctx), env.loop)
+        return await self._next()
+
+    async def _episode(self, vf_task, ctx):
+        try:
+            ep = await self.env.vf_env.run_episode(vf_task, ctx)
+            await self.queue.put(("done", ep))
+        except BaseException as e:
+            await self.queue.put(("failed", e))
+            raise
+
+    async def _next(self) -> Observation:
+        kind, payload = await self._on_loop(self.queue.get())
+        if kind == "call":
+            body, self.answer = payload
+            msgs = [chat_message(m) for m in body.get("messages") or []]
+            if len(msgs) <= len(self.seen) or [m["role"] for m in msgs[:len(self.seen)]] != \
+                    [m["role"] for m in self.seen]:
+                self._answer(400, {"error": {"message": "nemo-jax: the conversation does not extend the last one"}})
+                raise ValueError(f"verifiers:{self.env.id}: the harness's model call {self.turns + 1} does not extend "
+                                 "the conversation it was answered (a branch: a rewritten history or a sub-agent); "
+                                 "nemo_jax trains one sequence per episode")
+            new, self.seen = msgs[len(self.seen):], msgs
+            if self.tools is None:
+                self.tools = body.get("tools") or []
+            return Observation(new, 0.0, False, False, tools=self.tools or None)
+        if kind == "failed":
+            raise RuntimeError(f"verifiers:{self.env.id}: the episode failed: {payload!r}")
+        ep = payload
+        errors = list(ep.errors) + [e for t in ep.traces for e in t.errors]
+        if errors or not ep.traces:
+            raise RuntimeError(f"verifiers:{self.env.id}: the episode failed: " +
+                               ("; ".join(f"{e.type}: {e.message}" for e in errors)[:2000] or "no trace"))
+        trace = ep.traces[0]
+        reward = float(trace.reward)
+        info = {f"vf/{k}": float(v) for k, v in trace.metrics.items() if isinstance(v, (int, float))}
+        info.update({f"vf/reward/{k}": float(r.value) for k, r in trace.rewards.items() if r is not None})
+        return Observation([], reward, True, reward >= self.env.success_reward, info)
+
+    def _answer(self, status: int, reply: dict) -> None:
+        answer, self.answer = self.answer, None
+        if answer is not None and not answer.done():
+            self.env.loop.call_soon_threadsafe(lambda: answer.done() or answer.set_result((status, reply)))
+
+    async def step(self, message: dict) -> Observation:
+        self.turns += 1
+        reply, back = completion(message.get("content") or "", self.tools, self.key, bool(message.get("cut")))
+        self.seen.append(chat_message(back))
+        self._answer(200, reply)
+        return await self._next()
+
+    async def close(self) -> None:
+        """Cut short (the sampler ended it first): the harness's pending call fails, the verifiers episode is
+        cancelled."""
+        if self.key is None:
+            return
+        self._answer(503, {"error": {"message": "nemo-jax ended the episode"}})
+        self.env.bridge.queues.pop(self.key, None)
+        if not self.run.done():
+            self.run.cancel()
+        self.key = None
+
+
+async def _make_queue() -> asyncio.Queue:
+    return asyncio.Queue()
+
+
+class VerifiersEnv:
+    """An installed verifiers 0.4 taskset, its episodes run by verifiers against nemo_jax's sampler (module
+    docstring)."""
+
+    def __init__(self, id: str, harness: str = "null", taskset: dict | None = None, n_eval: int = 0,
+                 max_turns: int = 8, success_reward: float = 1.0, runtime: str = "subprocess",
+                 timeout_s: float = 0.0):
+        vf = _need_verifiers()
+        from verifiers.v1.utils.loaders import harness_config_type
+
+        if max_turns < 1 or n_eval < 0:
+            raise ValueError("verifiers env: max_turns >= 1 and n_eval >= 0")
+        if runtime != "subprocess":
+            raise ValueError(f"verifiers env: runtime {runtime!r}: only 'subprocess' runs here (the harness on this "
+                             "machine)")
+        self.id, self.name = id, f"verifiers:{id}"
+        self.max_turns, self.success_reward, self.timeout_s = int(max_turns), float(success_reward), float(timeout_s)
+        os.environ.setdefault(API_KEY_VAR, "nemo-jax")
+        bindir = os.path.dirname(sys.executable)  # (uv, installed beside verifiers, runs the harness program)
+        if bindir not in os.environ.get("PATH", "").split(os.pathsep):
+            os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+        try:
+            config = vf.SingleAgentEnvConfig(
+                taskset=vf.TasksetConfig.model_validate({**(taskset or {}), "id": id}),
+                agent=vf.AgentConfig(harness=harness_config_type(harness).model_validate({"id": harness}),
+                                     runtime=vf.SubprocessConfig(), max_turns=self.max_turns))
+            self.vf_env = vf.SingleAgentEnv(config)
+        except (ImportError, ValueError, TypeError) as e:
+            raise ValueError(f"rl.env verifiers:{id}: {e}") from None
+        tasks = [Task(f"{id}:{i}", self._prompt(t), {"vf_task": t}, family=id) for i, t in
+                 enumerate(self.vf_env.taskset)]
+        if not tasks:
+            raise ValueError(f"rl.env verifiers:{id}: the taskset has no tasks")
+        if n_eval >= len(tasks):
+            raise ValueError(f"verifiers env: n_eval {n_eval} leaves no train tasks of {len(tasks)}")
+        self._split = {"train": tasks[:len(tasks) - n_eval], "eval": tasks[len(tasks) - n_eval:] if n_eval else []}
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, name=f"verifiers-{id}", daemon=True).start()
+        self.bridge = _Bridge()
+        asyncio.run_coroutine_threadsafe(self.bridge.start(), self.loop).result(60)
+        asyncio.run_coroutine_threadsafe(self.vf_env.start(), self.loop).result(600)
+        atexit.register(self.close)
+
+    @staticmethod
+    def _prompt(t) -> tuple:
+        """The task's prompt as chat messages (what the harness opens with, before its own system prompt)."""
+        p = t.data.prompt
+        msgs = [{"role": "user", "content": p}] if isinstance(p, str) else [chat_message(
+            m if isinstance(m, dict) else m.model_dump()) for m in (p or [])]
+        if t.data.system_prompt:
+            msgs.insert(0, {"role": "system", "content": t.data.system_prompt})
+        return tuple(msgs)
+
+    def tasks(self, split: str) -> list[Task]:
+        return self._split.get(split) or self._split["train"]
+
+    def episode(self) -> VerifiersEpisode:
+        return VerifiersEpisode(self)
+
+    def close(self) -> None:
+        loop, self.loop = getattr(self, "loop", None), None
+        if loop is None or not loop.is_running():
+            return
+        try:
+            asyncio.run_coroutine_threadsafe(self.vf_env.stop(), loop).result(60)
+            asyncio.run_coroutine_threadsafe(self.bridge.runner.cleanup(), loop).result(30)
+        except (RuntimeError, TimeoutError, OSError):
+            pass  # (at exit: the loop's thread may be gone with the interpreter)
+        loop.call_soon_threadsafe(loop.stop)

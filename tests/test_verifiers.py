@@ -1,0 +1,230 @@
+"""`verifiers:<id>` environments (nemo_jax.rl.envs.verifiers_env) with REAL verifiers 0.4.0: an unchanged taskset
+package with a tool (one written here, installed into the venv as a package; and verifiers' own `glossary` when a
+verifiers source checkout is given), each episode run by verifiers itself (its null harness program in the
+subprocess runtime, its MCP tool server, its reward methods) against nemo_jax's sampler through the bridge.
+
+* scripted turns: the right tool call then the right answer earns what the task's @vf.reward says (1), a wrong
+  answer 0; the tool's answer comes back as the next observation; a turn cut short cancels the episode;
+* `nemo-jax eval --env verifiers:<id>` and three `nemo-jax grpo` steps on the taskset: every step's learner /
+  sampler mismatch <= 1e-6 (nemo_jax's own token record) and rewards from verifiers.
+
+Not in the default run: the `verifiers` marker opts in (tests/conftest.py), in a venv with verifiers 0.4.0 and uv
+(its pins clash with nemo_jax's mcp / worker extras): `python tools/tiers/verifiers.py tier`.
+$NEMO_JAX_VERIFIERS_EXAMPLES: a verifiers source checkout whose environments/glossary is installed too."""
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.verifiers
+vf = pytest.importorskip("verifiers.v1", reason="the verifiers tier runs in a venv with verifiers 0.4.0 "
+                                                "(python tools/tiers/verifiers.py tier)")
+
+from helpers import FAST_COMPILE, micro_model  # noqa: E402
+
+from nemo_jax.rl.envs import make_env  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.environ.get("NEMO_JAX_VERIFIERS_EXAMPLES")
+
+# a taskset package as a verifiers user writes one: tasks, a task-scoped tool (an MCP server verifiers launches per
+# rollout), a reward on the final reply
+PACKAGE = {
+    "pyproject.toml": """
+        [project]
+        name = "nj-adder"
+        version = "0.1.0"
+        dependencies = ["verifiers"]
+        [build-system]
+        requires = ["setuptools>=61"]
+        build-backend = "setuptools.build_meta"
+        [tool.setuptools]
+        packages = ["nj_adder", "nj_adder.servers"]
+        """,
+    "nj_adder/__init__.py": """
+        from nj_adder.taskset import AdderTaskset
+
+        __all__ = ["AdderTaskset"]
+        """,
+    "nj_adder/servers/__init__.py": "",
+    "nj_adder/servers/calc.py": """
+        import verifiers.v1 as vf
+
+
+        class AdderTools(vf.Toolset[vf.ToolsetConfig]):
+            TOOL_PREFIX = "calc"
+
+            @vf.tool
+            def add(self, a: int, b: int) -> str:
+                \"\"\"Add two integers.\"\"\"
+                return str(int(a) + int(b))
+
+
+        if __name__ == "__main__":  # (verifiers runs the tool server as this module)
+            AdderTools.run()
+        """,
+    "nj_adder/taskset.py": """
+        import verifiers.v1 as vf
+        from nj_adder.servers.calc import AdderTools
+
+
+        class AdderTaskConfig(vf.TaskConfig):
+            tools: vf.ToolsetConfig = vf.ToolsetConfig()
+
+
+        class AdderData(vf.TaskData):
+            answer: int
+
+
+        class AdderTask(vf.Task[AdderData, vf.State, AdderTaskConfig]):
+            @classmethod
+            def toolsets(cls, config):
+                return [AdderTools(config.tools)]
+
+            @vf.reward(weight=1.0)
+            async def exact(self, trace: vf.Trace) -> float:
+                return float(str(self.data.answer) in (trace.last_reply or ""))
+
+            @vf.metric
+            async def replied(self, trace: vf.Trace) -> float:
+                return float(bool(trace.last_reply))
+
+
+        class AdderConfig(vf.TasksetConfig):
+            task: AdderTaskConfig = AdderTaskConfig()
+
+
+        class AdderTaskset(vf.Taskset[AdderTask, AdderConfig]):
+            def load(self):
+                return [AdderTask(AdderData(idx=i, name=f"add-{a}-{b}", answer=a + b,
+                                            prompt=f"Use the calc_add tool to add {a} and {b}, then reply with the sum."),
+                                  self.config.task)
+                        for i, (a, b) in enumerate([(2, 3), (10, 7), (21, 4), (8, 8), (5, 13), (30, 12)])]
+        """,
+}
+
+
+def _install(directory, files) -> None:
+    for rel, text in files.items():
+        path = directory / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text).lstrip())
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", str(directory)],
+                   check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def adder(tmp_path_factory):
+    try:
+        import nj_adder  # noqa: F401
+    except ImportError:
+        _install(tmp_path_factory.mktemp("nj-adder"), PACKAGE)
+    env = make_env("verifiers:nj_adder", n_eval=2, max_turns=3)
+    try:
+        yield env
+    finally:
+        env.close()
+
+
+def _call(tool: str, **arguments) -> dict:
+    return {"role": "assistant", "content": "<tool_call>" + json.dumps({"name": tool, "arguments": arguments})
+            + "</tool_call>"}
+
+
+async def _play(env, task, turns: list[dict]):
+    """An episode driven as nemo_jax's sampler drives it, with these assistant turns -> the observations."""
+    ep = env.episode()
+    obs = [await ep.start(task, "r")]
+    try:
+        for t in turns:
+            if obs[-1].done:
+                break
+            obs.append(await ep.step(t))
+    finally:
+        await ep.close()
+    return obs
+
+
+def test_scripted_episodes_are_scored_by_the_tasks_own_rewards(adder):
+    tasks = adder.tasks("train")
+    assert len(tasks) == 4 and len(adder.tasks("eval")) == 2 and tasks[0].family == "nj_adder"
+    a, b = 2, 3
+    obs = asyncio.run(_play(adder, tasks[0], [_call("calc_add", a=a, b=b), {"role": "assistant", "content": "5"}]))
+    first = obs[0]
+    assert first.messages[-1]["role"] == "user" and "calc_add" in first.messages[-1]["content"]
+    assert [t["function"]["name"] for t in first.tools] == ["calc_add"]
+    tool = obs[1]
+    assert not tool.done and tool.messages[0]["role"] == "tool" and tool.messages[0]["content"].strip() == "5"
+    assert obs[2].done and obs[2].reward == 1.0 and obs[2].success
+    assert obs[2].info["vf/reward/exact"] == 1.0 and obs[2].info["vf/replied"] == 1.0
+    wrong = asyncio.run(_play(adder, tasks[0], [{"role": "assistant", "content": "It is 7."}]))
+    assert wrong[-1].done and wrong[-1].reward == 0.0 and not wrong[-1].success
+    # cut short after the tool call (nemo_jax's max_turns, a timeout): the verifiers episode is cancelled
+    cut = asyncio.run(_play(adder, tasks[1], [_call("calc_add", a=10, b=7)]))
+    assert not cut[-1].done
+
+
+@pytest.mark.skipif(not EXAMPLES, reason="$NEMO_JAX_VERIFIERS_EXAMPLES: a verifiers checkout (environments/glossary)")
+def test_verifiers_own_glossary_example(tmp_path):
+    try:
+        import glossary  # noqa: F401
+    except ImportError:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
+                        os.path.join(EXAMPLES, "environments", "glossary")], check=True, capture_output=True)
+    from glossary.servers.facts import FACTS
+
+    env = make_env("verifiers:glossary", max_turns=3)
+    try:
+        task = env.tasks("train")[0]
+        name = task.data["vf_task"].data.name
+        obs = asyncio.run(_play(env, task, [_call("facts_lookup", name=name), {
+            "role": "assistant", "content": f"<answer>{FACTS[name.lower()]}</answer>"}]))
+        assert obs[1].messages[0]["content"].strip() == FACTS[name.lower()]
+        assert obs[-1].done and obs[-1].reward == 1.0
+    finally:
+        env.close()
+
+
+def _env():
+    return dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS=FAST_COMPILE, JAX_PLATFORMS="cpu")
+
+
+def test_eval_and_grpo_on_a_verifiers_taskset(tmp_path, adder):
+    import jax
+
+    from nemo_jax.checkpoint import save_model
+    from nemo_jax.config.model import NemotronHConfig
+    from nemo_jax.data.chat import resolve
+    from nemo_jax.model import init
+
+    cfg = NemotronHConfig.from_file(micro_model(tmp_path))
+    model = str(tmp_path / "model")
+    save_model(model, cfg, init(cfg, jax.random.key(0)), tokenizer_dir=resolve("builtin:tiny"))
+    args = json.dumps({"n_eval": 2, "max_turns": 2})
+    grpo = subprocess.run(
+        [sys.executable, "-m", "nemo_jax.cli", "grpo", "--config", os.path.join(ROOT, "configs/grpo/tiny-cpu.yaml"),
+         f"run_dir={tmp_path / 'run'}", f"model.init={model}", "model.init_sft_config=null", "lora.init=null",
+         "rollout.env=verifiers:nj_adder", f"rollout.env_args={args}", "rollout.group_size=4",
+         "rollout.groups_per_step=2", "rollout.in_flight_groups=2", "rollout.max_off_policy_steps=0",
+         "rollout.seq_len=1024", "rollout.max_new_tokens=24",
+         "steps=3", "logging.tensorboard=false", "eval_every=0", "checkpoint.every=0"],
+        env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=1200)
+    assert grpo.returncode == 0, grpo.stdout[-2000:] + grpo.stderr[-3000:]
+    steps = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
+    trained = [s for s in steps if "reward_mean" in s]
+    assert max(s.get("step", 0) for s in steps) == 3 and trained, steps
+    for s in trained:  # on-policy, nemo_jax's own token record: the learner recomputes what the sampler drew
+        kl = s.get("mismatch_kl", s.get("learner/mismatch_kl"))
+        assert kl is not None and abs(kl) <= 1e-6, s
+    out = subprocess.run([sys.executable, "-m", "nemo_jax.cli", "eval", "--ckpt", model, "--adapters",
+                          str(tmp_path / "run"), "--env", "verifiers:nj_adder", "--env-args", args, "--attempts", "2",
+                          "--max-new-tokens", "24", "--json", str(tmp_path / "eval.json")],
+                         env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=1200)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.load(open(tmp_path / "eval.json"))
+    assert got["tasks"] == 2 and got["attempts"] == 2

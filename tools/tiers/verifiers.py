@@ -1,0 +1,85 @@
+#!/usr/bin/env python3
+"""verifiers 0.4 for nemo_jax's `verifiers:<id>` environments and their `-m verifiers` test tier
+(docs/environments.md).
+
+    python tools/tiers/verifiers.py venv [--venv DIR]                 # nemo_jax + verifiers==0.4.0 + uv
+    python tools/tiers/verifiers.py tier [--venv DIR] [--examples DIR] # venv if missing -> pytest -m verifiers
+
+verifiers 0.4.0 pins `mcp==2.0.0` and `openai<3`, which clash with nemo_jax's `mcp` and `worker` extras (and their
+pins in constraints.txt), so it gets a venv of its own: nemo_jax (this checkout, editable, with its core
+dependencies; no constraints file) and verifiers beside it, `uv` (verifiers runs each harness program as a uv
+script: the first episode installs the program's few dependencies from the package registry into uv's cache) and
+pytest. The venv lives at --venv, else $NEMO_JAX_VERIFIERS_VENV, else ~/.cache/nemo_jax/verifiers.
+
+--examples (or $NEMO_JAX_VERIFIERS_EXAMPLES): a checkout of github.com/PrimeIntellect-ai/verifiers, whose
+environments/glossary (one of verifiers' own offline examples, not on PyPI) the tier installs and runs too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+VERIFIERS = "verifiers==0.4.0"
+MARKER = "nemo_jax_verifiers.json"
+DEFAULT_VENV = os.path.join(os.path.expanduser("~"), ".cache", "nemo_jax", "verifiers")
+
+
+def venv_dir(arg: str | None = None) -> str:
+    return os.path.abspath(arg or os.environ.get("NEMO_JAX_VERIFIERS_VENV") or DEFAULT_VENV)
+
+
+def venv_python(venv: str) -> str:
+    return os.path.join(venv, "bin", "python")
+
+
+CHECK = r"""
+import importlib.metadata as md, json, sys
+import verifiers.v1, nemo_jax
+print(json.dumps({"verifiers": md.version("verifiers"), "nemo_jax": md.version("nemo_jax"),
+                  "python": sys.version.split()[0]}))
+"""
+
+
+def build_venv(venv: str) -> dict:
+    if os.path.exists(venv) and not os.path.exists(venv_python(venv)):
+        raise SystemExit(f"verifiers.py venv: {venv} exists and is not a venv; give another --venv")
+    if not os.path.exists(venv_python(venv)):
+        subprocess.run([sys.executable, "-m", "venv", venv], check=True)
+    py = venv_python(venv)
+    subprocess.run([py, "-m", "pip", "install", "-q", "-e", ROOT, VERIFIERS, "uv", "pytest", "pytest-xdist"],
+                   check=True)
+    out = subprocess.run([py, "-c", CHECK], check=True, capture_output=True, text=True).stdout
+    versions = json.loads(out.strip().splitlines()[-1])
+    with open(os.path.join(venv, MARKER), "w") as f:
+        json.dump(versions, f)
+    print(f"verifiers venv ready: {venv} ({json.dumps(versions)})", flush=True)
+    return versions
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for name in ("venv", "tier"):
+        s = sub.add_parser(name)
+        s.add_argument("--venv", help=f"where (default $NEMO_JAX_VERIFIERS_VENV, else {DEFAULT_VENV})")
+        if name == "tier":
+            s.add_argument("--examples", help="a verifiers source checkout (its environments/glossary)")
+    a = ap.parse_args(argv)
+    venv = venv_dir(a.venv)
+    if a.cmd == "venv" or not os.path.exists(os.path.join(venv, MARKER)):
+        build_venv(venv)
+    if a.cmd == "tier":
+        env = dict(os.environ)
+        if getattr(a, "examples", None):
+            env["NEMO_JAX_VERIFIERS_EXAMPLES"] = os.path.abspath(a.examples)
+        sys.exit(subprocess.run([venv_python(venv), "-m", "pytest", "-q", "-n", "0", "-m", "verifiers",
+                                 "tests/test_verifiers.py"], cwd=ROOT, env=env).returncode)
+
+
+if __name__ == "__main__":
+    main()
