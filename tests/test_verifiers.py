@@ -6,7 +6,9 @@ subprocess runtime, its MCP tool server, its reward methods) against nemo_jax's 
 * scripted turns: the right tool call then the right answer earns what the task's @vf.reward says (1), a wrong
   answer 0; the tool's answer comes back as the next observation; a turn cut short cancels the episode;
 * `nemo-jax eval --env verifiers:<id>` and three `nemo-jax grpo` steps on the taskset: every step's learner /
-  sampler mismatch <= 1e-6 (nemo_jax's own token record) and rewards from verifiers.
+  sampler mismatch <= 1e-6 (nemo_jax's own token record) and rewards from verifiers;
+* `nemo-jax serve`'s token-in route (`/inference/v1/generate`) as verifiers' train client reads it: renderers'
+  own parser of the answer, the logprobs the learner computes.
 
 Not in the default run: the `verifiers` marker opts in (tests/conftest.py), in a venv with verifiers 0.4.0 and uv
 (its pins clash with nemo_jax's mcp / worker extras): `python tools/tiers/verifiers.py tier`.
@@ -228,3 +230,35 @@ def test_eval_and_grpo_on_a_verifiers_taskset(tmp_path, adder):
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.load(open(tmp_path / "eval.json"))
     assert got["tasks"] == 2 and got["attempts"] == 2
+
+
+def test_the_token_route_parses_in_the_train_clients_reader(tmp_path):
+    """renderers (what verifiers 0.4's TrainClient and prime-rl sample through) parses nemo-jax serve's
+    /inference/v1/generate answer: its token ids, and logprobs the learner's within 2e-4 (sampled, temperature 1)."""
+    import jax
+    import numpy as np
+    from renderers.client import _parse_completion_logprobs, parse_generate_response
+
+    from nemo_jax.checkpoint import save_model
+    from nemo_jax.config.model import NemotronHConfig
+    from nemo_jax.data.chat import resolve
+    from nemo_jax.model import init
+    from test_serve import Server, _learner_logprobs
+
+    cfg = NemotronHConfig.from_file(micro_model(tmp_path))
+    params = init(cfg, jax.random.key(0))
+    save_model(str(tmp_path / "model"), cfg, params, tokenizer_dir=resolve("builtin:tiny"))
+    srv = Server(tmp_path, ["--ckpt", str(tmp_path / "model"), "--served-model-name", "m", "--max-num-seqs", "2"])
+    try:
+        prompt = [5, 6, 7, 8]
+        for sp in ({"max_tokens": 12, "temperature": 1.0, "seed": 3, "logprobs": 1, "ignore_eos": True},
+                   {"max_tokens": 6, "temperature": 0, "logprobs": 1, "skip_special_tokens": False}):
+            r = srv.post("/inference/v1/generate", {"model": "m", "token_ids": prompt, "sampling_params": sp,
+                                                    "cache_salt": "v0"})
+            data = parse_generate_response(r.content)
+            ch = data["choices"][0]
+            lps = _parse_completion_logprobs(ch, ch["token_ids"])
+            assert data["request_id"] and ch["token_ids"] and len(lps) == len(ch["token_ids"])
+            np.testing.assert_allclose(lps, _learner_logprobs(cfg, params, prompt, ch["token_ids"], 1.0), atol=2e-4)
+    finally:
+        srv.close()

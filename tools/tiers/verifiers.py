@@ -51,7 +51,7 @@ def build_venv(venv: str) -> dict:
     if not os.path.exists(venv_python(venv)):
         subprocess.run([sys.executable, "-m", "venv", venv], check=True)
     py = venv_python(venv)
-    subprocess.run([py, "-m", "pip", "install", "-q", "-e", ROOT, VERIFIERS, "uv", "pytest", "pytest-xdist"],
+    subprocess.run([py, "-m", "pip", "install", "-q", "-e", f"{ROOT}[serve]", VERIFIERS, "uv", "pytest", "pytest-xdist"],
                    check=True)
     out = subprocess.run([py, "-c", CHECK], check=True, capture_output=True, text=True).stdout
     versions = json.loads(out.strip().splitlines()[-1])
