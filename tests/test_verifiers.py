@@ -111,6 +111,48 @@ PACKAGE = {
 }
 
 
+# a classic environment package (verifiers 0.3's `load_environment()`): a ToolEnv over a Python function and a rubric
+CLASSIC = {
+    "pyproject.toml": """
+        [project]
+        name = "nj-classic-adder"
+        version = "0.1.0"
+        dependencies = ["verifiers"]
+        [build-system]
+        requires = ["setuptools>=61"]
+        build-backend = "setuptools.build_meta"
+        [tool.setuptools]
+        py-modules = ["nj_classic_adder"]
+        """,
+    "nj_classic_adder.py": """
+        import verifiers as vf
+        from datasets import Dataset
+
+
+        def add(a: int, b: int) -> int:
+            \"\"\"Add two integers.\"\"\"
+            return int(a) + int(b)
+
+
+        async def exact(completion, answer, **kwargs) -> float:
+            text = completion[-1]["content"] if completion else ""
+            return float(answer in (text or ""))
+
+
+        async def tool_turns(completion, **kwargs) -> float:
+            return float(sum(m["role"] == "tool" for m in completion))
+
+
+        def load_environment(**kwargs):
+            pairs = [(2, 3), (10, 7), (21, 4), (8, 8), (5, 13), (30, 12)]
+            rows = [{"question": f"Use the add tool to add {a} and {b}, then reply with the sum.", "answer": str(a + b)}
+                    for a, b in pairs]
+            rubric = vf.Rubric(funcs=[exact, tool_turns], weights=[1.0, 0.0])
+            return vf.ToolEnv(dataset=Dataset.from_list(rows), tools=[add], rubric=rubric, max_turns=3, **kwargs)
+        """,
+}
+
+
 def _install(directory, files) -> None:
     for rel, text in files.items():
         path = directory / rel
@@ -150,6 +192,34 @@ async def _play(env, task, turns: list[dict]):
     finally:
         await ep.close()
     return obs
+
+
+CLASSIC_VERSION = getattr(sys.modules.get("verifiers"), "__version__", "") or ""
+
+
+@pytest.mark.skipif(not CLASSIC_VERSION.startswith("0.3"), reason="classic environments: a venv with verifiers 0.3 "
+                    "(python tools/tiers/verifiers.py tier --classic)")
+def test_a_classic_environment_scored_by_its_rubric(tmp_path):
+    """verifiers 0.3's classic ToolEnv (a Python function tool, a rubric of two functions) run by its own rollout
+    loop against the bridge: the right tool call and answer earn the rubric's reward, a wrong one 0, the rubric's
+    functions are logged as metrics; then eval and three on-policy grpo steps."""
+    try:
+        import nj_classic_adder  # noqa: F401
+    except ImportError:
+        _install(tmp_path / "pkg", CLASSIC)
+    env = make_env("verifiers:nj_classic_adder", n_eval=2, max_turns=3)
+    try:
+        tasks = env.tasks("train")
+        assert len(tasks) == 4 and "add 2 and 3" in tasks[0].messages[-1]["content"]
+        obs = asyncio.run(_play(env, tasks[0], [_call("add", a=2, b=3), {"role": "assistant", "content": "5"}]))
+        assert [t["function"]["name"] for t in obs[0].tools] == ["add"]
+        assert obs[1].messages[0]["role"] == "tool" and obs[1].messages[0]["content"].strip() == "5"
+        assert obs[-1].done and obs[-1].reward == 1.0 and obs[-1].info["vf/tool_turns"] == 1.0
+        wrong = asyncio.run(_play(env, tasks[0], [{"role": "assistant", "content": "It is 7."}]))
+        assert wrong[-1].done and wrong[-1].reward == 0.0
+    finally:
+        env.close()
+    _eval_and_grpo(tmp_path, "nj_classic_adder", n_eval=2, need_trained=0)
 
 
 def test_scripted_episodes_are_scored_by_the_tasks_own_rewards(adder):
@@ -197,6 +267,17 @@ def _env():
 
 
 def test_eval_and_grpo_on_a_verifiers_taskset(tmp_path, adder):
+    _eval_and_grpo(tmp_path, "nj_adder", n_eval=2, need_trained=1)
+
+
+@pytest.mark.skipif(not EXAMPLES, reason="$NEMO_JAX_VERIFIERS_EXAMPLES: a verifiers checkout (environments/glossary)")
+def test_eval_and_grpo_on_verifiers_own_glossary(tmp_path):
+    _eval_and_grpo(tmp_path, "glossary", n_eval=2, need_trained=0)
+
+
+def _eval_and_grpo(tmp_path, taskset: str, n_eval: int, need_trained: int):
+    """Three on-policy `nemo-jax grpo` steps on the taskset (a random micro model: the loop, not learning), every
+    step's mismatch <= 1e-6, then `nemo-jax eval` of the result on the held-out tasks."""
     import jax
 
     from nemo_jax.checkpoint import save_model
@@ -207,29 +288,29 @@ def test_eval_and_grpo_on_a_verifiers_taskset(tmp_path, adder):
     cfg = NemotronHConfig.from_file(micro_model(tmp_path))
     model = str(tmp_path / "model")
     save_model(model, cfg, init(cfg, jax.random.key(0)), tokenizer_dir=resolve("builtin:tiny"))
-    args = json.dumps({"n_eval": 2, "max_turns": 2})
+    args = json.dumps({"n_eval": n_eval, "max_turns": 2})
     grpo = subprocess.run(
         [sys.executable, "-m", "nemo_jax.cli", "grpo", "--config", os.path.join(ROOT, "configs/grpo/tiny-cpu.yaml"),
          f"run_dir={tmp_path / 'run'}", f"model.init={model}", "model.init_sft_config=null", "lora.init=null",
-         "rollout.env=verifiers:nj_adder", f"rollout.env_args={args}", "rollout.group_size=4",
+         f"rollout.env=verifiers:{taskset}", f"rollout.env_args={args}", "rollout.group_size=4",
          "rollout.groups_per_step=2", "rollout.in_flight_groups=2", "rollout.max_off_policy_steps=0",
          "rollout.seq_len=1024", "rollout.max_new_tokens=24",
          "steps=3", "logging.tensorboard=false", "eval_every=0", "checkpoint.every=0"],
         env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=1200)
     assert grpo.returncode == 0, grpo.stdout[-2000:] + grpo.stderr[-3000:]
     steps = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
-    trained = [s for s in steps if "reward_mean" in s]
-    assert max(s.get("step", 0) for s in steps) == 3 and trained, steps
-    for s in trained:  # on-policy, nemo_jax's own token record: the learner recomputes what the sampler drew
-        kl = s.get("mismatch_kl", s.get("learner/mismatch_kl"))
-        assert kl is not None and abs(kl) <= 1e-6, s
+    assert max(s.get("step", 0) for s in steps) == 3 and any("reward_mean" in s for s in steps), steps
+    trained = [s["mismatch_kl"] for s in steps if "mismatch_kl" in s]  # (a step without signal trains nothing)
+    assert len(trained) >= need_trained, steps
+    # on-policy, nemo_jax's own token record: the learner recomputes what the sampler drew
+    assert all(abs(kl) <= 1e-6 for kl in trained), trained
     out = subprocess.run([sys.executable, "-m", "nemo_jax.cli", "eval", "--ckpt", model, "--adapters",
-                          str(tmp_path / "run"), "--env", "verifiers:nj_adder", "--env-args", args, "--attempts", "2",
+                          str(tmp_path / "run"), "--env", f"verifiers:{taskset}", "--env-args", args, "--attempts", "2",
                           "--max-new-tokens", "24", "--json", str(tmp_path / "eval.json")],
                          env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=1200)
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.load(open(tmp_path / "eval.json"))
-    assert got["tasks"] == 2 and got["attempts"] == 2
+    assert got["tasks"] == n_eval and got["attempts"] == 2
 
 
 def test_the_token_route_parses_in_the_train_clients_reader(tmp_path):

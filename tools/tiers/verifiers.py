@@ -2,8 +2,11 @@
 """verifiers 0.4 for nemo_jax's `verifiers:<id>` environments and their `-m verifiers` test tier
 (docs/environments.md).
 
-    python tools/tiers/verifiers.py venv [--venv DIR]                 # nemo_jax + verifiers==0.4.0 + uv
-    python tools/tiers/verifiers.py tier [--venv DIR] [--examples DIR] # venv if missing -> pytest -m verifiers
+    python tools/tiers/verifiers.py venv [--classic] [--venv DIR]                 # nemo_jax + verifiers + uv
+    python tools/tiers/verifiers.py tier [--classic] [--venv DIR] [--examples DIR] # venv if missing -> pytest
+
+--classic: verifiers 0.3.1 (its classic `load_environment()` environments; it pins `mcp<2`, which clashes with
+nemo_jax's `mcp` extra) in a venv of its own (default ~/.cache/nemo_jax/verifiers-0.3); else verifiers 0.4.0.
 
 verifiers 0.4.0 pins `mcp==2.0.0` and `openai<3`, which clash with nemo_jax's `mcp` and `worker` extras (and their
 pins in constraints.txt), so it gets a venv of its own: nemo_jax (this checkout, editable, with its core
@@ -24,13 +27,15 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-VERIFIERS = "verifiers==0.4.0"
+VERIFIERS = {False: "verifiers==0.4.0", True: "verifiers==0.3.1"}
 MARKER = "nemo_jax_verifiers.json"
-DEFAULT_VENV = os.path.join(os.path.expanduser("~"), ".cache", "nemo_jax", "verifiers")
+DEFAULT_VENV = {False: os.path.join(os.path.expanduser("~"), ".cache", "nemo_jax", "verifiers"),
+                True: os.path.join(os.path.expanduser("~"), ".cache", "nemo_jax", "verifiers-0.3")}
 
 
-def venv_dir(arg: str | None = None) -> str:
-    return os.path.abspath(arg or os.environ.get("NEMO_JAX_VERIFIERS_VENV") or DEFAULT_VENV)
+def venv_dir(arg: str | None = None, classic: bool = False) -> str:
+    return os.path.abspath(arg or (None if classic else os.environ.get("NEMO_JAX_VERIFIERS_VENV"))
+                           or DEFAULT_VENV[classic])
 
 
 def venv_python(venv: str) -> str:
@@ -45,14 +50,14 @@ print(json.dumps({"verifiers": md.version("verifiers"), "nemo_jax": md.version("
 """
 
 
-def build_venv(venv: str) -> dict:
+def build_venv(venv: str, classic: bool = False) -> dict:
     if os.path.exists(venv) and not os.path.exists(venv_python(venv)):
         raise SystemExit(f"verifiers.py venv: {venv} exists and is not a venv; give another --venv")
     if not os.path.exists(venv_python(venv)):
         subprocess.run([sys.executable, "-m", "venv", venv], check=True)
     py = venv_python(venv)
-    subprocess.run([py, "-m", "pip", "install", "-q", "-e", f"{ROOT}[serve]", VERIFIERS, "uv", "pytest", "pytest-xdist"],
-                   check=True)
+    subprocess.run([py, "-m", "pip", "install", "-q", "-e", f"{ROOT}[serve]", VERIFIERS[classic], "uv", "pytest",
+                    "pytest-xdist"], check=True)
     out = subprocess.run([py, "-c", CHECK], check=True, capture_output=True, text=True).stdout
     versions = json.loads(out.strip().splitlines()[-1])
     with open(os.path.join(venv, MARKER), "w") as f:
@@ -66,13 +71,14 @@ def main(argv=None) -> None:
     sub = ap.add_subparsers(dest="cmd", required=True)
     for name in ("venv", "tier"):
         s = sub.add_parser(name)
-        s.add_argument("--venv", help=f"where (default $NEMO_JAX_VERIFIERS_VENV, else {DEFAULT_VENV})")
+        s.add_argument("--venv", help=f"where (default $NEMO_JAX_VERIFIERS_VENV, else {DEFAULT_VENV[False]})")
+        s.add_argument("--classic", action="store_true", help="verifiers 0.3.1 (classic environments)")
         if name == "tier":
             s.add_argument("--examples", help="a verifiers source checkout (its environments/glossary)")
     a = ap.parse_args(argv)
-    venv = venv_dir(a.venv)
+    venv = venv_dir(a.venv, a.classic)
     if a.cmd == "venv" or not os.path.exists(os.path.join(venv, MARKER)):
-        build_venv(venv)
+        build_venv(venv, a.classic)
     if a.cmd == "tier":
         env = dict(os.environ)
         if getattr(a, "examples", None):

@@ -1,27 +1,30 @@
-"""`verifiers:<id>`: an installed verifiers 0.4 environment package (a v1 `Taskset`) as an environment, unchanged.
+"""`verifiers:<id>`: an installed verifiers environment package as an environment, unchanged: a v1 `Taskset`
+(verifiers 0.4) or a classic `load_environment()` environment (verifiers 0.3).
 
-    env: verifiers:glossary            # <id>: the package's module name, as `vf.load_taskset` takes it
+    env: verifiers:glossary            # <id>: the package's module name, as `vf.load_taskset` / `load_environment`
     env_args:
-      harness: null                    # the agent program verifiers runs (default: the null harness, a chat loop)
-      taskset: {}                      # more fields of the taskset's config (its TasksetConfig)
-      n_eval: 0                        # the last n_eval tasks are held out (else both splits are every task)
+      harness: null                    # v1: the agent program verifiers runs (default: the null harness, a chat loop)
+      taskset: {}                      # v1: more fields of the taskset's config (its TasksetConfig)
+      env_args: {}                     # classic: the arguments of the package's load_environment()
+      n_eval: 0                        # the last n_eval tasks are held out (classic: its eval dataset when it has
+                                       # one; else both splits are every task)
       max_turns: 8                     # model turns per episode
       success_reward: 1.0              # success: a reward of at least this
 
-verifiers runs each episode as it would for its own eval or for prime-rl: the taskset's task, its tool servers, the
-harness program (in the `subprocess` runtime, on this machine: it needs `uv`, which the verifiers extra installs)
-and the task's `@vf.reward` methods. The model is nemo_jax's own sampler: the harness's model calls reach a
-chat-completions endpoint this module serves on localhost (each episode's calls name it by the `model` they
-send), and each call becomes the nemo_jax episode's next observation; the turn nemo_jax samples is the call's
+verifiers runs each episode as it would for its own eval or for prime-rl: v1, the taskset's task, its tool servers,
+the harness program (in the `subprocess` runtime, on this machine: it needs `uv`, which the verifiers venv has) and
+the task's `@vf.reward` methods; classic, the environment's own rollout loop (`env_response`, tools, stop
+conditions) and its rubric (`score_rollout`). The model is nemo_jax's own sampler: the episode's model calls reach
+a chat-completions endpoint this module serves on localhost (each episode's calls name it by the `model` they
+send), each call becomes the nemo_jax episode's next observation, and the turn nemo_jax samples is the call's
 answer (its tool calls parsed from the text into OpenAI `tool_calls`). nemo_jax keeps its own token record through
 its chat template, so the learner trains on exactly the tokens and behaviour logprobs it sampled. When the
-harness ends, the reward is verifiers' own (`trace.reward`: the weighted sum of the task's rewards) and its
-metrics are logged with the rollout.
+episode ends, the reward is verifiers' own and its metrics are logged with the rollout.
 
-One training sample per episode: a harness whose next call does not extend the conversation it was answered
-(a branch in verifiers' trace: a rewritten history, a sub-agent) ends the episode with one clear error. Needs
-`verifiers==0.4.0` (its pins clash with nemo_jax's `mcp` and `worker` extras: a venv of its own,
-`python tools/tiers/verifiers.py venv`)."""
+One training sample per episode: an episode whose next model call does not extend the conversation it was
+answered (a branch: a rewritten history, a sub-agent) ends with one clear error. Group rubrics (`score_group`)
+are not run: each episode is scored alone. Needs verifiers (0.4.0: its pins clash with nemo_jax's `mcp` and
+`worker` extras; 0.3.1: its `mcp<2` does; each in a venv of its own, `python tools/tiers/verifiers.py venv`)."""
 
 from __future__ import annotations
 
@@ -148,20 +151,17 @@ class VerifiersEpisode:
         return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.env.loop))
 
     async def start(self, task: Task, rollout_id: str) -> Observation:
-        vf = _need_verifiers()
         env = self.env
         self.key, self.seen, self.tools, self.answer, self.turns = f"nemo-jax-{uuid.uuid4().hex}", [], None, None, 0
         self.queue = await self._on_loop(_make_queue())
         env.bridge.queues[self.key] = self.queue
-        ctx = vf.ModelContext(model=self.key, client=vf.EvalClientConfig(base_url=env.bridge.url,
-                                                                       api_key_var=API_KEY_VAR))
-        self.run = asyncio.run_coroutine_threadsafe(self._episode(task.data["vf_task"], ctx), env.loop)
+        self.run = asyncio.run_coroutine_threadsafe(self._episode(task.data["vf_task"]), env.loop)
         return await self._next()
 
-    async def _episode(self, vf_task, ctx):
+    async def _episode(self, vf_task):
         try:
-            ep = await self.env.vf_env.run_episode(vf_task, ctx)
-            await self.queue.put(("done", ep))
+            out = await self.env.engine.run(vf_task, self.key, self.env.bridge.url)
+            await self.queue.put(("done", out))
         except BaseException as e:
             await self.queue.put(("failed", e))
             raise
@@ -183,15 +183,7 @@ class VerifiersEpisode:
             return Observation(new, 0.0, False, False, tools=self.tools or None)
         if kind == "failed":
             raise RuntimeError(f"verifiers:{self.env.id}: the episode failed: {payload!r}")
-        ep = payload
-        errors = list(ep.errors) + [e for t in ep.traces for e in t.errors]
-        if errors or not ep.traces:
-            raise RuntimeError(f"verifiers:{self.env.id}: the episode failed: " +
-                               ("; ".join(f"{e.type}: {e.message}" for e in errors)[:2000] or "no trace"))
-        trace = ep.traces[0]
-        reward = float(trace.reward)
-        info = {f"vf/{k}": float(v) for k, v in trace.metrics.items() if isinstance(v, (int, float))}
-        info.update({f"vf/reward/{k}": float(r.value) for k, r in trace.rewards.items() if r is not None})
+        reward, info = self.env.engine.result(payload)
         return Observation([], reward, True, reward >= self.env.success_reward, info)
 
     def _answer(self, status: int, reply: dict) -> None:
@@ -222,58 +214,141 @@ async def _make_queue() -> asyncio.Queue:
     return asyncio.Queue()
 
 
-class VerifiersEnv:
-    """An installed verifiers 0.4 taskset, its episodes run by verifiers against nemo_jax's sampler (module
-    docstring)."""
+def _failed(env_id: str, errors: list[str]) -> RuntimeError:
+    return RuntimeError(f"verifiers:{env_id}: the episode failed: " + "; ".join(errors)[:2000])
 
-    def __init__(self, id: str, harness: str = "null", taskset: dict | None = None, n_eval: int = 0,
-                 max_turns: int = 8, success_reward: float = 1.0, runtime: str = "subprocess",
-                 timeout_s: float = 0.0):
+
+class _Taskset:
+    """A v1 taskset (verifiers 0.4): each episode is verifiers' `run_episode` of a `SingleAgentEnv`."""
+
+    def __init__(self, id: str, harness: str, taskset: dict, max_turns: int):
         vf = _need_verifiers()
         from verifiers.v1.utils.loaders import harness_config_type
 
+        self.id = id
+        config = vf.SingleAgentEnvConfig(
+            taskset=vf.TasksetConfig.model_validate({**taskset, "id": id}),
+            agent=vf.AgentConfig(harness=harness_config_type(harness).model_validate({"id": harness}),
+                                 runtime=vf.SubprocessConfig(), max_turns=max_turns))
+        self.vf_env = vf.SingleAgentEnv(config)
+        tasks = [Task(f"{id}:{i}", _prompt(t.data.prompt, t.data.system_prompt), {"vf_task": t}, family=id)
+                 for i, t in enumerate(self.vf_env.taskset)]
+        self.split = {"train": tasks, "eval": []}
+
+    async def start(self) -> None:
+        await self.vf_env.start()
+
+    async def stop(self) -> None:
+        await self.vf_env.stop()
+
+    async def run(self, task, key: str, url: str):
+        vf = _need_verifiers()
+        ctx = vf.ModelContext(model=key, client=vf.EvalClientConfig(base_url=url, api_key_var=API_KEY_VAR))
+        return await self.vf_env.run_episode(task, ctx)
+
+    def result(self, ep) -> tuple[float, dict]:
+        errors = list(ep.errors) + [e for t in ep.traces for e in t.errors]
+        if errors or not ep.traces:
+            raise _failed(self.id, [f"{e.type}: {e.message}" for e in errors] or ["no trace"])
+        trace = ep.traces[0]
+        info = {f"vf/{k}": float(v) for k, v in trace.metrics.items() if isinstance(v, (int, float))}
+        info.update({f"vf/reward/{k}": float(r.value) for k, r in trace.rewards.items() if r is not None})
+        return float(trace.reward), info
+
+
+class _Classic:
+    """A classic environment (verifiers 0.3's `load_environment()`: SingleTurnEnv, ToolEnv, MultiTurnEnv ...): each
+    episode is the environment's own `run_rollout` of a dataset row, scored by its rubric."""
+
+    def __init__(self, id: str, env_args: dict, max_turns: int):
+        try:
+            from verifiers import load_environment
+        except ImportError as e:
+            raise ValueError(f"a classic environment needs verifiers 0.3 ({e})") from None
+        self.id = id
+        self.vf_env = load_environment(id, **env_args)
+        if isinstance(getattr(self.vf_env, "max_turns", None), int) and self.vf_env.max_turns > max_turns:
+            self.vf_env.max_turns = max_turns
+        self.split = {name: [Task(f"{id}:{name}:{row.get('example_id', i)}", _prompt(row["prompt"], None),
+                                  {"vf_task": dict(row)}, family=id) for i, row in enumerate(rows)]
+                      for name, rows in (("train", self._rows("get_dataset")),
+                                         ("eval", self._rows("get_eval_dataset")))}
+
+    def _rows(self, method: str) -> list:
+        try:
+            return list(getattr(self.vf_env, method)())
+        except (ValueError, AttributeError, TypeError):
+            return []  # (no such dataset: the environment declares only the other one)
+
+    async def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        return None
+
+    async def run(self, row, key: str, url: str):
+        from verifiers.types import ClientConfig
+
+        return await self.vf_env.run_rollout(row, ClientConfig(api_base_url=url, api_key_var=API_KEY_VAR), key, {})
+
+    def result(self, out) -> tuple[float, dict]:
+        if out.get("error"):
+            raise _failed(self.id, [str(out["error"])])
+        info = {f"vf/{k}": float(v) for k, v in (out.get("metrics") or {}).items() if isinstance(v, (int, float))}
+        return float(out["reward"]), info
+
+
+def _prompt(prompt, system_prompt) -> tuple:
+    """A task's prompt (a string or chat messages) as the opening chat messages (what the episode's first model
+    call holds, before any system prompt a harness adds)."""
+    msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [
+        chat_message(m if isinstance(m, dict) else m.model_dump()) for m in (prompt or [])]
+    if system_prompt:
+        msgs.insert(0, {"role": "system", "content": system_prompt})
+    return tuple(msgs)
+
+
+class VerifiersEnv:
+    """An installed verifiers environment package, its episodes run by verifiers against nemo_jax's sampler (module
+    docstring): a v1 taskset, or a classic environment when the package has `load_environment()`."""
+
+    def __init__(self, id: str, harness: str = "null", taskset: dict | None = None, env_args: dict | None = None,
+                 n_eval: int = 0, max_turns: int = 8, success_reward: float = 1.0, runtime: str = "subprocess"):
+        import importlib
+
+        _need_verifiers()
         if max_turns < 1 or n_eval < 0:
             raise ValueError("verifiers env: max_turns >= 1 and n_eval >= 0")
         if runtime != "subprocess":
             raise ValueError(f"verifiers env: runtime {runtime!r}: only 'subprocess' runs here (the harness on this "
                              "machine)")
         self.id, self.name = id, f"verifiers:{id}"
-        self.max_turns, self.success_reward, self.timeout_s = int(max_turns), float(success_reward), float(timeout_s)
+        self.max_turns, self.success_reward = int(max_turns), float(success_reward)
         os.environ.setdefault(API_KEY_VAR, "nemo-jax")
         bindir = os.path.dirname(sys.executable)  # (uv, installed beside verifiers, runs the harness program)
         if bindir not in os.environ.get("PATH", "").split(os.pathsep):
             os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
         try:
-            config = vf.SingleAgentEnvConfig(
-                taskset=vf.TasksetConfig.model_validate({**(taskset or {}), "id": id}),
-                agent=vf.AgentConfig(harness=harness_config_type(harness).model_validate({"id": harness}),
-                                     runtime=vf.SubprocessConfig(), max_turns=self.max_turns))
-            self.vf_env = vf.SingleAgentEnv(config)
-        except (ImportError, ValueError, TypeError) as e:
+            module = importlib.import_module(id.replace("-", "_"))
+            classic = callable(getattr(module, "load_environment", None))
+            self.engine = _Classic(id, env_args or {}, self.max_turns) if classic else \
+                _Taskset(id, harness, taskset or {}, self.max_turns)
+        except (ImportError, ValueError, TypeError, AttributeError) as e:
             raise ValueError(f"rl.env verifiers:{id}: {e}") from None
-        tasks = [Task(f"{id}:{i}", self._prompt(t), {"vf_task": t}, family=id) for i, t in
-                 enumerate(self.vf_env.taskset)]
-        if not tasks:
-            raise ValueError(f"rl.env verifiers:{id}: the taskset has no tasks")
-        if n_eval >= len(tasks):
-            raise ValueError(f"verifiers env: n_eval {n_eval} leaves no train tasks of {len(tasks)}")
-        self._split = {"train": tasks[:len(tasks) - n_eval], "eval": tasks[len(tasks) - n_eval:] if n_eval else []}
+        train, held = self.engine.split["train"], self.engine.split["eval"]
+        if not train and not held:
+            raise ValueError(f"rl.env verifiers:{id}: the environment has no tasks")
+        if n_eval:
+            if n_eval >= len(train):
+                raise ValueError(f"verifiers env: n_eval {n_eval} leaves no train tasks of {len(train)}")
+            train, held = train[:len(train) - n_eval], train[len(train) - n_eval:]
+        self._split = {"train": train or held, "eval": held}
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, name=f"verifiers-{id}", daemon=True).start()
         self.bridge = _Bridge()
         asyncio.run_coroutine_threadsafe(self.bridge.start(), self.loop).result(60)
-        asyncio.run_coroutine_threadsafe(self.vf_env.start(), self.loop).result(600)
+        asyncio.run_coroutine_threadsafe(self.engine.start(), self.loop).result(600)
         atexit.register(self.close)
-
-    @staticmethod
-    def _prompt(t) -> tuple:
-        """The task's prompt as chat messages (what the harness opens with, before its own system prompt)."""
-        p = t.data.prompt
-        msgs = [{"role": "user", "content": p}] if isinstance(p, str) else [chat_message(
-            m if isinstance(m, dict) else m.model_dump()) for m in (p or [])]
-        if t.data.system_prompt:
-            msgs.insert(0, {"role": "system", "content": t.data.system_prompt})
-        return tuple(msgs)
 
     def tasks(self, split: str) -> list[Task]:
         return self._split.get(split) or self._split["train"]
@@ -286,7 +361,7 @@ class VerifiersEnv:
         if loop is None or not loop.is_running():
             return
         try:
-            asyncio.run_coroutine_threadsafe(self.vf_env.stop(), loop).result(60)
+            asyncio.run_coroutine_threadsafe(self.engine.stop(), loop).result(60)
             asyncio.run_coroutine_threadsafe(self.bridge.runner.cleanup(), loop).result(30)
         except (RuntimeError, TimeoutError, OSError):
             pass  # (at exit: the loop's thread may be gone with the interpreter)
