@@ -132,9 +132,9 @@ def test_an_ablation_of_a_text_environment_says_it_changed_nothing():
     assert ablation_note(pics) is None and ablation_note(make_env("arithmetic")) is None
 
 
-def test_eval_help_lists_every_builtin_environment_from_the_registry(capsys):
+def test_eval_help_lists_every_builtin_environment_from_the_registry(capsys, tmp_path):
     """`eval --help` names each built-in environment (from `BUILTIN_ENVS`, the registry `make_env` builds from),
-    and each name builds its class."""
+    and each name builds its class (with its required arguments: nemo_gym's rows, a server it does not call yet)."""
     from nemo_jax.cli import main
     from nemo_jax.rl.envs import make_env
     from nemo_jax.rl.envs.episode import BUILTIN_ENVS
@@ -143,6 +143,9 @@ def test_eval_help_lists_every_builtin_environment_from_the_registry(capsys):
         main(["eval", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert all(name in text for name in BUILTIN_ENVS) and {"gui", "mcp", "inbox"} <= set(BUILTIN_ENVS)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"responses_create_params": {"input": "hi"}}\n')
+    required = {"nemo_gym": {"data": str(rows), "url": "http://127.0.0.1:1"}}
     for name, where in BUILTIN_ENVS.items():
         if name != "mcp" or importlib.util.find_spec("mcp"):
-            assert type(make_env(name)).__name__ == where.rpartition(":")[2]
+            assert type(make_env(name, **required.get(name, {}))).__name__ == where.rpartition(":")[2]

@@ -44,12 +44,14 @@ API_KEY_VAR = "NEMO_JAX_VERIFIERS_KEY"  # the bridge takes any key; verifiers' c
 
 
 def _need_verifiers():
+    """verifiers' v1 API and aiohttp (a dependency of verifiers: the bridge's server) -> (vf, aiohttp.web)."""
     try:
-        import verifiers.v1 as vf  # noqa: F401
+        import verifiers.v1 as vf
+        from aiohttp import web
     except ImportError as e:
-        raise ValueError(f"rl.env verifiers:<id> needs verifiers 0.4 installed ({e}): python tools/tiers/verifiers.py "
+        raise ValueError(f"rl.env verifiers:<id> needs verifiers installed ({e}): python tools/tiers/verifiers.py "
                          "venv builds a venv with it") from None
-    return vf
+    return vf, web
 
 
 def _text(content) -> str:
@@ -110,8 +112,7 @@ class _Bridge:
         self.url = ""
 
     async def start(self) -> None:
-        from aiohttp import web
-
+        _, web = _need_verifiers()
         app = web.Application(client_max_size=64 << 20)
         app.router.add_post("/v1/chat/completions", self._chat)
         self.runner = web.AppRunner(app, access_log=None)
@@ -122,8 +123,7 @@ class _Bridge:
         self.url = f"http://127.0.0.1:{port}/v1"
 
     async def _chat(self, request):
-        from aiohttp import web
-
+        _, web = _need_verifiers()
         body = await request.json()
         q = self.queues.get(body.get("model"))
         if q is None:
@@ -222,9 +222,11 @@ class _Taskset:
     """A v1 taskset (verifiers 0.4): each episode is verifiers' `run_episode` of a `SingleAgentEnv`."""
 
     def __init__(self, id: str, harness: str, taskset: dict, max_turns: int):
-        vf = _need_verifiers()
-        from verifiers.v1.utils.loaders import harness_config_type
-
+        vf, _ = _need_verifiers()
+        try:
+            from verifiers.v1.utils.loaders import harness_config_type
+        except ImportError as e:
+            raise ValueError(f"verifiers {e}: a v1 taskset needs verifiers 0.4") from None
         self.id = id
         config = vf.SingleAgentEnvConfig(
             taskset=vf.TasksetConfig.model_validate({**taskset, "id": id}),
@@ -242,7 +244,7 @@ class _Taskset:
         await self.vf_env.stop()
 
     async def run(self, task, key: str, url: str):
-        vf = _need_verifiers()
+        vf, _ = _need_verifiers()
         ctx = vf.ModelContext(model=key, client=vf.EvalClientConfig(base_url=url, api_key_var=API_KEY_VAR))
         return await self.vf_env.run_episode(task, ctx)
 
@@ -287,8 +289,10 @@ class _Classic:
         return None
 
     async def run(self, row, key: str, url: str):
-        from verifiers.types import ClientConfig
-
+        try:
+            from verifiers.types import ClientConfig
+        except ImportError as e:
+            raise ValueError(f"verifiers {e}: a classic environment needs verifiers 0.3") from None
         return await self.vf_env.run_rollout(row, ClientConfig(api_base_url=url, api_key_var=API_KEY_VAR), key, {})
 
     def result(self, out) -> tuple[float, dict]:

@@ -17,10 +17,13 @@ from importlib import import_module
 def main() -> None:
     if len(sys.argv) != 3 or ":" not in sys.argv[1]:
         raise SystemExit("usage: launch_server.py MODULE:CLASS PORT_FILE")
-    import uvicorn
-    from nemo_gym.config_types import BaseServerConfig
-    from nemo_gym.server_utils import ServerClient
-    from omegaconf import OmegaConf
+    try:  # (NeMo-Gym's venv has these; nemo_jax's need not)
+        import uvicorn
+        from nemo_gym.config_types import BaseServerConfig
+        from nemo_gym.server_utils import ServerClient
+        from omegaconf import OmegaConf
+    except ImportError as e:
+        raise SystemExit(f"launch_server.py: run it with NeMo-Gym's Python ({e})") from None
 
     module, _, name = sys.argv[1].partition(":")
     cls = getattr(import_module(module), name)
