@@ -32,6 +32,7 @@ import asyncio
 import atexit
 import json
 import os
+import socket
 import sys
 import threading
 import time
@@ -73,7 +74,7 @@ def chat_message(m: dict) -> dict:
     return {"role": role, "content": _text(content)}
 
 
-def completion(text: str, tools, model: str, cut: bool) -> tuple[dict, dict]:
+def completion(text: str, tools, model: str) -> tuple[dict, dict]:
     """An assistant turn nemo_jax sampled -> (the chat.completion answer, the assistant message as the harness will
     send it back)."""
     content, calls = split_tool_calls(text, tools)
@@ -82,7 +83,7 @@ def completion(text: str, tools, model: str, cut: bool) -> tuple[dict, dict]:
     message = {"role": "assistant", "content": content}
     if tool_calls:
         message["tool_calls"] = tool_calls
-    reason = "length" if cut else ("tool_calls" if tool_calls else "stop")
+    reason = "tool_calls" if tool_calls else "stop"  # (a turn cut at max_new_tokens ends the nemo_jax episode)
     return ({"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
              "model": model, "choices": [{"index": 0, "message": message, "finish_reason": reason}],
              "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}}, message)
@@ -117,10 +118,10 @@ class _Bridge:
         app.router.add_post("/v1/chat/completions", self._chat)
         self.runner = web.AppRunner(app, access_log=None)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}/v1"
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))  # (a free port, known before the site starts)
+        await web.SockSite(self.runner, sock).start()
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
 
     async def _chat(self, request):
         _, web = _need_verifiers()
@@ -193,7 +194,7 @@ class VerifiersEpisode:
 
     async def step(self, message: dict) -> Observation:
         self.turns += 1
-        reply, back = completion(message.get("content") or "", self.tools, self.key, bool(message.get("cut")))
+        reply, back = completion(message.get("content") or "", self.tools, self.key)
         self.seen.append(chat_message(back))
         self._answer(200, reply)
         return await self._next()
