@@ -21,9 +21,9 @@ from nemo_jax.lora import LoraConfig, attach
 from nemo_jax.model import Options, init
 from nemo_jax.rl.client import TrainingClient
 from nemo_jax.rl.envs import Arithmetic, Constraints, JsonlTasks, Observation, Score, Task, make_env
-from nemo_jax.rl.learner import make_learner_step
+from nemo_jax.rl.learner import make_learner_step, token_logprobs
 from nemo_jax.rl.transport.producer import sample_rollouts, sample_rollouts_plain
-from nemo_jax.rl.rollout import learner_batch
+from nemo_jax.rl.rollout import info_means, learner_batch
 
 from helpers import FAST_COMPILE, micro_model, tiny_cfg
 
@@ -493,6 +493,134 @@ def test_a_waiting_episode_never_stalls_the_other_rows(tok, base, monkeypatch):
     d.close()
     d2.close()
     assert sorted(env.closed) == ["fast0", "fast1", "fast2", "hang", "slow"]
+
+
+class Branching:
+    """Episodes that branch: after the first answer the conversation starts over (a new system prompt with a
+    summary, a user turn: a compacted history, `restart`), the second answer ends it. With `grouped`, the
+    environment scores a group together (`score_group`): each episode's reward is its rank by the length of its
+    last answer."""
+    name, max_turns = "branching", 3
+
+    def __init__(self, grouped: bool = False):
+        self.closed, self.scored = [], []
+        if grouped:
+            self.score_group = self._score_group
+
+    def tasks(self, split):
+        return [Task("t0", ({"role": "user", "content": "What is 1 plus 1?"},))]
+
+    def episode(self):
+        env = self
+
+        class Ep:
+            def start(self, task, rollout_id):
+                self.id, self.n, self.last = rollout_id, 0, ""
+                return Observation(list(task.messages))
+
+            def step(self, message):
+                self.n, self.last = self.n + 1, message["content"]
+                if self.n == 1:
+                    return Observation(BRANCH(message["content"]), 0.5, restart=True)
+                return Observation([], 1.0, True, True)
+
+            def close(self):
+                env.closed.append(self.id)
+
+        return Ep()
+
+    def _score_group(self, episodes):
+        assert not {e.id for e in episodes} & set(self.closed)  # (scored before they are closed)
+        self.scored.append(sorted(e.id for e in episodes))
+        order = sorted(range(len(episodes)), key=lambda i: (len(episodes[i].last), episodes[i].id))
+        out = [None] * len(episodes)
+        for rank, i in enumerate(order):
+            out[i] = Observation([], float(rank), True, rank == len(episodes) - 1, {"rank": rank})
+        return out
+
+
+def BRANCH(summary):
+    return [{"role": "system", "content": f"Summary so far: {summary}"}, {"role": "user", "content": "Go on."}]
+
+
+def _early_stop(tok, client, monkeypatch):
+    """A token greedy decoding emits early stands for the end of turn, so follow-up turns happen."""
+    import nemo_jax.rl.transport.producer as producer
+
+    sample = lambda p, sp, k, images: client.sample(p, sp, k)  # noqa: E731
+    first = sample_rollouts_plain(sample, tok, CFG, TwoTurns(), [(TwoTurns().tasks("train")[0], "g")], 1, 6, 0.0,
+                                  jax.random.key(0))[0]
+    monkeypatch.setattr(producer, "stop_ids", lambda cfg, tok: (first.tokens[first.loss_mask.index(1) + 2],))
+    return sample
+
+
+@pytest.mark.slow
+def test_a_branching_episode_is_one_rollout_of_two_branches(tok, base, monkeypatch):
+    """An episode that restarts its conversation: one rollout whose token record holds both branches, the second
+    opening with its own prompt rendered as a new conversation; the engine-driven driver equals the plain
+    turn-by-turn reference; the learner's row (two segments) recomputes the behaviour logprobs."""
+    client = TrainingClient(CFG, base, LCFG)
+    sample = _early_stop(tok, client, monkeypatch)
+    env = Branching()
+    tasks = [(env.tasks("train")[0], "g0")]
+    plain = sample_rollouts_plain(sample, tok, CFG, env, tasks, 2, 6, 0.0, jax.random.key(0))
+    engine = client.engine(batch=2, max_len=256)
+    engine.set_adapters(client.adapters, 0)
+    streamed = sample_rollouts(engine, tok, CFG, env, tasks, 2, 6, 0.0)
+    for a, b in zip(plain, streamed):
+        assert (a.tokens, a.loss_mask, a.branches, a.reward, a.turn_rewards) == (
+            b.tokens, b.loss_mask, b.branches, b.reward, b.turn_rewards)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
+    r = streamed[0]
+    (at,) = r.branches
+    first_answer = tok.tokenizer.decode([t for t, m in zip(r.tokens[:at], r.loss_mask[:at]) if m],
+                                        skip_special_tokens=True)
+    prompt = tok.tokenizer.encode(tok.render(BRANCH(first_answer), add_generation_prompt=True),
+                                  add_special_tokens=False).ids
+    assert r.tokens[at:at + len(prompt)] == prompt and not any(r.loss_mask[at:at + len(prompt)])
+    assert r.reward == 1.0 and r.turn_rewards == [0.5, 1.0] and r.messages[0] == BRANCH(first_answer)[0]
+    batch, _ = learner_batch([streamed], 64, drop_zero_variance=False)
+    assert set(batch["segment_ids"][0].tolist()) == {0, 1, 2}
+    lp = jax.jit(lambda p, b: token_logprobs(p, b, CFG, Options()))(base, {k: jnp.asarray(v) for k, v in batch.items()})
+    m = batch["loss_mask"]
+    np.testing.assert_allclose(np.asarray(lp)[m], batch["behaviour_logprobs"][m], atol=1e-4)
+
+
+def test_a_group_scored_environment_scores_each_group_together(tok, base, monkeypatch):
+    """`score_group`: a group's finished episodes wait until none of the group runs, are scored together (before
+    their close()), and come out with the group's rewards, success and info; each group once. A group abandoned
+    while some of it waits is dropped whole, its episodes closed."""
+    from nemo_jax.rl.transport.producer import EpisodeDriver, sampling_params
+
+    client = TrainingClient(CFG, base, LCFG)
+    _early_stop(tok, client, monkeypatch)
+    env = Branching(grouped=True)
+    engine = client.engine(batch=3, max_len=256)
+    d = EpisodeDriver(engine, tok, CFG, env, sampling_params(CFG, tok, 6, 1.0))
+    task = env.tasks("train")[0]
+    for gid, n in (("g0", 3), ("g1", 2)):
+        for j in range(n):
+            d.add(task, gid, f"{gid}/{j}")
+    out, t0 = [], time.monotonic()
+    while d.running and time.monotonic() - t0 < 120:
+        got = d.pump()
+        assert len({x.group_id for x in got}) <= 1 and all(  # (a group comes out whole)
+            len([x for x in got if x.group_id == g]) in (0, 3 if g == "g0" else 2) for g in ("g0", "g1"))
+        out += got
+    assert sorted(env.scored) == [["g0/0", "g0/1", "g0/2"], ["g1/0", "g1/1"]]
+    for gid, n in (("g0", 3), ("g1", 2)):
+        g = [x for x in out if x.group_id == gid]
+        assert sorted(x.reward for x in g) == list(map(float, range(n)))
+        assert [x.success for x in g].count(True) == 1 and [x.info for x in g] == [{"rank": x.reward} for x in g]
+    assert sorted(env.closed) == sorted(x.rollout_id for x in out)
+    assert info_means(out)["env/rank"] == np.mean([x.reward for x in out])  # (what a step logs of them)
+    for j in range(2):
+        d.add(task, "g2", f"g2/{j}")
+    while not d.held.get("g2") and time.monotonic() - t0 < 120:
+        assert d.pump() == []
+    assert d.abandon("g2") == 1 and d.running == 0
+    d.close()
+    assert {"g2/0", "g2/1"} <= set(env.closed)
 
 
 def test_a_plugin_environment_that_raises_in_start_is_shown_by_its_own_file_and_line(tok, base, tmp_path,

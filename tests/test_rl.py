@@ -457,3 +457,75 @@ def test_turn_rewards_round_trip_and_are_checked():
     assert validate(dict(d, turn_rewards=[0.5, 1.0, 1.0]), 100) == "bad_reward"  # more rewards than turns
     assert validate(dict(d, turn_rewards=["1"]), 100) == "bad_reward"
     assert "turn_rewards" not in _rollout("g1").to_json()  # (none recorded: not written)
+
+
+# ----------------------------------------------------------------------------- branches (one row, many segments)
+def test_a_rollouts_branches_are_segments_of_its_row():
+    """A rollout of two branches (a rewritten conversation): one learner row, each branch a segment (ids 1, 2)
+    shifted on its own (a branch's first token is never a target), one advantage; the row's length is the
+    branches' tokens but their last ones; a row too short cuts the later branch, counted."""
+    from nemo_jax.rl.rollout import Rollout, learner_batch, segments
+
+    mask = [0, 0, 1, 1, 0, 0, 0, 1, 1, 1]
+    lps = [-0.1 * (i + 1) * m for i, m in enumerate(mask)]
+    two = Rollout(list(range(10, 20)), mask, lps, 1.0, "t", "g", branches=[4])
+    one = Rollout([1, 2, 3, 4], [0, 1, 1, 1], [0.0, -1, -1, -1], 0.0, "t", "g")
+    assert segments(two) == [(0, 4), (4, 10)] and two.row_tokens == 8
+    batch, counts = learner_batch([[two, one]], seq_len=9)
+    np.testing.assert_array_equal(batch["tokens"][0], [10, 11, 12, 14, 15, 16, 17, 18, 0])
+    np.testing.assert_array_equal(batch["targets"][0], [11, 12, 13, 15, 16, 17, 18, 19, 0])
+    np.testing.assert_array_equal(batch["segment_ids"][0], [1, 1, 1, 2, 2, 2, 2, 2, 0])
+    np.testing.assert_array_equal(batch["loss_mask"][0], [0, 1, 1, 0, 0, 1, 1, 1, 0])
+    np.testing.assert_allclose(batch["behaviour_logprobs"][0], [0, lps[2], lps[3], 0, 0, lps[7], lps[8], lps[9], 0])
+    np.testing.assert_allclose(batch["advantages"], [0.5, -0.5])
+    np.testing.assert_allclose(batch["loss_weights"][0].sum(), 0.5)  # (one rollout's weight, whatever its branches)
+    assert counts["truncated"] == 0 and counts["rollouts"] == 2
+    cut, counts = learner_batch([[two, one]], seq_len=5)
+    np.testing.assert_array_equal(cut["segment_ids"][0], [1, 1, 1, 2, 2])
+    assert counts["truncated"] == 1 and counts["truncated_tokens"] == 3
+    credit, _ = learner_batch([[two, one]], seq_len=9, turn_credit=0.5)  # (per-turn credit over the segments)
+    assert credit["advantages"].shape == (2, 9) and np.all(credit["advantages"][0, batch["loss_mask"][0]] != 0)
+
+
+def test_branches_round_trip_and_are_checked():
+    from nemo_jax.rl.rollout import validate
+
+    r = _rollout("g0", n=8, loss_mask=[0, 1, 1, 0, 0, 1, 1, 1], branches=[3])
+    d = r.to_json()
+    assert d["branches"] == [3] and validate(d, 100).branches == [3]
+    assert "branches" not in _rollout("g1").to_json()
+    assert validate(dict(d, branches=[2]), 100) == "no_loss_tokens"  # (a branch opens on a prompt token)
+    assert validate(dict(d, branches=[3, 3]), 100) == "length_mismatch"
+    assert validate(dict(d, branches=[7]), 100) == "length_mismatch"  # (a branch of one token)
+    assert validate(dict(d, branches=["3"]), 100) == "malformed"
+    assert validate(d, 100, max_len=5) == "too_long" and validate(d, 100, max_len=6).branches == [3]
+
+
+def test_a_packed_rows_logprobs_equal_each_branch_alone():
+    """Segments of one row are separate conversations to the model: attention and the Mamba state do not cross
+    them, so each branch's logprobs (and their gradients) equal those of the branch in a row of its own."""
+    from nemo_jax.rl.rollout import Rollout, learner_batch
+
+    cfg = tiny_cfg("M*M-")
+    params = init(cfg, jax.random.key(1))
+    rng = np.random.default_rng(0)
+    a, b = rng.integers(0, cfg.vocab_size, 9).tolist(), rng.integers(0, cfg.vocab_size, 7).tolist()
+    ma, mb = [0, 0, 0] + [1] * 6, [0, 0] + [1] * 5
+    z = lambda n: [-1.0] * n  # noqa: E731
+    both = Rollout(a + b, ma + mb, z(16), 1.0, "t", "g", branches=[9])
+    alone = [Rollout(a, ma, z(9), 1.0, "t", "g"), Rollout(b, mb, z(7), 1.0, "t", "g")]
+    packed, _ = learner_batch([[both]], seq_len=16, drop_zero_variance=False)
+    single, _ = learner_batch([alone], seq_len=16, drop_zero_variance=False)
+    keys = ("tokens", "targets", "segment_ids", "loss_mask")
+
+    def total(p, batch):  # the sum of the sampled tokens' logprobs
+        lp = token_logprobs(p, {k: jnp.asarray(batch[k]) for k in keys}, cfg, Options())
+        return jnp.sum(jnp.where(jnp.asarray(batch["loss_mask"]), lp, 0.0)), lp
+
+    (sp, lp_p), gp = jax.value_and_grad(total, has_aux=True)(params, packed)
+    (ss, lp_s), gs = jax.value_and_grad(total, has_aux=True)(params, single)
+    np.testing.assert_allclose(np.asarray(lp_p)[0, :8], np.asarray(lp_s)[0, :8], atol=1e-5)
+    np.testing.assert_allclose(np.asarray(lp_p)[0, 8:14], np.asarray(lp_s)[1, :6], atol=1e-5)
+    np.testing.assert_allclose(sp, ss, rtol=1e-5)
+    for x, y in zip(jax.tree.leaves(gp), jax.tree.leaves(gs)):
+        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5)

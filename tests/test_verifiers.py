@@ -116,7 +116,7 @@ CLASSIC = {
     "pyproject.toml": """
         [project]
         name = "nj-classic-adder"
-        version = "0.1.0"
+        version = "0.2.0"
         dependencies = ["verifiers"]
         [build-system]
         requires = ["setuptools>=61"]
@@ -143,17 +143,36 @@ CLASSIC = {
             return float(sum(m["role"] == "tool" for m in completion))
 
 
-        def load_environment(**kwargs):
+        async def shortest(completions, **kwargs) -> list[float]:
+            \"\"\"A group reward: 1 for the group's shortest final reply.\"\"\"
+            lengths = [len(c[-1]["content"] or "") if c else 10 ** 9 for c in completions]
+            return [float(n == min(lengths)) for n in lengths]
+
+
+        def load_environment(group_reward: bool = False, **kwargs):
             pairs = [(2, 3), (10, 7), (21, 4), (8, 8), (5, 13), (30, 12)]
             rows = [{"question": f"Use the add tool to add {a} and {b}, then reply with the sum.", "answer": str(a + b)}
                     for a, b in pairs]
-            rubric = vf.Rubric(funcs=[exact, tool_turns], weights=[1.0, 0.0])
+            funcs, weights = [exact, tool_turns], [1.0, 0.0]
+            if group_reward:
+                funcs, weights = funcs + [shortest], weights + [0.5]
+            rubric = vf.Rubric(funcs=funcs, weights=weights)
             return vf.ToolEnv(dataset=Dataset.from_list(rows), tools=[add], rubric=rubric, max_turns=3, **kwargs)
         """,
 }
 
 
 def _install(directory, files) -> None:
+    """Install the package `files` describe unless that version of it is installed already."""
+    import importlib.metadata as md
+    import re
+
+    name, version = re.search(r'name = "(.+)"\s+version = "(.+)"', files["pyproject.toml"]).groups()
+    try:
+        if md.version(name) == version:
+            return
+    except md.PackageNotFoundError:
+        pass
     for rel, text in files.items():
         path = directory / rel
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -164,10 +183,7 @@ def _install(directory, files) -> None:
 
 @pytest.fixture(scope="module")
 def adder(tmp_path_factory):
-    try:
-        import nj_adder  # noqa: F401
-    except ImportError:
-        _install(tmp_path_factory.mktemp("nj-adder"), PACKAGE)
+    _install(tmp_path_factory.mktemp("nj-adder"), PACKAGE)
     env = make_env("verifiers:nj_adder", n_eval=2, max_turns=3)
     try:
         yield env
@@ -203,10 +219,7 @@ def test_a_classic_environment_scored_by_its_rubric(tmp_path):
     """verifiers 0.3's classic ToolEnv (a Python function tool, a rubric of two functions) run by its own rollout
     loop against the bridge: the right tool call and answer earn the rubric's reward, a wrong one 0, the rubric's
     functions are logged as metrics; then eval and three on-policy grpo steps."""
-    try:
-        import nj_classic_adder  # noqa: F401
-    except ImportError:
-        _install(tmp_path / "pkg", CLASSIC)
+    _install(tmp_path / "pkg", CLASSIC)
     env = make_env("verifiers:nj_classic_adder", n_eval=2, max_turns=3)
     try:
         tasks = env.tasks("train")
@@ -220,6 +233,125 @@ def test_a_classic_environment_scored_by_its_rubric(tmp_path):
     finally:
         env.close()
     _eval_and_grpo(tmp_path, "nj_classic_adder", n_eval=2, need_trained=0)
+
+
+@pytest.mark.skipif(not CLASSIC_VERSION.startswith("0.3"), reason="classic environments: a venv with verifiers 0.3 "
+                    "(python tools/tiers/verifiers.py tier --classic)")
+def test_a_classic_group_rubric_scores_the_group_together(tmp_path):
+    """A rubric with a group reward function (one that takes `completions`): each episode runs alone, then the
+    group is scored together when all of it has ended, as verifiers' run_group scores it (its own score_group):
+    the shortest right reply earns the group bonus."""
+    _install(tmp_path / "pkg", CLASSIC)
+    env = make_env("verifiers:nj_classic_adder", n_eval=2, max_turns=3, env_args={"group_reward": True})
+    try:
+        assert callable(getattr(env, "score_group", None))
+        task = env.tasks("train")[0]
+        call = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+        got = _drive(env, task, {"a": [call, "The sum is 5."], "b": [call, "5"], "c": ["It is 7."]}, tmp_path)
+        assert [r.reward for r in got] == [1.0, 1.5, 0.0]
+        assert [r.info["vf/shortest"] for r in got] == [0.0, 1.0, 0.0] and got[1].info["vf/tool_turns"] == 1.0
+    finally:
+        env.close()
+
+
+class Scripted:
+    """A `Sampler` (nemo_jax.generate.sampler) whose turns are scripted: each rollout's next text from its own
+    script (`scripts[rollout_id]`), ended by the tokenizer's end of turn, logprob -1 a token; what the episode
+    driver samples through, without a model."""
+
+    version, queued = 0, 0
+
+    def __init__(self, tok, scripts: dict):
+        self.tok, self.scripts, self.ready, self.tags, self.n = tok, {k: list(v) for k, v in scripts.items()}, [], {}, 0
+
+    @property
+    def busy(self):
+        return len(self.ready)
+
+    def submit(self, tokens, sp, *, images=None, tag=None):
+        self.n += 1
+        self.tags[self.n] = tag
+        self.ready.append(self.n)
+        return self.n
+
+    def feed(self, seq_id, tokens, *, images=None):
+        self.ready.append(seq_id)
+
+    def room(self, seq_id):
+        return 1 << 20
+
+    def release(self, seq_id):
+        self.tags.pop(seq_id, None)
+
+    def step(self):
+        from nemo_jax.generate.sampler import TurnEnd
+
+        ends, self.ready = self.ready, []
+        out = []
+        for sid in ends:
+            tag = self.tags[sid]
+            text = self.scripts[tag.rollout_id].pop(0)
+            ids = self.tok.tokenizer.encode(text, add_special_tokens=False).ids + [self.tok.eos_ids()[0]]
+            out.append(TurnEnd(sid, ids, [-1.0] * len(ids), "stop", 0, tag, (0,)))
+        return out
+
+
+def _drive(env, task, scripts: dict, tmp_path) -> list:
+    """Episodes of `task` (one group, a rollout per script) run by nemo_jax's episode driver with scripted turns
+    -> their rollouts."""
+    from nemo_jax.config.model import NemotronHConfig
+    from nemo_jax.data.chat import ChatTokenizer
+    from nemo_jax.generate import SamplingParams
+    from nemo_jax.rl.transport.producer import EpisodeDriver
+
+    tok = ChatTokenizer.load("builtin:tiny")
+    cfg = NemotronHConfig.from_file(micro_model(tmp_path))
+    d = EpisodeDriver(Scripted(tok, scripts), tok, cfg, env, SamplingParams(max_new_tokens=64))
+    for rid in scripts:
+        d.add(task, "g", rid)
+    out = []
+    try:
+        while d.running:
+            out += d.pump()
+    finally:
+        d.close()
+    return sorted(out, key=lambda r: r.rollout_id)
+
+
+def test_a_compacting_harness_trains_each_branch(tmp_path):
+    """verifiers' own bash harness with context compaction (at 1 token: after the first tool result): the harness
+    asks for a summary, then starts a new conversation from it. nemo_jax sees the new conversation as a branch
+    (`Observation.restart`): one rollout, two branches, the second opening with the rebuilt conversation's own
+    prompt; the reward is the task's, as verifiers scores the episode."""
+    from nemo_jax.data.chat import ChatTokenizer
+    from nemo_jax.rl.rollout import learner_batch
+
+    _install(tmp_path / "pkg", PACKAGE)
+    env = make_env("verifiers:nj_adder", harness="bash", max_turns=4,
+                   harness_args={"edit": False, "compaction": {"summarize_at_tokens": 1}})
+    try:
+        task = env.tasks("train")[0]
+        obs = asyncio.run(_play(env, task, [_call("calc_add", a=2, b=3),
+                                            {"role": "assistant", "content": "I added 2 and 3 with the tool: 5."},
+                                            {"role": "assistant", "content": "5"}]))
+        assert [o.restart for o in obs] == [False, False, True, False]
+        assert obs[1].messages[0]["role"] == "tool" and obs[1].messages[-1]["role"] == "user"  # (the checkpoint ask)
+        assert "I added 2 and 3 with the tool: 5." in obs[2].messages[-1]["content"]  # (the rebuilt conversation)
+        assert obs[-1].done and obs[-1].reward == 1.0 and obs[-1].info["vf/reward/exact"] == 1.0
+        scripts = {"r0": ['<tool_call>{"name": "calc_add", "arguments": {"a": 2, "b": 3}}</tool_call>',
+                          "The tool said 5.", "5"],
+                   "r1": ["It is 6."]}
+        r0, r1 = _drive(env, task, scripts, tmp_path)
+        tok = ChatTokenizer.load("builtin:tiny")
+        assert len(r0.branches) == 1 and r0.reward == 1.0 and r0.info["vf/reward/exact"] == 1.0
+        second = tok.tokenizer.decode(r0.tokens[r0.branches[0]:], skip_special_tokens=True)
+        assert "The tool said 5." in second and "calc_add" not in second.split("The tool said 5.")[1]
+        assert r1.branches == [] and r1.reward == 0.0
+        batch, counts = learner_batch([[r0, r1]], 4096)
+        assert batch["segment_ids"][0].max() == 2 and counts["truncated"] == 0
+        assert batch["loss_mask"][0].sum() == sum(r0.loss_mask)  # (every sampled token of both branches trained)
+    finally:
+        env.close()
 
 
 def test_scripted_episodes_are_scored_by_the_tasks_own_rewards(adder):

@@ -48,7 +48,7 @@ from nemo_jax.rl.ablation import ablate
 from nemo_jax.rl.envs import make_env
 from nemo_jax.rl.pool import RolloutPool
 from nemo_jax.rl.transport.producer import ThreadProducer, as_text, sample_rollouts
-from nemo_jax.rl.rollout import RolloutImages, learner_batch
+from nemo_jax.rl.rollout import RolloutImages, info_means, learner_batch
 from nemo_jax.rl.transport.board import RequestBoard
 from nemo_jax.rl.transport.rollouts import SpoolReader
 from nemo_jax.train.checkpoint import catch_stop_signals
@@ -410,7 +410,7 @@ class GRPORunner:
         rec.update({"reward_mean": float(rewards.mean()) if rewards.size else float("nan"),
                     "reward_mean_uniform": float(np.sum(w * rewards) / np.sum(w)) if rewards.size else float("nan"),
                     "success_rate": float(np.mean([x.success for x in rollouts])) if rollouts else float("nan"),
-                    **{f"reward_mean/{f}": fam_sum[f] / n for f, n in fam.items()},
+                    **{f"reward_mean/{f}": fam_sum[f] / n for f, n in fam.items()}, **info_means(rollouts),
                     "zero_variance_frac": counts["zero_variance_frac"], "groups_stale_dropped": stale,
                     "rollouts_truncated": self.truncated, "truncated_frac": counts["truncated"] / max(len(rollouts), 1),
                     "episodes_timed_out": timed_out,
@@ -529,7 +529,8 @@ def evaluate_env(engine, tok, cfg, env, attempts: int, max_new_tokens: int, temp
     return {"tasks": len(tasks), "attempts": attempts, "reward_mean": float(rew.mean()),
             "reward_se": standard_error(rew), "success_rate": float(succ.mean()), "success_se": standard_error(succ),
             "pass@1": float(succ.mean()), f"pass@{attempts}": float(succ.any(axis=1).mean()),
-            "consistency": float(succ.all(axis=1).mean()), "task_rewards": rew.mean(axis=1).round(6).tolist()}
+            "consistency": float(succ.all(axis=1).mean()), "task_rewards": rew.mean(axis=1).round(6).tolist(),
+            **info_means(got)}
 
 
 def standard_error(x) -> float:

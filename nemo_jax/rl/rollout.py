@@ -45,6 +45,13 @@ class Rollout:
     # files): what rejection-sampling fine-tuning keeps of a verified success
     messages: list | None = field(default=None, repr=False, compare=False)
     tools: list | None = field(default=None, repr=False, compare=False)
+    # where each later BRANCH starts (token offsets, increasing): an episode whose conversation was rewritten (a
+    # sub-agent, a compacted history) holds one token record per branch, back to back, each opening with its own
+    # prompt; the learner trains each as a segment of the rollout's row (`segments`). [] for one conversation
+    branches: list = field(default_factory=list)
+    # the numbers of the episode's last observation's `info` (an environment's own metrics: verifiers' rubric
+    # functions, a tool count): logged as env/<key> means per step and in evals
+    info: dict = field(default_factory=dict)
 
     @property
     def version(self) -> int:
@@ -59,7 +66,14 @@ class Rollout:
                 "images": [dict(x) for x in self.images], "rollout_id": str(self.rollout_id),
                 "timed_out": bool(self.timed_out),
                 **({} if self.temperature is None else {"temperature": float(self.temperature)}),
-                **({"turn_rewards": list(map(float, self.turn_rewards))} if self.turn_rewards else {})}
+                **({"turn_rewards": list(map(float, self.turn_rewards))} if self.turn_rewards else {}),
+                **({"branches": list(map(int, self.branches))} if self.branches else {}),
+                **({"info": {str(k): float(v) for k, v in self.info.items()}} if self.info else {})}
+
+    @property
+    def row_tokens(self) -> int:
+        """The learner row positions it takes whole: each branch's tokens but its last (the last has no target)."""
+        return len(self.tokens) - 1 - len(self.branches)
 
     def dedupe_key(self) -> str:
         """What makes two records the same rollout: its `rollout_id`, or (a producer that gives none) its content."""
@@ -189,7 +203,12 @@ def validate(d: dict, vocab_size: int, max_len: int | None = None, *, version: i
     n = len(toks)
     if len(mask) != n or len(lps) != n or n < 2:
         return "length_mismatch"
-    if max_len is not None and n - 1 > max_len:
+    branches, info = _ints(d.get("branches", [])), d.get("info", {})
+    if branches is None or not isinstance(info, dict) or not all(map(_number, info.values())):
+        return "malformed"
+    if len(branches) and (np.any(np.diff(np.concatenate([[0], branches, [n]])) < 2)):
+        return "length_mismatch"  # (each branch holds at least a prompt token and a sampled one)
+    if max_len is not None and n - 1 - len(branches) > max_len:
         return "too_long"
     reward = d.get("reward")
     if not _number(reward) or abs(reward) > _FP32_MAX:  # the learner computes in fp32: 1e39 would be inf there
@@ -198,8 +217,8 @@ def validate(d: dict, vocab_size: int, max_len: int | None = None, *, version: i
         return "bad_reward"
     if np.any(toks < 0) or np.any(toks >= vocab_size):
         return "bad_token"
-    if mask[0] or not np.any(mask[1:]) or np.any((mask != 0) & (mask != 1)):
-        return "no_loss_tokens"  # the first token has no context to be sampled from
+    if mask[0] or np.any(mask[branches]) or not np.any(mask[1:]) or np.any((mask != 0) & (mask != 1)):
+        return "no_loss_tokens"  # the first token (of each branch) has no context to be sampled from
     sampled = lps[mask.astype(bool)]
     if not np.all(np.isfinite(lps)) or np.any(sampled > 0) or np.any(sampled < min_logprob):
         return "bad_logprob"
@@ -221,7 +240,8 @@ def validate(d: dict, vocab_size: int, max_len: int | None = None, *, version: i
     r = Rollout(tokens=toks.tolist(), loss_mask=mask.tolist(), logprobs=lps.tolist(), reward=float(reward),
                 task_id=d["task_id"], group_id=d["group_id"], policy_versions=v.tolist(), success=success,
                 images=list(images), rollout_id=rid, timed_out=timed_out,
-                temperature=None if temp is None else float(temp), turn_rewards=turn_rewards.tolist())
+                temperature=None if temp is None else float(temp), turn_rewards=turn_rewards.tolist(),
+                branches=branches.tolist(), info={str(k): float(v) for k, v in info.items()})
     if check_images(r, vision, image_root):
         return "bad_images"
     return r
@@ -238,15 +258,15 @@ class RolloutImages:
         self.v, self.root = vision, root
         self.rows = RowImages(vision, max_patches, max_images)
 
-    def row(self, r: Rollout | None, kept_tokens: int) -> dict:
-        """The row arrays of rollout `r` (None: an empty row) whose first `kept_tokens` tokens are in the row:
-        a picture whose placeholders start past them is left out."""
+    def row(self, r: Rollout | None, row_tokens=()) -> dict:
+        """The row arrays of rollout `r` (None: an empty row) whose learner row holds `row_tokens` (its input
+        tokens, pictures in order): a picture whose placeholders are not among them is left out."""
         from nemo_jax.data.images import picture
 
         if r is None or not r.images:
             return self.rows.row([])
         pics, start = [], 0
-        ph = np.flatnonzero(np.asarray(r.tokens[:kept_tokens]) == self.v.image_token_id)
+        ph = np.flatnonzero(np.asarray(row_tokens) == self.v.image_token_id)
         for rec in r.images:
             if start >= len(ph):
                 break
@@ -259,6 +279,26 @@ class RolloutImages:
                              f"rollout.max_images={self.rows.max_images} / rollout.max_image_patches="
                              f"{self.rows.max_patches}")
         return self.rows.row(pics)
+
+
+def numbers(info: dict) -> dict:
+    """The finite numbers of an observation's `info` (what a rollout keeps of it)."""
+    return {str(k): float(v) for k, v in (info or {}).items() if _number(v)}
+
+
+def info_means(rollouts: list[Rollout]) -> dict:
+    """env/<key>: the mean of each `info` number over the rollouts that report it."""
+    sums, counts = {}, {}
+    for r in rollouts:
+        for k, v in r.info.items():
+            sums[k], counts[k] = sums.get(k, 0.0) + v, counts.get(k, 0) + 1
+    return {f"env/{k}": sums[k] / counts[k] for k in sorted(sums)}
+
+
+def segments(r: Rollout) -> list[tuple[int, int]]:
+    """[start, end) of each branch's tokens in `r.tokens` (one span for a rollout without branches)."""
+    bounds = [0, *r.branches, len(r.tokens)]
+    return list(zip(bounds[:-1], bounds[1:]))
 
 
 def turn_spans(mask) -> list[tuple[int, int]]:
@@ -313,9 +353,12 @@ def learner_batch(groups: list[list[Rollout]], seq_len: int, *, rows: int | None
     mesh and micro-batches need) with empty rows (no loss tokens, weight 0). Each rollout is one row: tokens
     [:-1] in, tokens[1:] as targets, mask and logprobs of the targets. A rollout longer than a row (seq_len + 1
     tokens) is TRUNCATED to its first seq_len + 1 tokens: the loss covers the kept part, its group and advantage
-    stay (counted: `truncated`, `truncated_tokens`). With `images`, each row's pictures (`pixel_values` and the
-    vision layout arrays) come along, so the learner's logprobs see what the sampler saw. With `turn_credit` > 0
-    the advantages are per token ([rows, seq_len]: `token_advantages`), else one per row ([rows])."""
+    stay (counted: `truncated`, `truncated_tokens`). A rollout with branches fills its row with one segment per
+    branch (segment ids 1, 2, ...: attention and the Mamba state do not cross them), each shifted on its own, and
+    is one rollout of its group (one advantage, one rollout's weight). With `images`, each row's pictures
+    (`pixel_values` and the vision layout arrays) come along, so the learner's logprobs see what the sampler saw.
+    With `turn_credit` > 0 the advantages are per token ([rows, seq_len]: `token_advantages`), else one per row
+    ([rows])."""
     kept = []
     zero = 0
     for g in groups:
@@ -338,21 +381,27 @@ def learner_batch(groups: list[list[Rollout]], seq_len: int, *, rows: int | None
     truncated = truncated_tokens = 0
     pictures = []
     for i, (r, a) in enumerate(kept):
-        t = min(len(r.tokens), seq_len + 1) - 1
-        if len(r.tokens) > seq_len + 1:
+        at = 0  # the row's positions filled so far: each branch a segment of its own
+        for k, (s, e) in enumerate(segments(r)):
+            t = min(e - s - 1, seq_len - at)
+            if t <= 0:
+                break
+            row, src = slice(at, at + t), slice(s + 1, s + t + 1)  # (targets: the tokens after the inputs)
+            out["tokens"][i, row] = r.tokens[s:s + t]
+            out["targets"][i, row] = r.tokens[src]
+            out["segment_ids"][i, row] = k + 1
+            out["loss_mask"][i, row] = np.asarray(r.loss_mask[src], bool)
+            out["behaviour_logprobs"][i, row] = np.where(out["loss_mask"][i, row], r.logprobs[src], 0.0)
+            if turn_credit:
+                out["advantages"][i, row] = a[src]
+            at += t
+        if r.row_tokens > seq_len:
             truncated += 1
-            truncated_tokens += len(r.tokens) - seq_len - 1
-        out["tokens"][i, :t] = r.tokens[:t]
-        out["targets"][i, :t] = r.tokens[1:t + 1]
-        out["segment_ids"][i, :t] = 1
-        out["loss_mask"][i, :t] = np.asarray(r.loss_mask[1:t + 1], bool)
-        out["behaviour_logprobs"][i, :t] = np.where(out["loss_mask"][i, :t], r.logprobs[1:t + 1], 0.0)
-        if turn_credit:
-            out["advantages"][i, :t] = a[1:t + 1]  # (the targets' advantages)
-        else:
+            truncated_tokens += r.row_tokens - seq_len
+        if not turn_credit:
             out["advantages"][i] = a
         if images is not None:
-            pictures.append(images.row(r, t))
+            pictures.append(images.row(r, out["tokens"][i, :at]))
     if images is not None:
         pictures += [images.row(None, 0)] * (rows - n)
         out.update({k: np.stack([p[k] for p in pictures]) for k in pictures[0]})

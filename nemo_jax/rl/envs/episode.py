@@ -8,8 +8,15 @@ An environment hands out `Task`s (`tasks(split)`) and runs one EPISODE per rollo
     start(task, rollout_id) -> Observation      the opening messages (and tool definitions); allocate what the
                                                 rollout needs (a VM, a tool server) here
     step(assistant_message) -> Observation      messages to append (tool results, the next user turn), the reward
-                                                of the conversation so far, done, success, info
+                                                of the conversation so far, done, success, info; with
+                                                `restart`, a new conversation (a branch) instead
     close()                                     ALWAYS called once the rollout ends (done, cut, timed out, failed)
+
+An environment may also score a group's episodes together (a reward relative to the group's: a ranking, a
+pairwise judge): `score_group(episodes) -> [Observation]`, called once no episode of a group (the rollouts of one
+task sampled together) still runs, with the episodes that ran to their end (a timed-out one scores 0 alone), in
+order, before their `close()`; each answer's reward, success and info replace those of its episode's last
+observation.
 
 Each method may be a plain function or `async def`. The sampler runs them on a worker pool (plain ones on
 threads, async ones on an event loop) while it keeps decoding the other rollouts; an episode may end at any step
@@ -106,6 +113,10 @@ class Observation:
     success: bool = False  # full success (logged; pass@k and consistency in evals)
     info: dict = field(default_factory=dict)  # anything to log with the rollout (JSON values)
     tools: list | None = None  # (from start) tool definitions for the chat template (OpenAI function format)
+    # (from step) `messages` are a whole new conversation, not a continuation of this one (a BRANCH: a rewritten
+    # history, a sub-agent's call): the rollout's token record starts a new branch (`Rollout.branches`; trained as
+    # a segment of its own, with the episode's reward); `tools`, when given, are the branch's
+    restart: bool = False
 
 
 class Episode(Protocol):

@@ -4,6 +4,7 @@
     env: verifiers:glossary            # <id>: the package's module name, as `vf.load_taskset` / `load_environment`
     env_args:
       harness: null                    # v1: the agent program verifiers runs (default: the null harness, a chat loop)
+      harness_args: {}                 # v1: its config's fields (e.g. bash: {compaction: {summarize_at_tokens: N}})
       taskset: {}                      # v1: more fields of the taskset's config (its TasksetConfig)
       env_args: {}                     # classic: the arguments of the package's load_environment()
       n_eval: 0                        # the last n_eval tasks are held out (classic: its eval dataset when it has
@@ -21,9 +22,11 @@ answer (its tool calls parsed from the text into OpenAI `tool_calls`). nemo_jax 
 its chat template, so the learner trains on exactly the tokens and behaviour logprobs it sampled. When the
 episode ends, the reward is verifiers' own and its metrics are logged with the rollout.
 
-One training sample per episode: an episode whose next model call does not extend the conversation it was
-answered (a branch: a rewritten history, a sub-agent) ends with one clear error. Group rubrics (`score_group`)
-are not run: each episode is scored alone. Needs verifiers (0.4.0: its pins clash with nemo_jax's `mcp` and
+One training sample per trace branch: a model call whose conversation does not extend the one answered last (a
+rewritten or compacted history, a sub-agent's call) starts a new branch of the rollout (`Observation.restart`):
+its token record goes on with the branch's own prompt, and the learner trains each branch as a segment of the
+rollout's row, with the episode's reward. Group rubrics (classic environments whose rubric has group reward
+functions) score each group together when all its episodes have ended (`score_group`). Needs verifiers (0.4.0: its pins clash with nemo_jax's `mcp` and
 `worker` extras; 0.3.1: its `mcp<2` does; each in a venv of its own, `python tools/tiers/verifiers.py venv`)."""
 
 from __future__ import annotations
@@ -72,6 +75,14 @@ def chat_message(m: dict) -> dict:
         return {"role": role, "content": [p for p in content if isinstance(p, dict) and p.get("type") in
                                           ("text", "image_url")]}
     return {"role": role, "content": _text(content)}
+
+
+def extends(msgs: list[dict], seen: list[dict]) -> bool:
+    """Whether a model call's conversation `msgs` goes on from the one answered last (`seen`, its answer last):
+    longer, the same roles, the same text in every message but the assistant's (which a harness may re-serialise)."""
+    return len(msgs) > len(seen) and all(
+        m["role"] == s["role"] and (m["role"] == "assistant" or m["content"] == s["content"])
+        for m, s in zip(msgs, seen))
 
 
 def completion(text: str, tools, model: str) -> tuple[dict, dict]:
@@ -172,20 +183,20 @@ class VerifiersEpisode:
         if kind == "call":
             body, self.answer = payload
             msgs = [chat_message(m) for m in body.get("messages") or []]
-            if len(msgs) <= len(self.seen) or [m["role"] for m in msgs[:len(self.seen)]] != \
-                    [m["role"] for m in self.seen]:
-                self._answer(400, {"error": {"message": "nemo-jax: the conversation does not extend the last one"}})
-                raise ValueError(f"verifiers:{self.env.id}: the harness's model call {self.turns + 1} does not extend "
-                                 "the conversation it was answered (a branch: a rewritten history or a sub-agent); "
-                                 "nemo_jax trains one sequence per episode")
+            tools = body.get("tools") or []
+            if self.tools is not None and not extends(msgs, self.seen):  # a branch: a conversation of its own
+                self.seen, self.tools = msgs, tools
+                return Observation(list(msgs), 0.0, False, False, tools=tools or None, restart=True)
             new, self.seen = msgs[len(self.seen):], msgs
             if self.tools is None:
-                self.tools = body.get("tools") or []
+                self.tools = tools
             return Observation(new, 0.0, False, False, tools=self.tools or None)
         if kind == "failed":
             raise RuntimeError(f"verifiers:{self.env.id}: the episode failed: {payload!r}")
-        reward, info = self.env.engine.result(payload)
-        return Observation([], reward, True, reward >= self.env.success_reward, info)
+        self.out = payload
+        if self.env.engine.grouped:  # (scored with its group: VerifiersEnv.score_group)
+            return Observation([], 0.0, True, False)
+        return self.env.observation(payload)
 
     def _answer(self, status: int, reply: dict) -> None:
         answer, self.answer = self.answer, None
@@ -220,9 +231,11 @@ def _failed(env_id: str, errors: list[str]) -> RuntimeError:
 
 
 class _Taskset:
-    """A v1 taskset (verifiers 0.4): each episode is verifiers' `run_episode` of a `SingleAgentEnv`."""
+    """A v1 taskset (verifiers 0.4): each episode is verifiers' `run_episode` of a `SingleAgentEnv` (v1 has no
+    group rewards: each episode is scored alone)."""
+    grouped = False
 
-    def __init__(self, id: str, harness: str, taskset: dict, max_turns: int):
+    def __init__(self, id: str, harness: str, harness_args: dict, taskset: dict, max_turns: int):
         vf, _ = _need_verifiers()
         try:
             from verifiers.v1.utils.loaders import harness_config_type
@@ -231,7 +244,7 @@ class _Taskset:
         self.id = id
         config = vf.SingleAgentEnvConfig(
             taskset=vf.TasksetConfig.model_validate({**taskset, "id": id}),
-            agent=vf.AgentConfig(harness=harness_config_type(harness).model_validate({"id": harness}),
+            agent=vf.AgentConfig(harness=harness_config_type(harness).model_validate({**harness_args, "id": harness}),
                                  runtime=vf.SubprocessConfig(), max_turns=max_turns))
         self.vf_env = vf.SingleAgentEnv(config)
         tasks = [Task(f"{id}:{i}", _prompt(t.data.prompt, t.data.system_prompt), {"vf_task": t}, family=id)
@@ -270,6 +283,8 @@ class _Classic:
             raise ValueError(f"a classic environment needs verifiers 0.3 ({e})") from None
         self.id = id
         self.vf_env = load_environment(id, **env_args)
+        # a rubric with group reward functions scores a group's episodes together, as verifiers' run_group does
+        self.grouped = bool(getattr(self.vf_env.rubric, "has_group_rewards", False) and self.vf_env.score_rollouts)
         if isinstance(getattr(self.vf_env, "max_turns", None), int) and self.vf_env.max_turns > max_turns:
             self.vf_env.max_turns = max_turns
         self.split = {name: [Task(f"{id}:{name}:{row.get('example_id', i)}", _prompt(row["prompt"], None),
@@ -290,11 +305,26 @@ class _Classic:
         return None
 
     async def run(self, row, key: str, url: str):
+        """The episode's rollout: scored (its output record), or, `grouped`, its state left for `score_group`."""
         try:
+            from verifiers.clients import resolve_client
             from verifiers.types import ClientConfig
         except ImportError as e:
             raise ValueError(f"verifiers {e}: a classic environment needs verifiers 0.3") from None
-        return await self.vf_env.run_rollout(row, ClientConfig(api_base_url=url, api_key_var=API_KEY_VAR), key, {})
+        client = ClientConfig(api_base_url=url, api_key_var=API_KEY_VAR)
+        if self.grouped:
+            return await self.vf_env.rollout(row, resolve_client(client), key, {})
+        return await self.vf_env.run_rollout(row, client, key, {})
+
+    async def score_group(self, states: list) -> list:
+        """A group's rollout states -> their output records, scored together by the rubric (its group reward
+        functions see the whole group), then cleaned up: what verifiers' `run_group` does after its rollouts."""
+        from verifiers.utils.save_utils import state_to_output
+
+        await self.vf_env.rubric.score_group(states)
+        for st in states:
+            await self.vf_env.rubric.cleanup(st)
+        return [state_to_output(st, []) for st in states]
 
     def result(self, out) -> tuple[float, dict]:
         if out.get("error"):
@@ -318,7 +348,7 @@ class VerifiersEnv:
     docstring): a v1 taskset, or a classic environment when the package has `load_environment()`."""
 
     def __init__(self, id: str, harness: str = "null", taskset: dict | None = None, env_args: dict | None = None,
-                 n_eval: int = 0, max_turns: int = 8, success_reward: float = 1.0, runtime: str = "subprocess"):
+                 harness_args: dict | None = None, n_eval: int = 0, max_turns: int = 8, success_reward: float = 1.0, runtime: str = "subprocess"):
         import importlib
 
         _need_verifiers()
@@ -337,7 +367,7 @@ class VerifiersEnv:
             module = importlib.import_module(id.replace("-", "_"))
             classic = callable(getattr(module, "load_environment", None))
             self.engine = _Classic(id, env_args or {}, self.max_turns) if classic else \
-                _Taskset(id, harness, taskset or {}, self.max_turns)
+                _Taskset(id, harness, harness_args or {}, taskset or {}, self.max_turns)
         except (ImportError, ValueError, TypeError, AttributeError) as e:
             raise ValueError(f"rl.env verifiers:{id}: {e}") from None
         train, held = self.engine.split["train"], self.engine.split["eval"]
@@ -354,6 +384,20 @@ class VerifiersEnv:
         asyncio.run_coroutine_threadsafe(self.bridge.start(), self.loop).result(60)
         asyncio.run_coroutine_threadsafe(self.engine.start(), self.loop).result(600)
         atexit.register(self.close)
+
+        if self.engine.grouped:
+            self.score_group = self._score_group  # (the driver scores a group together when the env has one)
+
+    def observation(self, out) -> Observation:
+        """An episode's scored result -> the observation that ends it (verifiers' reward and metrics)."""
+        reward, info = self.engine.result(out)
+        return Observation([], reward, True, reward >= self.success_reward, info)
+
+    async def _score_group(self, episodes: list[VerifiersEpisode]) -> list[Observation]:
+        """`score_group` of the episode protocol: a group's finished episodes scored together by the rubric."""
+        outs = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(
+            self.engine.score_group([ep.out for ep in episodes]), self.loop))
+        return [self.observation(o) for o in outs]
 
     def tasks(self, split: str) -> list[Task]:
         return self._split.get(split) or self._split["train"]

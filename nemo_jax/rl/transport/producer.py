@@ -38,7 +38,7 @@ from nemo_jax.fields import Fields
 from nemo_jax.generate import Engine, Sampler, SamplingParams, chunk_images, widen_images
 from nemo_jax.generate.sampling import request_sampling
 from nemo_jax.rl.envs.episode import EnvironmentFailed, Observation, Task, as_environment, environment_failed
-from nemo_jax.rl.rollout import ImageStore, Rollout
+from nemo_jax.rl.rollout import ImageStore, Rollout, numbers
 from nemo_jax.threads import DaemonPool
 
 
@@ -98,6 +98,7 @@ class _Live:
     pending_what: str = ""  # the episode method `pending` runs
     obs: Observation | None = None
     turn_rewards: list = field(default_factory=list)  # the conversation's reward after each assistant turn
+    branches: list = field(default_factory=list)  # where each later branch starts in `tokens`
     timed_out: bool = False
     ended: bool = False
     sp: SamplingParams | None = None  # its own sampling parameters (None: the driver's)
@@ -117,15 +118,35 @@ class Conversation:
             r.images += [self.store.put(p) for p in pics]
         return ids, pics
 
-    def opening(self, r: _Live, obs: Observation) -> tuple[list[int], list]:
-        r.obs, r.tools = obs, obs.tools
-        r.text, pics = as_text(list(obs.messages), f"episode {r.rollout_id}: start")
+    def _begin(self, r: _Live, obs: Observation, what: str) -> tuple[list[int], list]:
+        """A conversation from its first messages: the prompt's tokens and pictures (appended to the record)."""
+        r.text, pics = as_text(list(obs.messages), f"episode {r.rollout_id}: {what}")
         r.convo = list(obs.messages)
         if not r.text:
-            raise ValueError(f"episode {r.rollout_id}: start() gave no messages")
+            raise ValueError(f"episode {r.rollout_id}: {what}() gave no messages" +
+                             (" for its new branch (restart)" if what == "step" else ""))
         ids, pics = self._ids(self.tok.render(r.text, r.tools, add_generation_prompt=True), pics, r)
-        r.tokens, r.mask, r.lps = list(ids), [0] * len(ids), [0.0] * len(ids)
+        r.tokens += ids
+        r.mask += [0] * len(ids)
+        r.lps += [0.0] * len(ids)
         return ids, pics
+
+    def opening(self, r: _Live, obs: Observation) -> tuple[list[int], list]:
+        r.obs, r.tools = obs, obs.tools
+        r.tokens, r.mask, r.lps = [], [], []
+        return self._begin(r, obs, "start")
+
+    def branch(self, r: _Live, obs: Observation) -> tuple[list[int], list]:
+        """A restart (`Observation.restart`): the record goes on with a new branch, the observation's messages its
+        prompt (`messages` of the finished rollout: the last branch's conversation)."""
+        r.branches.append(len(r.tokens))
+        if obs.tools is not None:
+            r.tools = obs.tools
+        return self._begin(r, obs, "step")
+
+    def prompt(self, r: _Live) -> list[int]:
+        """The tokens of the conversation being sampled: its branch's."""
+        return r.tokens[r.branches[-1] if r.branches else 0:]
 
     def sampled(self, r: _Live, tokens: list[int], logprobs: list[float], reason: str, versions) -> dict:
         r.tokens += tokens
@@ -156,7 +177,8 @@ class Conversation:
         reward, success = (0.0, False) if r.timed_out else (float(obs.reward), bool(obs.success))
         return Rollout(r.tokens, r.mask, r.lps, reward, r.task.id, r.group_id, sorted(r.versions) or [version],
                        success, list(r.images), r.rollout_id, r.timed_out, temperature,
-                       turn_rewards=[] if r.timed_out else list(r.turn_rewards), messages=list(r.convo), tools=r.tools)
+                       turn_rewards=[] if r.timed_out else list(r.turn_rewards), messages=list(r.convo), tools=r.tools,
+                       branches=list(r.branches), info={} if r.timed_out else numbers(obs.info))
 
 
 class EnvCalls:
@@ -272,6 +294,12 @@ class EpisodeDriver:
         self.closing: set = set()  # close() calls not finished yet
         self.report_failures = report_failures
         self.failures: list[tuple[str, str, str]] = []  # (group id, rollout id, reason) not yet taken
+        # an environment that scores a group together (`score_group`): a group's finished episodes are held until
+        # none of it runs, then scored together, then closed
+        self.group_scored = callable(getattr(env, "score_group", None))
+        self.held: dict[str, list[_Live]] = {}  # group id -> its finished episodes waiting for the rest
+        self.scoring: dict[str, list[_Live]] = {}  # group id -> its episodes in score_group() now
+        self.dropped: set = set()  # groups abandoned while in score_group(): their answer is not wanted
         self.counts = {"timed_out": 0, "context_full": 0, "cut": 0, "finished": 0, "failed": 0, "abandoned": 0}
 
     def add(self, task: Task, group_id: str, rollout_id: str, sp: SamplingParams | None = None) -> None:
@@ -285,7 +313,8 @@ class EpisodeDriver:
 
     @property
     def running(self) -> int:
-        return len(self.live)
+        """Episodes not yet out: running, or (group-scored environments) waiting for their group's score."""
+        return len(self.live) + sum(map(len, self.held.values())) + sum(map(len, self.scoring.values()))
 
     def fail(self, rollout_id: str, reason: str) -> None:
         """End a running episode as failed: closed, nothing returned, (group, rollout, reason) in `failures`."""
@@ -299,6 +328,12 @@ class EpisodeDriver:
         for r in gone:
             self._stop(r)
             self.counts["abandoned"] += 1
+        for r in self.held.pop(group_id, []):
+            self._close(r)
+            self.counts["abandoned"] += 1
+        if group_id in self.scoring:  # (dropped when score_group() answers, then closed)
+            self.dropped.add(group_id)
+            self.counts["abandoned"] += len(self.scoring[group_id])
         return len(gone)
 
     # ------------------------------------------------------------------ the loop
@@ -334,6 +369,8 @@ class EpisodeDriver:
 
     def _handle(self, token, fut: Future, out: list) -> None:
         r, what = token
+        if what == "score_group":
+            return self._scored(r, fut, out)
         if what == "close":
             self.closing.discard(token)
             if not fut.cancelled() and fut.exception() is not None:
@@ -375,23 +412,43 @@ class EpisodeDriver:
         if obs.done or r.cut or r.turns >= self.max_turns:
             self.counts["cut"] += r.cut and not obs.done
             return self._finish(r, out)
-        room = self.engine.room(r.seq)
-        n_before = len(r.tokens)
-        ids, pics = self.conv.following(r, obs)
-        if len(ids) > room:  # the conversation outgrew the sampler's positions: it ends here
-            del r.tokens[n_before:], r.mask[n_before:], r.lps[n_before:]
-            self.counts["context_full"] += 1
-            return self._finish(r, out)
-        self.engine.feed(r.seq, ids, images=pics)
+        n_before, n_branches, n_images = len(r.tokens), len(r.branches), len(r.images)
+        if obs.restart:  # a new branch: sampled from its own prompt in a sequence of its own
+            try:
+                ids, pics = self.conv.branch(r, obs)
+            except ValueError as e:  # (no messages)
+                if not self.report_failures:
+                    raise
+                return self._end(r, str(e))
+            self.engine.release(r.seq)
+            r.seq = None
+            try:
+                r.seq = self.engine.submit(ids, r.sp or self.sp, images=pics, tag=r)
+                return
+            except ValueError:  # (its prompt does not fit the sampler's positions)
+                pass
+        else:
+            room = self.engine.room(r.seq)
+            ids, pics = self.conv.following(r, obs)
+            if len(ids) <= room:
+                return self.engine.feed(r.seq, ids, images=pics)
+        # the conversation outgrew the sampler's positions: it ends here, without what did not fit
+        del r.tokens[n_before:], r.mask[n_before:], r.lps[n_before:], r.branches[n_branches:], r.images[n_images:]
+        self.counts["context_full"] += 1
+        return self._finish(r, out)
 
-    def _stop(self, r: _Live) -> None:
-        """Take a rollout out: its sampler sequence released, its episode closed (on the pool)."""
+    def _stop(self, r: _Live, close: bool = True) -> None:
+        """Take a rollout out: its sampler sequence released, its episode closed (on the pool) unless not `close`."""
         r.ended = True
         del self.live[r.rollout_id]
         if r.pending is not None:
             r.pending.cancel()
         if r.seq is not None:
             self.engine.release(r.seq)
+        if close:
+            self._close(r)
+
+    def _close(self, r: _Live) -> None:
         token = (r, "close")
         self.closing.add(token)
         self.calls.call(token, r.episode.close)
@@ -400,18 +457,63 @@ class EpisodeDriver:
         self._stop(r)
         self.counts["failed"] += 1
         self.failures.append((r.group_id, r.rollout_id, reason))
+        self._score_group(r.group_id)
 
     def _finish(self, r: _Live, out: list) -> None:
-        self._stop(r)
+        hold = self.group_scored and not r.timed_out  # (a timed-out episode scores 0, alone)
+        self._stop(r, close=not hold)
         self.counts["finished"] += 1
-        out.append(self.conv.rollout(r, self.engine.version, (r.sp or self.sp).temperature))
+        if hold:
+            self.held.setdefault(r.group_id, []).append(r)
+        else:
+            out.append(self.conv.rollout(r, self.engine.version, (r.sp or self.sp).temperature))
+        self._score_group(r.group_id)
+
+    def _score_group(self, gid: str) -> None:
+        """Once no episode of group `gid` runs: its held episodes scored together (`score_group`, on the pool)."""
+        if gid not in self.held or any(x.group_id == gid for x in self.live.values()):
+            return
+        self.scoring[gid] = lives = self.held.pop(gid)
+        self.calls.call((gid, "score_group"), self.env.score_group, [x.episode for x in lives])
+
+    def _scored(self, gid: str, fut: Future, out: list) -> None:
+        """A group's score came back: each answer's reward, success and info are its rollout's; the episodes
+        are closed. A group abandoned meanwhile is dropped."""
+        lives = self.scoring.pop(gid, [])
+        if gid in self.dropped:
+            self.dropped.discard(gid)
+            for x in lives:
+                self._close(x)
+            return
+        e = fut.exception() if not fut.cancelled() else None
+        answers = fut.result() if e is None and not fut.cancelled() else None
+        if e is None and (not isinstance(answers, (list, tuple)) or len(answers) != len(lives)
+                          or not all(isinstance(a, Observation) for a in answers)):
+            e = TypeError(f"score_group() of {len(lives)} episodes returned {type(answers).__name__}, not "
+                          f"{len(lives)} Observations")
+        if e is not None:
+            err = environment_failed(getattr(self.env, "name", "?"), gid, "score_group", e)
+            if not self.report_failures:
+                raise err from e
+            self.failures += [(x.group_id, x.rollout_id, str(err)) for x in lives]
+            self.counts["failed"] += len(lives)
+        for x, a in zip(lives, answers if e is None else [None] * len(lives)):
+            if a is not None:
+                x.obs = replace(x.obs or Observation(), reward=float(a.reward), success=bool(a.success),
+                                info={**(x.obs.info if x.obs else {}), **a.info})
+                out.append(self.conv.rollout(x, self.engine.version, (x.sp or self.sp).temperature))
+            self._close(x)
 
     def close(self, wait_s: float = 30.0) -> None:
         """End every running episode (closed, nothing returned) and wait up to `wait_s` for the closes."""
         for r in list(self.live.values()):
             self._stop(r)
+        for gid in list(self.held):
+            for r in self.held.pop(gid):
+                self._close(r)
+        self.dropped |= set(self.scoring)
         t = time.monotonic() + wait_s
-        while self.closing and time.monotonic() < t:
+        while (self.closing or self.scoring) and time.monotonic() < t:
             try:
                 self._handle(*self.calls.done.get(timeout=0.05), [])
             except queue.Empty:
@@ -492,12 +594,16 @@ def sample_rollouts_plain(sample, tok, cfg, env, tasks: list[tuple[Task, str]], 
         key, sub = jax.random.split(key)
         batch = None if cfg.vision is None else chunk_images(cfg.vision, [
             [p for p in map(_picture(cfg), pics[r.rollout_id])] for r in going])
-        g = sample([r.tokens for r in going], sp, sub, batch)
+        g = sample([conv.prompt(r) for r in going], sp, sub, batch)
         nxt = []
         for r, toks, lps, why in zip(going, g.tokens, g.logprobs, g.finish_reason):
             r.obs = _call(r.episode.step, conv.sampled(r, toks, lps, why, [version]))
+            r.turn_rewards.append(float(r.obs.reward))
             if not (r.obs.done or r.cut or r.turns >= getattr(env, "max_turns", 1)):
-                pics[r.rollout_id] += conv.following(r, r.obs)[1]
+                if r.obs.restart:
+                    pics[r.rollout_id] = list(conv.branch(r, r.obs)[1])
+                else:
+                    pics[r.rollout_id] += conv.following(r, r.obs)[1]
                 nxt.append(r)
         going = nxt
     for r in lives:
