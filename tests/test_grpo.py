@@ -72,6 +72,20 @@ def test_jsonl_tasks_and_user_classes(tmp_path):
     bad.write_text("\n" + json.dumps({"prompt": "x"}) + "\n")
     with pytest.raises(ValueError, match=r"bad.jsonl:2: a task needs 'answer'"):
         JsonlTasks(str(bad))
+    bad.write_text('[1, 2]\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: a line must be a JSON object"):
+        JsonlTasks(str(bad))
+    # NeMo-Gym rows go through the same reader (a BOM is not data; a line that is not JSON names its line)
+    from nemo_jax.rl.envs.nemo_gym import load_rows
+
+    gym = tmp_path / "gym.jsonl"
+    gym.write_text("\ufeff" + json.dumps({"responses_create_params": {"input": "hi"}}) + "\n", encoding="utf-8")
+    assert [t.messages[-1]["content"] for t in load_rows(str(gym), "train")] == ["hi"]
+    gym.write_text(json.dumps({"responses_create_params": {"input": "hi"}}) + "\n{oops\n")
+    with pytest.raises(ValueError, match=r"gym.jsonl:2: invalid JSON"):
+        load_rows(str(gym), "train")
+    with pytest.raises(ValueError, match=r"nemo_gym env: train rows .*missing.jsonl: No such file"):
+        load_rows(str(tmp_path / "missing.jsonl"), "train")
     env = make_env("nemo_jax.rl.envs:Arithmetic", lo=0, hi=5, n_train=4, n_eval=2)
     assert len(env.tasks("train")) == 4
     with pytest.raises(ValueError, match="cannot import"):

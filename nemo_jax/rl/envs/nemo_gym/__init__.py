@@ -40,6 +40,7 @@ import urllib.request
 
 from nemo_jax.data.chat import split_tool_calls, tool_calls
 from nemo_jax.rl.envs.episode import Observation, Task
+from nemo_jax.rl.envs.jsonl import json_objects
 
 DEFAULT_PYTHON = os.path.join(os.path.expanduser("~"), ".cache", "nemo_jax", "nemo-gym", "bin", "python")
 LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launch_server.py")
@@ -127,23 +128,12 @@ def load_rows(path: str, split: str) -> list[Task]:
     stem = os.path.splitext(os.path.basename(path))[0]
     tasks = []
     try:
-        f = open(path, encoding="utf-8")
-    except OSError as e:
-        raise ValueError(f"nemo_gym env: {split} rows {path}: {e.strerror}") from None
-    with f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{n}"
-            try:
-                row = json.loads(line)
-            except ValueError as e:
-                raise ValueError(f"{where}: not JSON ({e})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{where}: a row must be a JSON object")
+        for n, where, row in json_objects(path):
             msgs = row_messages(row, where)
             row_tools(row, where)
             tasks.append(Task(f"{stem}:{n}", tuple(msgs), {"row": row, "where": where}, family=stem))
+    except OSError as e:
+        raise ValueError(f"nemo_gym env: {split} rows {path}: {e.strerror}") from None
     if not tasks:
         raise ValueError(f"nemo_gym env: {split} rows {path}: no rows")
     return tasks
