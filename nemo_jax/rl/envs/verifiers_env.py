@@ -319,8 +319,10 @@ class _Classic:
     async def score_group(self, states: list) -> list:
         """A group's rollout states -> their output records, scored together by the rubric (its group reward
         functions see the whole group), then cleaned up: what verifiers' `run_group` does after its rollouts."""
-        from verifiers.utils.save_utils import state_to_output
-
+        try:
+            from verifiers.utils.save_utils import state_to_output
+        except ImportError as e:
+            raise ValueError(f"verifiers {e}: a classic environment needs verifiers 0.3") from None
         await self.vf_env.rubric.score_group(states)
         for st in states:
             await self.vf_env.rubric.cleanup(st)
