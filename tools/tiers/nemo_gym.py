@@ -14,13 +14,13 @@ servers and their data): the tier serves `resources_servers.example_multi_step` 
 
 from __future__ import annotations
 
-import argparse
 import glob
-import json
 import os
 import shutil
 import subprocess
 import sys
+
+from tier_venv import make_venv, seal, venv_and_tier, venv_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NEMO_GYM = "nemo-gym==0.4.0"
@@ -30,10 +30,6 @@ DEFAULT_VENV = os.path.join(os.path.expanduser("~"), ".cache", "nemo_jax", "nemo
 
 def venv_dir(arg: str | None = None) -> str:
     return os.path.abspath(arg or os.environ.get("NEMO_JAX_NEMO_GYM_VENV") or DEFAULT_VENV)
-
-
-def venv_python(venv: str) -> str:
-    return os.path.join(venv, "bin", "python")
 
 
 def find_python() -> str | None:
@@ -58,25 +54,14 @@ def build_venv(venv: str, python: str | None = None) -> dict:
     python = python or find_python()
     if not python:
         raise SystemExit("nemo_gym.py venv: no Python >= 3.12 found (NeMo-Gym 0.4.0 needs it): give --python")
-    if os.path.exists(venv) and not os.path.exists(venv_python(venv)):
-        raise SystemExit(f"nemo_gym.py venv: {venv} exists and is not a venv; give another --venv")
-    if not os.path.exists(venv_python(venv)):
-        subprocess.run([python, "-m", "venv", venv], check=True)
-    subprocess.run([venv_python(venv), "-m", "pip", "install", "-q", NEMO_GYM], check=True)
-    out = subprocess.run([venv_python(venv), "-c", CHECK], check=True, capture_output=True, text=True).stdout
-    versions = json.loads(out.strip().splitlines()[-1])
-    with open(os.path.join(venv, MARKER), "w") as f:
-        json.dump(versions, f)
-    print(f"NeMo-Gym venv ready: {venv} ({json.dumps(versions)})", flush=True)
-    return versions
+    py = make_venv(venv, python, "nemo_gym.py")
+    subprocess.run([py, "-m", "pip", "install", "-q", NEMO_GYM], check=True)
+    return seal(venv, MARKER, CHECK, "NeMo-Gym")
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    for name in ("venv", "tier"):
-        s = sub.add_parser(name)
-        s.add_argument("--venv", help=f"where (default $NEMO_JAX_NEMO_GYM_VENV, else {DEFAULT_VENV})")
+    ap, subs = venv_and_tier(__doc__, f"where (default $NEMO_JAX_NEMO_GYM_VENV, else {DEFAULT_VENV})")
+    for s in subs.values():
         s.add_argument("--python", help="a Python >= 3.12 to make it from")
     a = ap.parse_args(argv)
     venv = venv_dir(a.venv)

@@ -20,11 +20,11 @@ environments/glossary (one of verifiers' own offline examples, not on PyPI) the 
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import subprocess
 import sys
+
+from tier_venv import make_venv, seal, venv_and_tier, venv_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VERIFIERS = {False: "verifiers==0.4.0", True: "verifiers==0.3.1"}
@@ -38,10 +38,6 @@ def venv_dir(arg: str | None = None, classic: bool = False) -> str:
                            or DEFAULT_VENV[classic])
 
 
-def venv_python(venv: str) -> str:
-    return os.path.join(venv, "bin", "python")
-
-
 CHECK = r"""
 import importlib.metadata as md, json, sys
 import verifiers.v1, nemo_jax
@@ -51,30 +47,17 @@ print(json.dumps({"verifiers": md.version("verifiers"), "nemo_jax": md.version("
 
 
 def build_venv(venv: str, classic: bool = False) -> dict:
-    if os.path.exists(venv) and not os.path.exists(venv_python(venv)):
-        raise SystemExit(f"verifiers.py venv: {venv} exists and is not a venv; give another --venv")
-    if not os.path.exists(venv_python(venv)):
-        subprocess.run([sys.executable, "-m", "venv", venv], check=True)
-    py = venv_python(venv)
+    py = make_venv(venv, sys.executable, "verifiers.py")
     subprocess.run([py, "-m", "pip", "install", "-q", "-e", f"{ROOT}[serve]", VERIFIERS[classic], "uv", "pytest",
                     "pytest-xdist"], check=True)
-    out = subprocess.run([py, "-c", CHECK], check=True, capture_output=True, text=True).stdout
-    versions = json.loads(out.strip().splitlines()[-1])
-    with open(os.path.join(venv, MARKER), "w") as f:
-        json.dump(versions, f)
-    print(f"verifiers venv ready: {venv} ({json.dumps(versions)})", flush=True)
-    return versions
+    return seal(venv, MARKER, CHECK, "verifiers")
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    for name in ("venv", "tier"):
-        s = sub.add_parser(name)
-        s.add_argument("--venv", help=f"where (default $NEMO_JAX_VERIFIERS_VENV, else {DEFAULT_VENV[False]})")
+    ap, subs = venv_and_tier(__doc__, f"where (default $NEMO_JAX_VERIFIERS_VENV, else {DEFAULT_VENV[False]})")
+    for s in subs.values():
         s.add_argument("--classic", action="store_true", help="verifiers 0.3.1 (classic environments)")
-        if name == "tier":
-            s.add_argument("--examples", help="a verifiers source checkout (its environments/glossary)")
+    subs["tier"].add_argument("--examples", help="a verifiers source checkout (its environments/glossary)")
     a = ap.parse_args(argv)
     venv = venv_dir(a.venv, a.classic)
     if a.cmd == "venv" or not os.path.exists(os.path.join(venv, MARKER)):
