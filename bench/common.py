@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
 import sys
 import time
 
@@ -54,3 +56,35 @@ def table(rows: list[dict]):
     print("  ".join(k.ljust(w[k]) for k in keys))
     for r in rows:
         print("  ".join(str(r[k]).ljust(w[k]) for k in keys))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_serve(args: list[str], log, *, env: dict | None = None, timeout_s: float = 900.0):
+    """`nemo-jax serve ARGS` of this checkout on a free port of 127.0.0.1 in a subprocess (its output to the open
+    file `log`), once its /health answers -> (the process, its port). A server that exits first, or is not up
+    within `timeout_s`, is one error with its log's tail."""
+    import httpx
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    port = free_port()
+    env = dict(os.environ, **(env or {}), PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-m", "nemo_jax.cli", "serve", "--host", "127.0.0.1", "--port",
+                             str(port), *args], stdout=log, stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            with open(log.name) as f:
+                raise RuntimeError(f"the server exited ({proc.returncode}); {log.name}:\n{f.read()[-3000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc, port
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"the server did not come up within {timeout_s:g} s; see {log.name}")

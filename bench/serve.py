@@ -27,22 +27,13 @@ import argparse
 import asyncio
 import json
 import os
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 
-import common  # noqa: F401  (sys.path, allocator settings)
+import common  # (sys.path, allocator settings)
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rss_mib(pid: int) -> float:
@@ -66,27 +57,11 @@ def save_model(path: str) -> None:
     save(path, cfg, init(cfg, jax.random.key(0)), tokenizer_dir=resolve("builtin:tiny"))
 
 
-def start_server(model: str, port: int, key: str, rows: int, log, cache: str | None = None) -> subprocess.Popen:
-    import httpx
-
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), NEMO_JAX_API_KEY=key)
-    proc = subprocess.Popen([sys.executable, "-m", "nemo_jax.cli", "serve", "--ckpt", model, "--host", "127.0.0.1",
-                             "--port", str(port), "--max-num-seqs", str(rows), "--max-model-len", "256",
-                             "--bucket", "32", "--served-model-name", "tiny"]
-                            + (["--compilation-cache", cache] if cache else []), env=env, stdout=log,
-                            stderr=subprocess.STDOUT)
-    deadline = time.time() + 900
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited ({proc.returncode}); see {log.name}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("the server did not come up within 900 s")
+def start_server(model: str, key: str, rows: int, log, cache: str | None = None):
+    """The tiny model served with `rows` rows -> (the process, its port)."""
+    return common.start_serve(["--ckpt", model, "--max-num-seqs", str(rows), "--max-model-len", "256", "--bucket",
+                               "32", "--served-model-name", "tiny"] + (["--compilation-cache", cache] if cache else []),
+                              log, env={"NEMO_JAX_API_KEY": key})
 
 
 async def one(client, prompt: list[int], max_tokens: int) -> tuple[float, float, int]:
@@ -221,12 +196,12 @@ def main():
     rows = max(int(x) for x in a.levels.split(","))
     with tempfile.TemporaryDirectory() as tmp:
         save_model(os.path.join(tmp, "model"))
-        port, key = free_port(), os.urandom(8).hex()
+        key = os.urandom(8).hex()
         cache = os.path.join(tmp, "xla")  # a fresh compilation cache: the first start is cold
         if not a.no_cold:
             with open(os.path.join(tmp, "cold.log"), "w+") as log:
                 t = time.perf_counter()
-                proc = start_server(os.path.join(tmp, "model"), port, key, rows, log, cache)
+                proc, port = start_server(os.path.join(tmp, "model"), key, rows, log, cache)
                 ready = time.perf_counter() - t
                 try:
                     got = asyncio.run(first_requests(port, key, a.burst, a.max_tokens, np.random.default_rng(1)))
@@ -241,7 +216,7 @@ def main():
             print(f"first burst of {a.burst} concurrent vs {a.burst} one at a time: {got[1]['speed-up']:.2f}x (goal >= 2x)")
         with open(os.path.join(tmp, "serve.log"), "w+") as log:
             t = time.perf_counter()
-            proc = start_server(os.path.join(tmp, "model"), port, key, rows, log, cache)
+            proc, port = start_server(os.path.join(tmp, "model"), key, rows, log, cache)
             print(f"{'restart on the filled compilation cache' if not a.no_cold else 'start'}: ready in "
                   f"{time.perf_counter() - t:.1f} s")
             try:

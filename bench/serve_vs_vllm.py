@@ -32,13 +32,12 @@ import datetime
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
-import common  # noqa: F401  (sys.path, allocator settings)
+import common  # (sys.path, allocator settings)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUESTIONS = ["What is 11 plus 11?", "Name a yellow fruit.", "Say hello.", "What color is the sky?",
@@ -46,12 +45,6 @@ QUESTIONS = ["What is 11 plus 11?", "Name a yellow fruit.", "Say hello.", "What 
              "Give me a word that rhymes with moon.", "What day comes after Monday?", "Name an animal that barks.",
              "What is 10 minus 7?", "Write a short greeting.", "What is the opposite of hot?", "Name a color."]
 VLLM_MOE_ENV = {"VLLM_CPU_NONGATED_MOE": "1", "VLLM_CPU_NONGATED_MOE_LORA": "1"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def build(tmp: str, pattern: str | None, rank: int, seed: int) -> tuple[str, str, list[list[int]], dict]:
@@ -132,7 +125,7 @@ class Server:
 
 def start_vllm(a, hf: str, lora: str | None, logdir: str) -> Server:
     py = os.path.join(a.vllm_venv, "bin", "python")
-    port = free_port()
+    port = common.free_port()
     cmd = [py, "-m", "vllm.entrypoints.openai.api_server", "--model", hf, "--dtype", "float32", "--max-model-len",
            str(a.max_model_len), "--enforce-eager", "--max-num-seqs", str(a.concurrency), "--port", str(port),
            "--host", "127.0.0.1", "--served-model-name", "base", "--disable-log-stats"]
@@ -144,7 +137,7 @@ def start_vllm(a, hf: str, lora: str | None, logdir: str) -> Server:
 
 
 def start_nemo(a, hf: str, lora: str, logdir: str) -> Server:
-    port = free_port()
+    port = common.free_port()
     cmd = [sys.executable, "-m", "nemo_jax.cli", "serve", "--ckpt", hf, "--host", "127.0.0.1", "--port", str(port),
            "--max-num-seqs", str(a.concurrency), "--max-model-len", str(a.max_model_len), "--served-model-name",
            "base", "--adapters", f"adapter={lora}"] + a.nemo_args.split()

@@ -27,13 +27,11 @@ import argparse
 import concurrent.futures as cf
 import json
 import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 
-import common  # noqa: F401  (sys.path, allocator settings)
+import common  # (sys.path, allocator settings)
 import numpy as np
 
 # this file's name is the SDK's: the SDK must be imported from site-packages, not from bench/
@@ -42,12 +40,6 @@ sys.modules.pop("tinker", None)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEY = "bench"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def median_steps(fns, steps: int) -> list[float]:
@@ -89,21 +81,12 @@ def main(argv=None):
     cfg = NemotronHConfig.from_file(os.path.join(ROOT, "nemo_jax", "assets", "models", "tiny.json"))
     hf = os.path.join(tmp, "tiny-hf")
     save_pretrained(cfg, init(cfg, jax.random.key(0)), hf, tokenizer_dir=resolve("builtin:tiny"))
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     log = open(os.path.join(tmp, "serve.log"), "w")
-    proc = subprocess.Popen([sys.executable, "-m", "nemo_jax.cli", "serve", "--ckpt", hf, "--tinker-root",
-                             os.path.join(tmp, "root"), "--port", str(port), "--max-model-len", "256",
-                             "--max-num-seqs", str(a.samples), "--served-model-name", "tiny", "--api-key", KEY],
-                            stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONPATH=ROOT))
+    proc, port = common.start_serve(["--ckpt", hf, "--tinker-root", os.path.join(tmp, "root"), "--max-model-len",
+                                     "256", "--max-num-seqs", str(a.samples), "--served-model-name", "tiny",
+                                     "--api-key", KEY], log)
+    url = f"http://127.0.0.1:{port}"
     try:
-        while True:
-            assert proc.poll() is None, open(log.name).read()
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
         rng = np.random.default_rng(0)
         seqs = [rng.integers(3, cfg.vocab_size, a.len + 1).tolist() for _ in range(a.rows)]
         # ---- the SDK through the server

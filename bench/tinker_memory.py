@@ -15,13 +15,10 @@ by side with the ratio; the weights' own bytes beside them.
 import argparse
 import json
 import os
-import socket
-import subprocess
 import sys
 import tempfile
-import time
 
-import common  # noqa: F401  (sys.path, allocator settings)
+import common  # (sys.path, allocator settings)
 
 # the SDK is imported from site-packages, never from bench/ (bench/tinker.py shares its name)
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
@@ -29,12 +26,6 @@ sys.modules.pop("tinker", None)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEY = "bench"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rss(pid: int) -> tuple[float, float]:
@@ -49,25 +40,12 @@ def rss(pid: int) -> tuple[float, float]:
 
 
 def serve(hf: str, tmp: str, tinker_root: str | None):
-    import httpx
-
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = open(os.path.join(tmp, f"serve-{port}.log"), "w+")
+    log = open(os.path.join(tmp, f"serve-{len(os.listdir(tmp))}.log"), "w+")
     extra = ["--tinker-root", tinker_root] if tinker_root else []
-    proc = subprocess.Popen([sys.executable, "-m", "nemo_jax.cli", "serve", "--ckpt", hf, "--port", str(port),
-                             "--max-model-len", "256", "--max-num-seqs", "4", "--served-model-name", "m",
-                             "--api-key", KEY, "--no-warmup", "--compilation-cache", "off", *extra],
-                            stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONPATH=ROOT))
-    while True:
-        if proc.poll() is not None:
-            log.seek(0)
-            raise SystemExit("the server died:\n" + log.read()[-3000:])
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.5)
+    proc, port = common.start_serve(["--ckpt", hf, "--max-model-len", "256", "--max-num-seqs", "4",
+                                     "--served-model-name", "m", "--api-key", KEY, "--no-warmup",
+                                     "--compilation-cache", "off", *extra], log)
+    return proc, f"http://127.0.0.1:{port}"
 
 
 def main(argv=None):
