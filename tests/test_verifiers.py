@@ -34,20 +34,18 @@ from nemo_jax.rl.envs import make_env  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.environ.get("NEMO_JAX_VERIFIERS_EXAMPLES")
 
+def pyproject(name: str, version: str, modules: str) -> str:
+    """The pyproject.toml of a test package that needs verifiers (setuptools; `modules`: its [tool.setuptools]
+    line)."""
+    return (f'[project]\nname = "{name}"\nversion = "{version}"\ndependencies = ["verifiers"]\n'
+            '[build-system]\nrequires = ["setuptools>=61"]\nbuild-backend = "setuptools.build_meta"\n'
+            f"[tool.setuptools]\n{modules}\n")
+
+
 # a taskset package as a verifiers user writes one: tasks, a task-scoped tool (an MCP server verifiers launches per
 # rollout), a reward on the final reply
 PACKAGE = {
-    "pyproject.toml": """
-        [project]
-        name = "nj-adder"
-        version = "0.1.0"
-        dependencies = ["verifiers"]
-        [build-system]
-        requires = ["setuptools>=61"]
-        build-backend = "setuptools.build_meta"
-        [tool.setuptools]
-        packages = ["nj_adder", "nj_adder.servers"]
-        """,
+    "pyproject.toml": pyproject("nj-adder", "0.1.0", 'packages = ["nj_adder", "nj_adder.servers"]'),
     "nj_adder/__init__.py": """
         from nj_adder.taskset import AdderTaskset
 
@@ -113,17 +111,7 @@ PACKAGE = {
 
 # a classic environment package (verifiers 0.3's `load_environment()`): a ToolEnv over a Python function and a rubric
 CLASSIC = {
-    "pyproject.toml": """
-        [project]
-        name = "nj-classic-adder"
-        version = "0.2.0"
-        dependencies = ["verifiers"]
-        [build-system]
-        requires = ["setuptools>=61"]
-        build-backend = "setuptools.build_meta"
-        [tool.setuptools]
-        py-modules = ["nj_classic_adder"]
-        """,
+    "pyproject.toml": pyproject("nj-classic-adder", "0.2.0", 'py-modules = ["nj_classic_adder"]'),
     "nj_classic_adder.py": """
         import verifiers as vf
         from datasets import Dataset
