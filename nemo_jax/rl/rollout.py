@@ -68,7 +68,7 @@ class Rollout:
                 **({} if self.temperature is None else {"temperature": float(self.temperature)}),
                 **({"turn_rewards": list(map(float, self.turn_rewards))} if self.turn_rewards else {}),
                 **({"branches": list(map(int, self.branches))} if self.branches else {}),
-                **({"info": {str(k): float(v) for k, v in self.info.items()}} if self.info else {})}
+                **({"info": numbers(self.info)} if self.info else {})}
 
     @property
     def row_tokens(self) -> int:
@@ -241,7 +241,7 @@ def validate(d: dict, vocab_size: int, max_len: int | None = None, *, version: i
                 task_id=d["task_id"], group_id=d["group_id"], policy_versions=v.tolist(), success=success,
                 images=list(images), rollout_id=rid, timed_out=timed_out,
                 temperature=None if temp is None else float(temp), turn_rewards=turn_rewards.tolist(),
-                branches=branches.tolist(), info={str(k): float(v) for k, v in info.items()})
+                branches=branches.tolist(), info=numbers(info))
     if check_images(r, vision, image_root):
         return "bad_images"
     return r

@@ -26,8 +26,9 @@ One training sample per trace branch: a model call whose conversation does not e
 rewritten or compacted history, a sub-agent's call) starts a new branch of the rollout (`Observation.restart`):
 its token record goes on with the branch's own prompt, and the learner trains each branch as a segment of the
 rollout's row, with the episode's reward. Group rubrics (classic environments whose rubric has group reward
-functions) score each group together when all its episodes have ended (`score_group`). Needs verifiers (0.4.0: its pins clash with nemo_jax's `mcp` and
-`worker` extras; 0.3.1: its `mcp<2` does; each in a venv of its own, `python tools/tiers/verifiers.py venv`)."""
+functions) score each group together when all its episodes have ended (`score_group`). Needs verifiers (0.4.0:
+its pins clash with nemo_jax's `mcp` and `worker` extras; 0.3.1: its `mcp<2` does; each in a venv of its own,
+`python tools/tiers/verifiers.py venv`)."""
 
 from __future__ import annotations
 
@@ -184,7 +185,7 @@ class VerifiersEpisode:
             body, self.answer = payload
             msgs = [chat_message(m) for m in body.get("messages") or []]
             tools = body.get("tools") or []
-            if self.tools is not None and not extends(msgs, self.seen):  # a branch: a conversation of its own
+            if not extends(msgs, self.seen):  # a branch: a conversation of its own
                 self.seen, self.tools = msgs, tools
                 return Observation(list(msgs), 0.0, False, False, tools=tools or None, restart=True)
             new, self.seen = msgs[len(self.seen):], msgs
@@ -350,7 +351,8 @@ class VerifiersEnv:
     docstring): a v1 taskset, or a classic environment when the package has `load_environment()`."""
 
     def __init__(self, id: str, harness: str = "null", taskset: dict | None = None, env_args: dict | None = None,
-                 harness_args: dict | None = None, n_eval: int = 0, max_turns: int = 8, success_reward: float = 1.0, runtime: str = "subprocess"):
+                 harness_args: dict | None = None, n_eval: int = 0, max_turns: int = 8, success_reward: float = 1.0,
+                 runtime: str = "subprocess"):
         import importlib
 
         _need_verifiers()
