@@ -460,6 +460,9 @@ def _add_plan(sub) -> None:
     s.add_argument("--headroom", type=_number(float, 0, 1, hi_open=True), default=0.1,
                    help="share of device memory kept free (default 0.1)")
     s.add_argument("--sampler", action="store_true", help="also plan the sampler's prefill and decode steps")
+    s.add_argument("--tinker-clients", type=POSITIVE, default=None,
+                   help="a LoRA config: plan the Tinker server (serve --tinker-root): this many LoRA models resident "
+                        "beside the learner step (and, with --sampler, the sampler), the base held once")
     s.add_argument("--no-lora-ratio", action="store_true", help="a LoRA config: skip compiling the same step "
                    "without LoRA (whose FLOPs the LoRA step's are printed against)")
     s.add_argument("--rollout-batch", type=POSITIVE, default=None,

@@ -229,6 +229,31 @@ def test_plan_cli_json_keys(capsys):
     assert out["step_time_s"]["without_overlap"] >= out["step_time_s"]["with_overlap"] > 0
 
 
+def test_plan_of_the_tinker_server(capsys):
+    """`plan --tinker-clients 4 --sampler` on a LoRA config: the learner step, 3 more clients' adapters and Adam
+    moments, and the sampler's decode state and temporaries, the base weights counted once; a round of 4 clients
+    takes 4 learner steps. A config without LoRA is refused before anything compiles."""
+    from nemo_jax import cli
+
+    args = ["plan", "--devices", "8", "--device-kind", "h100", "--mesh", "fsdp=8", "--target", "cpu", "--json",
+            "--sampler", "--rollout-batch", "8", "--context", "96", "--no-lora-ratio", "--tinker-clients", "4"]
+    cli.main(args + ["steps=10", "lora.targets=[attention,mamba,experts]", "lora.rank=8"])
+    out = json.loads(capsys.readouterr().out)
+    learner, prefill, decode = out["programs"]
+    t, per = out["tinker"], learner["per_device_bytes"]
+    assert learner["program"] == "lora_sft_step" and t["clients"] == 4 and per["adapters"] > 0
+    b = t["per_device_bytes"]
+    assert b["more_clients"] == 3 * (per["adapters"] + per["optimizer"]) > 0
+    assert b["sampler_state_and_temporaries"] == max(p["per_device_bytes"]["decode_state"] +
+                                                     p["per_device_bytes"]["temporaries"] for p in (prefill, decode))
+    assert b["total"] == per["total"] + b["more_clients"] + b["sampler_state_and_temporaries"]
+    assert t["fits"] == (b["total"] <= 0.9 * H100.memory) and out["fits_all"] == (t["fits"] and learner["fits"])
+    assert t["round_time_s"] == 4 * t["step_time_s"] == 4 * learner["step_time_s"]["with_overlap"]
+    with pytest.raises(SystemExit):
+        cli.main(args + ["steps=10"])
+    assert "give the config lora.targets" in capsys.readouterr().err
+
+
 def test_plan_asks_for_a_fresh_process_when_short_of_devices():
     with pytest.raises(RuntimeError, match="fresh process"):
         plan_sft(SFTConfig(), 16, H100)

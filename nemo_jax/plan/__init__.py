@@ -7,7 +7,7 @@ import json
 import sys
 
 from nemo_jax.plan.plan import (DEVICE_KINDS, ESTIMATES, TARGET_NOTE, default_target, format_plan,  # noqa: F401
-                                format_search, plan_sampler, plan_sft, search)
+                                format_search, format_tinker, plan_sampler, plan_sft, search, tinker_plan)
 
 # the keys every `--json` plan carries at its top level (those of the training step)
 PLAN_KEYS = ("fits", "per_device_bytes", "flops_per_step", "model_flops_per_step", "collective_bytes",
@@ -18,6 +18,9 @@ def cli_plan(a, overrides: list[str]) -> dict:
     from nemo_jax.plan.plan import load_plan_config
 
     c, sampler = load_plan_config(a.config, overrides)
+    if getattr(a, "tinker_clients", None) and not c.lora.targets:
+        raise ValueError("plan --tinker-clients plans the Tinker server's LoRA models: give the config lora.targets "
+                         "(and lora.rank)")
     kind = DEVICE_KINDS[a.device_kind]
     target = a.target
     say = (lambda *x: print(*x, file=sys.stderr)) if a.json else print
@@ -43,6 +46,9 @@ def cli_plan(a, overrides: list[str]) -> dict:
                                  a.context or sampler["context"], a.headroom, target, prefill=a.prefill)
     out = {**head, **{k: programs[0][k] for k in PLAN_KEYS}, "fits_all": all(p["fits"] for p in programs),
            "programs": programs}
+    if getattr(a, "tinker_clients", None):
+        out["tinker"] = tinker_plan(programs[0], programs[1:], a.tinker_clients, kind, a.headroom)
+        out["fits_all"] = out["fits_all"] and out["tinker"]["fits"]
     if c.lora.targets and not getattr(a, "no_lora_ratio", False):
         out["lora_over_sft_flops"] = lora_ratio(c, a.devices, kind, a.headroom, target, programs[0])
         say(f"LoRA step HLO FLOPs: {out['lora_over_sft_flops']:.3f}x the same step's without LoRA (full SFT)")
@@ -51,6 +57,8 @@ def cli_plan(a, overrides: list[str]) -> dict:
     else:
         for p in programs:
             print(format_plan(p, kind) + "\n")
+        if "tinker" in out:
+            print(format_tinker(out["tinker"]) + "\n")
         print(f"estimates: {ESTIMATES}")
     return out
 

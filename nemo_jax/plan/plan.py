@@ -330,6 +330,36 @@ def _plan_sampler(c, n_devices: int, kind: DeviceKind, batch: int, context: int,
     return out
 
 
+def tinker_plan(learner: dict, samplers: list[dict], clients: int, kind: DeviceKind, headroom: float) -> dict:
+    """The Tinker server (`serve --tinker-root`) on one device set, from its compiled programs: the learner step of
+    one client's batch (`learner`, a LoRA step), the adapters and Adam moments of `clients` LoRA models resident at
+    once, and the sampler's decode state and temporaries (`samplers`: its prefill / decode programs) beside them;
+    the base weights held once (the learner computes over the sampler's copy). Clients' steps run one after another:
+    a round of all of them takes `clients` learner steps."""
+    per = learner["per_device_bytes"]
+    more_clients = (clients - 1) * (per["adapters"] + per["optimizer"])
+    sampler = max((p["per_device_bytes"]["decode_state"] + p["per_device_bytes"]["temporaries"] for p in samplers),
+                  default=0)
+    total = per["total"] + more_clients + sampler
+    step = learner["step_time_s"]["with_overlap"]
+    return {"clients": clients, "fits": total <= (1 - headroom) * kind.memory,
+            "per_device_bytes": {"learner_step": per["total"], "more_clients": more_clients,
+                                 "adapters_and_optimizer_per_client": per["adapters"] + per["optimizer"],
+                                 "sampler_state_and_temporaries": sampler, "total": total,
+                                 "capacity": int(kind.memory)},
+            "step_time_s": step, "round_time_s": step * clients, "sampler_planned": bool(samplers)}
+
+
+def format_tinker(t: dict) -> str:
+    b = t["per_device_bytes"]
+    return (f"tinker server, {t['clients']} LoRA clients: {'FITS' if t['fits'] else 'DOES NOT FIT'} "
+            f"{fmt_bytes(b['total'])} of {fmt_bytes(b['capacity'])} per device (learner step "
+            f"{fmt_bytes(b['learner_step'])}, {t['clients'] - 1} more clients' adapters + Adam "
+            f"{fmt_bytes(b['more_clients'])}, sampler state + temporaries "
+            f"{fmt_bytes(b['sampler_state_and_temporaries'])}{'' if t['sampler_planned'] else ' (no --sampler)'}); "
+            f"a client's step {fmt_seconds(t['step_time_s'])}, a round of all {fmt_seconds(t['round_time_s'])}")
+
+
 # ----------------------------------------------------------------------------- mesh search
 def candidate_meshes(n: int, kind: DeviceKind, n_experts: int) -> list[dict]:
     """Mesh shapes over n devices: tensor within a node (1, 2, 4, 8), expert dividing the routed experts,
