@@ -619,8 +619,8 @@ def test_a_group_scored_environment_scores_each_group_together(tok, base, monkey
     out, t0 = [], time.monotonic()
     while d.running and time.monotonic() - t0 < 120:
         got = d.pump()
-        assert len({x.group_id for x in got}) <= 1 and all(  # (a group comes out whole)
-            len([x for x in got if x.group_id == g]) in (0, 3 if g == "g0" else 2) for g in ("g0", "g1"))
+        assert all(len([x for x in got if x.group_id == g]) in (0, 3 if g == "g0" else 2)  # (a group comes out whole;
+                   for g in ("g0", "g1"))                                                  # two may in one pump)
         out += got
     assert sorted(env.scored) == [["g0/0", "g0/1", "g0/2"], ["g1/0", "g1/1"]]
     for gid, n in (("g0", 3), ("g1", 2)):
