@@ -518,7 +518,10 @@ class Branching:
     name, max_turns = "branching", 3
 
     def __init__(self, grouped: bool = False):
+        import threading
+
         self.closed, self.scored = [], []
+        self.stalled, self.go = set(), threading.Event()  # episodes whose steps wait for `go`
         if grouped:
             self.score_group = self._score_group
 
@@ -534,6 +537,8 @@ class Branching:
                 return Observation(list(task.messages))
 
             def step(self, message):
+                if self.id in env.stalled:
+                    env.go.wait(60)
                 self.n, self.last = self.n + 1, message["content"]
                 if self.n == 1:
                     return Observation(BRANCH(message["content"]), 0.5, restart=True)
@@ -629,11 +634,13 @@ def test_a_group_scored_environment_scores_each_group_together(tok, base, monkey
         assert [x.success for x in g].count(True) == 1 and [x.info for x in g] == [{"rank": x.reward} for x in g]
     assert sorted(env.closed) == sorted(x.rollout_id for x in out)
     assert info_means(out)["env/rank"] == np.mean([x.reward for x in out])  # (what a step logs of them)
+    env.stalled.add("g2/1")  # (its steps wait: g2/0 ends and is held while g2/1 still runs)
     for j in range(2):
         d.add(task, "g2", f"g2/{j}")
     while not d.held.get("g2") and time.monotonic() - t0 < 120:
         assert d.pump() == []
     assert d.abandon("g2") == 1 and d.running == 0
+    env.go.set()
     d.close()
     assert {"g2/0", "g2/1"} <= set(env.closed)
 
