@@ -74,7 +74,7 @@ def start_serve(args: list[str], log, *, env: dict | None = None, timeout_s: flo
     port = free_port()
     env = dict(os.environ, **(env or {}), PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen([sys.executable, "-m", "nemo_jax.cli", "serve", "--host", "127.0.0.1", "--port",
-                             str(port), *args], stdout=log, stderr=subprocess.STDOUT, env=env)
+                             str(port), *args], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:

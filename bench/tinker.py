@@ -21,6 +21,15 @@ subprocess. Side by side, per run:
   work: two requests per sample, the submission and the long poll).
 
 --runs repeats both on the same warm server and client (this machine is noisy: each run is printed).
+
+    python bench/tinker.py --clients 1,4,8 [--rank 32 --rows 8 --len 128 --steps 10 --runs 3]
+
+instead measures many clients at once: K SDK training clients (LoRA rank `--rank`), each sending its
+`forward_backward` + `optim_step` of its own batch at the same moment, round after round: the median seconds of a
+round (every client's step done) for each K, on a server that batches the clients' forward / backward passes into
+one call (`--tinker-batch-clients` the largest K) and, side by side, on one that runs each client's alone (the
+default, `--tinker-batch-clients 1`); the ratio of K clients' round to one client's step on each (goal: 8 clients
+< 3x).
 """
 
 import argparse
@@ -61,26 +70,24 @@ def main(argv=None):
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--samples", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--clients", default=None, metavar="K,K,...", help="measure K clients at once instead")
+    ap.add_argument("--rank", type=int, default=32, help="the LoRA rank of --clients' clients")
     a = ap.parse_args(argv)
     os.environ.setdefault("TINKER_TELEMETRY", "0")
+    if a.clients:
+        return many_clients(a, sorted({1, *(int(k) for k in a.clients.split(","))}))
     import httpx
     import jax
     import openai
     import tinker
     from tinker import types
 
-    from nemo_jax.config.model import NemotronHConfig
-    from nemo_jax.data.chat import resolve
-    from nemo_jax.hf.io import load_pretrained, save_pretrained
+    from nemo_jax.hf.io import load_pretrained
     from nemo_jax.lora import LoraConfig
-    from nemo_jax.model import init
     from nemo_jax.rl.client import TrainingClient
     from nemo_jax.tinker.registry import LORA_ALPHA, lora_targets
 
-    tmp = tempfile.mkdtemp(prefix="bench-tinker-")
-    cfg = NemotronHConfig.from_file(os.path.join(ROOT, "nemo_jax", "assets", "models", "tiny.json"))
-    hf = os.path.join(tmp, "tiny-hf")
-    save_pretrained(cfg, init(cfg, jax.random.key(0)), hf, tokenizer_dir=resolve("builtin:tiny"))
+    tmp, cfg, hf = tiny_model()
     log = open(os.path.join(tmp, "serve.log"), "w")
     proc, port = common.start_serve(["--ckpt", hf, "--tinker-root", os.path.join(tmp, "root"), "--max-model-len",
                                      "256", "--max-num-seqs", str(a.samples), "--served-model-name", "tiny",
@@ -170,6 +177,72 @@ def main(argv=None):
     finally:
         proc.terminate()
         proc.wait(60)
+
+
+def tiny_model():
+    """-> (a temporary folder, the tiny model's config, its HF dir there: random weights, the builtin tokenizer)."""
+    import jax
+
+    from nemo_jax.config.model import NemotronHConfig
+    from nemo_jax.data.chat import resolve
+    from nemo_jax.hf.io import save_pretrained
+    from nemo_jax.model import init
+
+    tmp = tempfile.mkdtemp(prefix="bench-tinker-")
+    cfg = NemotronHConfig.from_file(os.path.join(ROOT, "nemo_jax", "assets", "models", "tiny.json"))
+    hf = os.path.join(tmp, "tiny-hf")
+    save_pretrained(cfg, init(cfg, jax.random.key(0)), hf, tokenizer_dir=resolve("builtin:tiny"))
+    return tmp, cfg, hf
+
+
+def many_clients(a, counts: list[int]):
+    """K clients stepping at once, on a batching server and on one that runs each client alone (module
+    docstring)."""
+    import tinker
+    from tinker import types
+
+    tmp, cfg, hf = tiny_model()
+    rng = np.random.default_rng(0)
+    top = max(counts)
+    data = [[types.Datum(model_input=types.ModelInput.from_ints(s[:-1]),
+                         loss_fn_inputs={"target_tokens": s[1:], "weights": [1.0] * a.len})
+             for s in rng.integers(3, cfg.vocab_size, (a.rows, a.len + 1)).tolist()] for _ in range(top)]
+    servers = {}
+    try:
+        for name, batch in (("batched", top), ("one by one", 1)):
+            log = open(os.path.join(tmp, f"serve-{batch}.log"), "w")
+            servers[name] = common.start_serve(
+                ["--ckpt", hf, "--tinker-root", os.path.join(tmp, f"root-{batch}"), "--max-model-len", "256",
+                 "--served-model-name", "tiny", "--api-key", KEY, "--tinker-max-rank", str(a.rank),
+                 "--tinker-batch-clients", str(batch), "--no-warmup"], log)
+        clients = {name: [tinker.ServiceClient(base_url=f"http://127.0.0.1:{port}", api_key="tml-" + KEY)
+                          .create_lora_training_client("tiny", rank=a.rank, seed=k).result() for k in range(top)]
+                   for name, (_, port) in servers.items()}
+
+        def round_of(name: str, k: int):
+            def go():
+                tcs = clients[name][:k]
+                fbs = [tc.forward_backward(d, "cross_entropy") for tc, d in zip(tcs, data)]
+                ops = [tc.optim_step(types.AdamParams(learning_rate=1e-4)) for tc in tcs]
+                for f in fbs + ops:
+                    f.result()
+            return go
+        fns = [round_of(name, k) for name in clients for k in counts]
+        print(f"tiny model, {top} clients of LoRA rank {a.rank}; each client's batch {a.rows} x {a.len} tokens; "
+              f"median seconds of a round (every client's forward_backward + optim_step), {a.steps} rounds")
+        median_steps(fns, 2)  # warm-up: every shape compiles
+        out = []
+        for run in range(a.runs):
+            t = dict(zip([(name, k) for name in clients for k in counts], median_steps(fns, a.steps)))
+            cells = [f"{name}: " + "  ".join(f"{k} clients {t[name, k] * 1e3:7.1f} ms ({t[name, k] / t[name, 1]:.2f}x)"
+                                             for k in counts) for name in clients]
+            print(f"run {run + 1}: " + " | ".join(cells), flush=True)
+            out.append({f"{name} {k}": round(t[name, k] / t[name, 1], 3) for name in clients for k in counts})
+        print(json.dumps({"ratio_to_one_client": out}))
+    finally:
+        for proc, _ in servers.values():
+            proc.terminate()
+            proc.wait(60)
 
 
 if __name__ == "__main__":

@@ -347,8 +347,8 @@ def cmd_serve(a):
     if a.tinker_root:
         if os.path.exists(a.tinker_root) and not os.path.isdir(a.tinker_root):
             raise ValueError(f"--tinker-root {a.tinker_root}: exists and is not a folder")
-        if a.tinker_max_rank < 1 or a.tinker_max_tokens < 1:
-            raise ValueError("--tinker-max-rank and --tinker-max-tokens must be >= 1")
+        if a.tinker_max_rank < 1 or a.tinker_max_tokens < 1 or a.tinker_batch_clients < 1:
+            raise ValueError("--tinker-max-rank, --tinker-max-tokens and --tinker-batch-clients must be >= 1")
     a.api_key = a.api_key or os.environ.get("NEMO_JAX_API_KEY") or os.environ.get("VLLM_API_KEY") or None
     from nemo_jax.serve.main import cli_serve
 
@@ -547,6 +547,9 @@ def _add_serve(sub) -> None:
     s.add_argument("--tinker-max-rank", type=int, default=128, help="the largest LoRA rank a Tinker client may ask for")
     s.add_argument("--tinker-max-tokens", type=int, default=16384, help="tokens (rows x padded length) per learner "
                    "call; larger forward_backward batches run in several calls (gradients summed)")
+    s.add_argument("--tinker-batch-clients", type=int, default=1, help="forward_backward requests of up to this many "
+                   "training clients of one LoRA shape, ready at once, run as one batched call over the base (within "
+                   "--tinker-max-tokens; default 1: each client's alone; docs/tinker.md says when it pays)")
     s.add_argument("--no-warmup", action="store_true", help="say ready without compiling every row count and "
                    "sampling variant first (tests; the first requests then wait on compiles)")
     s.add_argument("--compilation-cache", default=None, metavar="DIR", help="persistent compilation cache (default: "

@@ -29,6 +29,7 @@ from nemo_jax.tinker.losses import LOSSES, loss_config, refusal, token_losses  #
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEY = "sekrit"  # the server's --api-key; the SDK sends tml-sekrit
+BATCH = ["--tinker-batch-clients", "4"]  # clients ready at once run batched (the default runs each alone)
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 
 
@@ -290,6 +291,91 @@ def test_a_new_client_compiles_nothing():
     assert len(compiles) == before, compiles[before:]
 
 
+def test_the_sequencer_batches_models_only_in_their_own_order():
+    """Forward_backward requests of several models with one merge key run as one group (the handler gets them
+    all), each model's in its seq order: a model whose next queued request is something else (or another loss)
+    stays out with all its later requests, at most `batch_models` models join, and the rest run after, in order."""
+    from nemo_jax.tinker.futures import FutureStore
+    from nemo_jax.tinker.sequencer import Item, Kind, Sequencer
+
+    class Reg:
+        lock = threading.Lock()
+        models: dict = {}
+
+        def touched(self, m): pass
+
+        def expire(self): pass
+
+    class M:
+        def __init__(self, name):
+            self.id, self.next_seq, self.pending, self.seen, self.blocked_since = name, 1, {}, {}, None
+    ran, go = [], threading.Event()
+    handlers = {k: (lambda items: ran.append([(it.model.id, it.seq, it.kind.name[:2]) for it in items])) for k in Kind}
+    handlers[Kind.CREATE] = lambda items: go.wait(30)  # holds the worker while the queue fills
+    futures = FutureStore()
+    seq = Sequencer(futures, handlers, Reg(), batch_models=3)
+    seq.enqueue(Item(Kind.CREATE, None))
+    a, b, c, d, e, f = (M(x) for x in "abcdef")
+    ce, ppo = ("cross_entropy", (), False), ("ppo", (), False)
+    fb, op = Kind.FORWARD_BACKWARD, Kind.OPTIM
+    seq.submit(a, 1, fb, {}, ce)
+    seq.submit(b, 1, op, {})  # b's next is an optim step: its forward_backward after it may not join
+    seq.submit(b, 2, fb, {}, ce)
+    seq.submit(a, 2, fb, {}, ce)  # a's second chunk merges
+    seq.submit(c, 1, fb, {}, ppo)  # another loss
+    seq.submit(d, 1, fb, {}, ce)
+    seq.submit(e, 1, fb, {}, ce)
+    seq.submit(f, 1, fb, {}, ce)  # a fourth model: over batch_models, it leads the next batch
+    seq.submit(d, 2, op, {})
+    go.set()
+    deadline = time.time() + 30
+    while len(ran) < 5 and time.time() < deadline:
+        time.sleep(0.01)
+    seq.close()
+    assert ran == [[("a", 1, "FO"), ("a", 2, "FO"), ("d", 1, "FO"), ("e", 1, "FO")], [("b", 1, "OP")],
+                   [("b", 2, "FO"), ("f", 1, "FO")], [("c", 1, "FO")], [("d", 2, "OP")]], ran
+
+
+@pytest.mark.slow
+def test_batched_clients_equal_one_at_a_time():
+    """`Learner.run_many`: several adapter sets' batches (rows of many lengths, more groups than one call holds,
+    a policy loss with its config) in batched calls give each set's logprobs, loss sums and gradients as `run`
+    alone does (1e-5), on Mamba, attention and MoE layers; a call holds at most max_tokens tokens."""
+    from nemo_jax.lora import LoraConfig
+    from nemo_jax.model import init
+    from nemo_jax.model.model import unstack_layers
+    from nemo_jax.tinker.learner import Learner, new_adapters
+
+    cfg = _tiny_cfg(("linear_attention", "full_attention", "moe"))
+    learner = Learner(cfg, jax.jit(unstack_layers)(init(cfg, jax.random.key(0))), max_tokens=512)
+    rng = np.random.default_rng(0)
+    lora = LoraConfig(("all", "lm_head"), 8, 32.0)
+    ads = [jax.tree.map(lambda x: x + 0.02 * rng.standard_normal(x.shape).astype(x.dtype),
+                        new_adapters(cfg, LoraConfig(lora.targets, 8, 32.0, init_seed=k))) for k in range(3)]
+
+    def row(n):
+        return {"tokens": rng.integers(3, 500, n), "targets": rng.integers(3, 500, n), "weights": rng.random(n),
+                "logprobs": -rng.random(n), "advantages": rng.standard_normal(n)}
+    jobs = [(ads[0], [row(n) for n in (12, 30, 7)]), (ads[1], [row(n) for n in (40, 5)]),
+            (ads[2], [row(n) for n in (33, 31, 64, 9, 3, 17, 20, 28, 30, 29)])]
+    parts = [(j, k, idx, N, T) for j, (_, rows) in enumerate(jobs)
+             for k, (idx, N, T) in enumerate(learner.groups([len(r["tokens"]) for r in rows]))]
+    calls = learner.calls(parts, [False] * len(parts), 8)
+    assert max(len(c) for c in calls) >= 2 and len(calls) < len(parts)  # some calls batch several models
+    assert all(max(p[3] for p in c) * c[0][4] * (1 << (len(c) - 1).bit_length()) <= 512 for c in calls if len(c) > 1)
+    for loss_fn, conf, backward in (("cross_entropy", {}, True), ("ppo", loss_config("ppo", {}), True),
+                                    ("importance_sampling", {}, False)):
+        many = learner.run_many(jobs, loss_fn, conf, backward)
+        for (ad, rows), got in zip(jobs, many):
+            one = learner.run(ad, rows, loss_fn, conf, backward)
+            for a, b in zip(one[0], got[0]):
+                np.testing.assert_allclose(a, b, atol=1e-5, err_msg=loss_fn)
+            np.testing.assert_allclose(one[1], got[1], rtol=1e-5, err_msg=loss_fn)
+            assert (got[2] is None) == (not backward)
+            for a, b in zip(jax.tree.leaves(one[2]), jax.tree.leaves(got[2])):
+                np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, err_msg=loss_fn)
+
+
 # ============================================================================= a real server, the official SDK
 class Server(ServeProcess):
     """`nemo-jax serve` with the Tinker API under `root` and the tests' key (test_serve's server process)."""
@@ -327,7 +413,7 @@ def served(tmp_path_factory):
     params = init(cfg, jax.random.key(0))
     hf = str(tmp / "tiny-hf")
     save_pretrained(cfg, params, hf, tokenizer_dir=resolve("builtin:tiny"))
-    srv = Server(tmp, hf, str(tmp / "root"))
+    srv = Server(tmp, hf, str(tmp / "root"), extra=BATCH)
     srv.hf, srv.root, srv.cfg, srv.params, srv.tmp = hf, str(tmp / "root"), cfg, params, tmp
     try:
         yield srv
@@ -553,6 +639,54 @@ def test_two_clients_at_once_and_a_new_client_starts_at_the_base(served):
     a = out[0][0].forward([_datum(seqs[0][0])], "cross_entropy").result().metrics["loss:sum"]
     b = out[1][0].forward([_datum(seqs[0][0])], "cross_entropy").result().metrics["loss:sum"]
     assert a < b  # each trained its own adapters
+
+
+def _stats(srv) -> dict:
+    return httpx.get(srv.url + "/api/v1/stats", headers={"X-API-Key": "tml-" + KEY}, timeout=30).json()
+
+
+@pytest.mark.slow
+def test_clients_at_once_run_batched_and_equal_one_at_a_time(served):
+    """Four SDK clients stepping together (their forward_backward requests sent at once, so they wait in the queue
+    together and the server runs them as batched calls, which /api/v1/stats counts) train exactly as the same
+    clients (seeds, data) one after another: each step's loss and the logprobs after 1e-5."""
+    srv = served
+    data = {k: [_datum(s) for s in _seqs(20 + k, n=2 + k, length=10 + 7 * k)] for k in range(4)}
+
+    def trajectory(k, barrier=None):
+        tc = srv.sdk().create_lora_training_client("tiny", rank=8, seed=30 + k).result()
+        losses = []
+        for _ in range(3):
+            if barrier is not None:
+                barrier.wait(60)
+            fb = tc.forward_backward(data[k], "cross_entropy")
+            op = tc.optim_step(types.AdamParams(learning_rate=1e-2))
+            losses.append(fb.result().metrics["loss:sum"])
+            op.result()
+        out = tc.forward(data[k], "cross_entropy").result().loss_fn_outputs
+        return losses, [np.asarray(o["logprobs"].data) for o in out]
+    before = _stats(srv)["batched"]["calls"]
+    together, errors, barrier = {}, [], threading.Barrier(4)
+
+    def client(k):
+        try:
+            together[k] = trajectory(k, barrier)
+        except Exception as e:  # (re-raised below, in the test's thread)
+            errors.append(e)
+            barrier.abort()
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert _stats(srv)["batched"]["calls"] > before
+    for k in range(4):
+        alone = trajectory(k)
+        assert together[k][0] == pytest.approx(alone[0], rel=1e-5), k
+        assert together[k][0][-1] < together[k][0][0]
+        for a, b in zip(together[k][1], alone[1]):
+            np.testing.assert_allclose(a, b, atol=1e-5)
 
 
 @pytest.mark.slow

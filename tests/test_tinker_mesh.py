@@ -1,7 +1,8 @@
 """The Tinker API on a sharded server: `nemo-jax serve --tinker-root --mesh fsdp=4,tensor=2` on 8 host devices,
 driven by the official SDK through the same checks tests/test_tinker.py runs on one device (imported from it: the
 SL loop with step-0 logprobs equal to the unsharded model's within 1e-4, sampling, logprobs and importance
-sampling, two clients at once), against this module's sharded server."""
+sampling, two clients at once, four clients batched equal to one at a time), against this module's sharded
+server."""
 
 import os
 
@@ -12,11 +13,13 @@ pytest.importorskip("tinker", reason="the Tinker API tests drive the official SD
 pytest.importorskip("fastapi", reason="nemo-jax serve needs fastapi + uvicorn")
 
 from helpers import FAST_COMPILE  # noqa: E402
-from test_tinker import (Server, _tiny_cfg, test_sampling_logprobs_stops_and_importance_sampling,  # noqa: E402,F401
+from test_tinker import (BATCH, Server, _tiny_cfg,  # noqa: E402,F401
+                         test_clients_at_once_run_batched_and_equal_one_at_a_time,
+                         test_sampling_logprobs_stops_and_importance_sampling,
                          test_sl_loop_loss_halves_and_logprobs_are_the_base,
                          test_two_clients_at_once_and_a_new_client_starts_at_the_base)
 
-MESH = ["--mesh", "fsdp=4,tensor=2"]
+MESH = ["--mesh", "fsdp=4,tensor=2", *BATCH]
 
 
 @pytest.fixture(scope="module")
@@ -44,9 +47,9 @@ def served(tmp_path_factory):
 def test_the_learner_on_a_mesh_equals_one_device():
     """In-process: the Tinker learner over the base placed by the sharding rules on fsdp=4 x tensor=2 (held one
     layer at a time, the serving engine's copy the service shares; and stacked) and adapters placed by the same
-    rules gives the
-    unsharded learner's logprobs, loss and gradients (1e-5), with each device holding a quarter of the embedding
-    or less, and gradients that stay sharded."""
+    rules gives the unsharded learner's logprobs, loss and gradients (1e-5), with each device holding a quarter of
+    the embedding or less, and gradients that stay sharded; so do two clients' batches run as one call
+    (`run_many`)."""
     import numpy as np
 
     from nemo_jax.lora import LoraConfig, adapter_shardings
@@ -80,3 +83,15 @@ def test_the_learner_on_a_mesh_equals_one_device():
     emb = sharded["embeddings"]["embedding"]
     assert emb.addressable_shards[0].data.size * 4 <= emb.size
     assert any(len(set(x.sharding.spec) - {None}) for x in jax.tree.leaves(got[2]) if hasattr(x.sharding, "spec"))
+    # two clients' batches as one call on the mesh (`run_many`): each as the unsharded learner gives it alone
+    ad2 = jax.tree.map(lambda x: x - 0.02, ad)
+    rows2 = [{k: v[::-1].copy() for k, v in r.items()} for r in rows[:2]]
+    many = Learner(cfg, jax.jit(unstack_layers)(sharded)).run_many(
+        [(mesh_ad, rows), (jax.device_put(ad2, adapter_shardings(cfg, lora, mesh)), rows2)], "cross_entropy", {},
+        backward=True)
+    for want, got in zip((one, Learner(cfg, params).run(ad2, rows2, "cross_entropy", {}, backward=True)), many):
+        for a, b in zip(want[0], got[0]):
+            np.testing.assert_allclose(a, b, atol=1e-5)
+        np.testing.assert_allclose(want[1], got[1], rtol=1e-5)
+        for a, b in zip(jax.tree.leaves(want[2]), jax.tree.leaves(got[2])):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 def service_for(state, a, tokenizer_dir: str):
     """The Tinker API as a service of `nemo-jax serve` (a `nemo_jax.serve.app.Service`) over its `ServerState`,
-    from the command's arguments (--tinker-root, --tinker-max-rank, --tinker-max-tokens, --ckpt)."""
+    from the command's arguments (--tinker-root, --tinker-max-rank, --tinker-max-tokens, --tinker-batch-clients,
+    --ckpt)."""
     from nemo_jax.extras import require
     from nemo_jax.serve.app import KeyHeader, Service
     from nemo_jax.tinker.routes import mount
@@ -23,7 +24,8 @@ def service_for(state, a, tokenizer_dir: str):
 
     require("tinker", "tinker", "nemo-jax serve --tinker-root (the Tinker API)")
     svc = TinkerService(state, a.tinker_root, ckpt=a.ckpt, tokenizer_dir=a.tokenizer or tokenizer_dir,
-                        max_rank=a.tinker_max_rank, max_tokens=a.tinker_max_tokens)
+                        max_rank=a.tinker_max_rank, max_tokens=a.tinker_max_tokens,
+                        batch_clients=a.tinker_batch_clients)
     return Service(lambda app: mount(app, svc), KeyHeader("/api/v1/", b"x-api-key", (b"", b"tml-"),
                                                          "X-API-Key: tml-<key>"),
                    f"Tinker API on http://{a.host}:{a.port}/api/v1, state under {svc.store.root}")

@@ -5,6 +5,10 @@
   waited for GAP_S, then skipped (named in a line).
 * Consecutive forward_backward chunks of one model with the same loss run as one batch (chunk merging), each
   answering its own future.
+* Forward_backward requests of other models with the same merge key (loss, its config, forward only, and the
+  LoRA shape the service adds) that are next in their own model's order join them, up to `batch_models` models:
+  the handler runs them as one batched call (`Learner.run_many`). A model's requests still run in its order: one
+  whose next queued request cannot join stays out with everything after it.
 * One worker thread runs every model's requests (one device), in arrival order; each kind of request has its
   handler in the table the service gives (`handlers`: Kind -> handler(items) -> the result of the first item's
   future, or None when the handler answered the futures itself).
@@ -50,14 +54,17 @@ class Item:
 
 class Sequencer:
     """`futures`: the service's FutureStore; `handlers`: {Kind: handler}; `registry`: its `touched` and `expire`
-    are called (a request came; sessions quiet too long end)."""
+    are called (a request came; sessions quiet too long end); `batch_models`: how many models' forward_backward
+    requests may run together (1: each model's alone)."""
 
-    def __init__(self, futures, handlers: dict, registry):
+    def __init__(self, futures, handlers: dict, registry, batch_models: int = 1):
         missing = set(Kind) - set(handlers)
         if missing:
             raise ValueError(f"tinker sequencer: no handler for {sorted(k.name for k in missing)}")
         self.futures, self.handlers, self.registry = futures, dict(handlers), registry
+        self.batch_models = max(1, int(batch_models))
         self.busy: dict[Kind, list] = {}  # kind -> [requests, seconds the worker spent on them]
+        self.batched = [0, 0]  # groups of several models' requests that ran, and those models
         self._cv = threading.Condition()
         self._work: deque[Item] = deque()
         self._closed = False
@@ -121,20 +128,24 @@ class Sequencer:
 
     # ------------------------------------------------------------------ the worker
     def _next_group(self) -> list[Item]:
-        """The next request, with the forward_backward chunks that merge with it (under the lock)."""
-        group = [self._work.popleft()]
-        if group[0].merge is None:
-            return group
-        head, rest = group[0], deque()
+        """The next request, with the forward_backward chunks that merge with it and those of other models that
+        join it (module docstring), in queue order (under the lock)."""
+        head = self._work.popleft()
+        if head.merge is None:
+            return [head]
+        group, last, closed, rest = [head], {head.model: head}, set(), deque()
         while self._work:
             it = self._work.popleft()
-            if it.model is head.model and it.merge == head.merge and it.seq == group[-1].seq + 1:
+            prev = last.get(it.model)
+            joins = it.model not in closed and it.merge == head.merge and (
+                it.seq == prev.seq + 1 if prev is not None else len(last) < self.batch_models)
+            if joins:
                 group.append(it)
-            elif it.model is head.model:
-                rest.append(it)
-                break
+                last[it.model] = it
             else:
                 rest.append(it)
+                if it.model is not None:  # (nothing after it of its model may run before it)
+                    closed.add(it.model)
         self._work.extendleft(reversed(rest))
         return group
 
@@ -175,11 +186,16 @@ class Sequencer:
                 b = self.busy.setdefault(kind, [0, 0.0])
                 b[0] += len(group)
                 b[1] += time.perf_counter() - t0
+                models = len({id(it.model) for it in group})
+                if models > 1:
+                    self.batched[0] += 1
+                    self.batched[1] += models
 
     def stats(self) -> dict:
         with self._cv:
             return {"queued": len(self._work),
-                    "worker": {k.value: {"requests": n, "seconds": round(t, 6)} for k, (n, t) in self.busy.items()}}
+                    "worker": {k.value: {"requests": n, "seconds": round(t, 6)} for k, (n, t) in self.busy.items()},
+                    "batched": {"calls": self.batched[0], "models": self.batched[1]}}
 
     def close(self) -> None:
         with self._cv:

@@ -43,8 +43,9 @@ def _seq_id(body: dict, key: str) -> int:
 
 class TinkerService:
     def __init__(self, serve_state, store_root: str, *, ckpt: str, tokenizer_dir: str, max_rank: int = 128,
-                 max_tokens: int = 16384):
-        """serve_state: nemo_jax.serve.app.ServerState (the served model's config, params, scheduler, name)."""
+                 max_tokens: int = 16384, batch_clients: int = 1):
+        """serve_state: nemo_jax.serve.app.ServerState (the served model's config, params, scheduler, name);
+        batch_clients: how many training models' forward_backward requests ready at once run as one call."""
         self.s = serve_state
         self.cfg, self.max_len = serve_state.cfg, serve_state.max_len
         self.max_rank = max_rank
@@ -61,7 +62,8 @@ class TinkerService:
                     Kind.OPTIM: self._optim, Kind.SAVE_STATE: self._save_state, Kind.SAVE_SAMPLER: self._save_sampler,
                     Kind.PROMPT_LOGPROBS: lambda items: self.sampling.prompt_logprobs(items),
                     Kind.REFUSED: lambda items: None}
-        self.sequencer = Sequencer(self.futures, handlers, self.registry)
+        self.batch_clients = batch_clients
+        self.sequencer = Sequencer(self.futures, handlers, self.registry, batch_models=batch_clients)
         self.sampling = Sampling(serve_state, self.registry, self.sequencer, self.futures, self.store, self.learner)
 
     # ------------------------------------------------------------------ sessions and sampling (the routes' calls)
@@ -157,8 +159,12 @@ class TinkerService:
         return {"request_id": rec.id, "model_id": m.id}
 
     def submit(self, mid, seq, kind: Kind, args: dict, merge: tuple | None = None, error: str | None = None) -> dict:
-        """A request of model `mid` in its seq_id order (`Sequencer.submit`)."""
-        return self.sequencer.submit(self.registry.model(mid), seq, kind, args, merge, error)
+        """A request of model `mid` in its seq_id order (`Sequencer.submit`). A merge key gets the model's LoRA
+        shape: the requests of models that run in one call share it."""
+        m = self.registry.model(mid)
+        if merge is not None:
+            merge = (*merge, m.lora.rank, m.lora.targets)
+        return self.sequencer.submit(m, seq, kind, args, merge, error)
 
     def place(self, adapters, lora: LoraConfig):
         """An adapter set where the learner computes with it: on a served mesh, each leaf placed by the sharding
@@ -245,29 +251,39 @@ class TinkerService:
         return out
 
     def _forward_backward(self, group: list[Item]) -> None:
-        """Merged chunks of one model and loss as one batch; each chunk's future answered with its own rows."""
+        """Merged chunks of one or more models, one loss: each model's rows as one batch, the models' batches in
+        one call (`Learner.run_many`); each chunk's future answered with its own rows."""
         head = group[0]
-        m, loss_fn, backward = head.model, head.args["loss_fn"], not head.args["forward_only"]
-        rows, owner = [], []
-        for k, it in enumerate(group):
-            try:
-                r = self.rows(it.args["data"], loss_fn)
-            except UserError as e:
-                self.futures.fail(it.request_id, str(e), "user")
-                continue
-            rows += r
-            owner += [k] * len(r)
-        if not rows:
+        loss_fn, backward = head.args["loss_fn"], not head.args["forward_only"]
+        by_model: dict = {}
+        for it in group:
+            by_model.setdefault(it.model, []).append(it)
+        jobs = []  # (model, its items, its rows, the item each row came from)
+        for m, items in by_model.items():
+            rows, owner = [], []
+            for k, it in enumerate(items):
+                try:
+                    r = self.rows(it.args["data"], loss_fn)
+                except UserError as e:
+                    self.futures.fail(it.request_id, str(e), "user")
+                    continue
+                rows += r
+                owner += [k] * len(r)
+            if rows:
+                jobs.append((m, items, rows, owner))
+        if not jobs:
             return None
-        lps, losses, grads = self.learner.run(m.adapters, rows, loss_fn, head.args["config"], backward)
-        if backward:
-            m.grads = grads if m.grads is None else jax.tree.map(jnp.add, m.grads, grads)
-        for k, it in enumerate(group):
-            if not self.futures.pending(it.request_id):
-                continue
-            mine = [i for i, o in enumerate(owner) if o == k]
-            self.futures.complete(it.request_id, wire.encode_forward_backward_output(
-                [{"logprobs": lps[i]} for i in mine], {"loss:sum": float(losses[mine].sum())}))
+        results = self.learner.run_many([(m.adapters, rows) for m, _, rows, _ in jobs], loss_fn, head.args["config"],
+                                        backward, max_jobs=self.batch_clients)
+        for (m, items, _, owner), (lps, losses, grads) in zip(jobs, results):
+            if backward:
+                m.grads = grads if m.grads is None else jax.tree.map(jnp.add, m.grads, grads)
+            for k, it in enumerate(items):
+                if not self.futures.pending(it.request_id):
+                    continue
+                mine = [i for i, o in enumerate(owner) if o == k]
+                self.futures.complete(it.request_id, wire.encode_forward_backward_output(
+                    [{"logprobs": lps[i]} for i in mine], {"loss:sum": float(losses[mine].sum())}))
         return None
 
     def _optim(self, items: list[Item]) -> dict:
