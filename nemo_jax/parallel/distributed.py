@@ -464,6 +464,7 @@ def failure_guard(command: str):
     collective waiting on a dead peer need not fail). On success, leave the distributed runtime in order."""
     _STATE["command"] = command
     if _multi() and "watchdog" not in _STATE:
+        _catch_abort()
         _STATE["leaving"] = threading.Event()
         _STATE["watchdog"] = threading.Thread(target=_watch, args=(_STATE["leaving"],),
                                               name="nemo-jax-peer-watchdog", daemon=True)
@@ -501,6 +502,25 @@ def _stop(lost: list[int] | None, cause: str):
 
 
 _STOP_LOCK = threading.Lock()
+
+
+def _catch_abort():
+    """Name a lost peer when the process is aborted, too. On CPU, gloo's TCP transport aborts the process (a C++
+    exception on its own thread: std::terminate, SIGABRT) when a peer killed mid-collective leaves it half a
+    message, before the coordination service declares the peer lost; without this, the run ended with gloo's
+    "Received data size doesn't match" and no word of the lost peer. A C-level SIGABRT handler waits for the
+    service's verdict (up to heartbeat_timeout + 5 s), names the lost peer(s) and exits 3 as `_stop` does; an abort
+    with every peer alive goes on as an abort."""
+    import ctypes
+    import signal
+
+    def on_abort(signum):
+        lost = lost_peers(_STATE.get("heartbeat_timeout", 30) + 5)
+        if lost != []:
+            _stop(lost, "the collective runtime aborted")
+    handler = ctypes.CFUNCTYPE(None, ctypes.c_int)(on_abort)
+    _STATE["abort_handler"] = handler  # (kept alive for the process's life)
+    ctypes.CDLL(None).signal(signal.SIGABRT, handler)
 
 
 def _watch(leaving: threading.Event, poll_s: float = 0.5):
