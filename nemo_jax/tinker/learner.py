@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from nemo_jax.kernels import select
 from nemo_jax.lora import LoraConfig, attach, init_adapters
 from nemo_jax.model.model import Options, unstack_layers
 from nemo_jax.rl.learner import token_logprobs
@@ -133,7 +134,7 @@ class Learner:
         a call of up to `max_jobs` groups of one padded length and the same row count; a call's jobs x rows x
         length at most max_tokens, unless one group alone is more). A job's gradients are summed over its groups in
         `run`'s order. One job, or adapter sets of different shapes: `run` for each."""
-        if len(jobs) == 1 or len({_shape(ad) for ad, _ in jobs}) > 1:
+        if len(jobs) == 1 or len({_shape(ad) for ad, _ in jobs}) > 1 or not self._mappable():
             return [self.run(ad, rows, loss_fn, config, backward) for ad, rows in jobs]
         conf = {k: jnp.float32(v) for k, v in config.items()}
         res = [([None] * len(rows), np.zeros(len(rows), np.float64), {}) for _, rows in jobs]
@@ -163,6 +164,11 @@ class Learner:
                 grads = gs[k] if grads is None else jax.tree.map(jnp.add, grads, gs[k])
             out.append((lps, losses, grads))
         return out
+
+    def _mappable(self) -> bool:
+        """Whether the model may be mapped over several adapter sets. TPU's splash attention kernel does not map
+        (its mask metadata leaks a tracer under `vmap`, seen in interpret mode): there each model runs alone."""
+        return select(self.opts.kernels, self.opts.mesh, self.opts.interpret_kernels).platform != "tpu"
 
     def calls(self, parts: list[tuple], pics: list[bool], max_jobs: int) -> list[list[tuple]]:
         """Groups of several jobs [(job, k, idx, rows, length)] -> calls: groups of one length (and alike in
