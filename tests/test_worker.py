@@ -197,16 +197,23 @@ def test_grpo_fed_by_rollout_workers_trains_on_policy(served):
     assert any("failed" in x for xs in _spool(run, "consumed").values() for x in xs)
 
 
-def _only_unknown_groups_rejected(run) -> dict:
-    """{file: its rejected records} of spool/rejected, every one rejected as unknown_group. A file moves there whole
-    when any of its records is rejected: its .reason names those by line (the others were accepted: a worker's file
-    may hold rollouts of several groups)."""
+def _only_unknown_groups_rejected(run, resumed_at: int | None = None) -> dict:
+    """{file: {reason: its records rejected for it}} of spool/rejected, every one rejected as unknown_group. A file
+    moves there whole when any of its records is rejected: its .reason names those by line (the others were
+    accepted: a worker's file may hold rollouts of several groups). With `resumed_at` (a learner restarted from
+    that step's checkpoint), rollouts sampled with a version the crashed learner had published after it are
+    `bad_version` too (the restarted learner's versions start again from there, by design)."""
     out = {}
+    allowed = {"unknown_group"} | ({"bad_version"} if resumed_at is not None else set())
     for n, records in _spool(run, "rejected").items():
         reason = open(run / "spool" / "rejected" / (n + ".reason")).read()
         bad = {int(m.group(1)): m.group(2) for m in re.finditer(r"line (\d+): (\w+)", reason)}
-        assert bad and set(bad.values()) == {"unknown_group"}, (n, reason)
-        out[n] = [x for i, x in enumerate(records, 1) if i in bad]
+        assert bad and set(bad.values()) <= allowed, (n, reason)
+        for i, x in enumerate(records, 1):
+            if i in bad:
+                out.setdefault(bad[i], []).append(x)
+    for x in out.get("bad_version", []):
+        assert max(x["policy_versions"]) > resumed_at, x["policy_versions"]
     return out
 
 
@@ -281,8 +288,9 @@ def test_killed_worker_loses_its_lease_and_a_restarted_learner_keeps_its_groups(
         assert not (req := run / "requests" / "cancelled" / gid).exists(), req
         assert len(by_group.get(gid, [])) >= 4 or gid in in_flight, (gid, by_group.get(gid))
     assert any(x["rollout_id"] and n.startswith("wb-") for n, xs in _spool(run, "consumed").items() for x in xs)
-    rejected = _only_unknown_groups_rejected(run)  # only groups opened after that checkpoint, sampled meanwhile
-    assert all(int(x["group_id"][1:].split("-")[0]) >= k for xs in rejected.values() for x in xs), rejected
+    # only groups opened after that checkpoint, or rollouts sampled with the crashed learner's later versions
+    rejected = _only_unknown_groups_rejected(run, resumed_at=k)
+    assert all(int(x["group_id"][1:].split("-")[0]) >= k for x in rejected.get("unknown_group", [])), rejected
 
 
 def test_turn_parsing_chat_messages_and_server_kinds(tmp_path):
