@@ -157,12 +157,14 @@ def main(argv=None):
           f"log_path={sl_log}", "lora_rank=8", "batch_size=32", "max_length=1024", "save_every=1"]
     # the first run is killed once it has saved --sl-steps checkpoints, and the server with it: a crash of both
     t0 = time.time()
+    saved = os.path.join(sl_log, "checkpoints.jsonl")
+    if os.path.exists(saved):  # (an earlier tier run's, in a --work used again: the recipe deletes it only later)
+        os.remove(saved)
     with open(os.path.join(work, "chat_sl-1.log"), "w") as out:
         first = subprocess.Popen(sl + ["behavior_if_log_dir_exists=delete"], stdout=out, stderr=subprocess.STDOUT,
                                  env=env)
-        saved = os.path.join(sl_log, "checkpoints.jsonl")
         while first.poll() is None and not (os.path.exists(saved) and len(open(saved).readlines()) >= a.sl_steps):
-            time.sleep(1)
+            time.sleep(0.05)  # (a step of the tiny model can take under a second: a coarser poll saw the epoch end)
         first.kill()
         first.wait()
     summary["chat_sl"] = {"killed after checkpoints": len(open(saved).readlines()), "wall_s": round(time.time() - t0, 1)}
