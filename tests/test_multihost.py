@@ -409,15 +409,21 @@ def test_an_abort_names_the_lost_peer():
     """gloo's TCP transport aborts the process (SIGABRT) when a peer killed mid-collective leaves it half a message,
     sooner than the coordination service declares the peer lost (tests/test_multihost.py's killed-peer run hit it
     about one CI run in two): the abort handler `failure_guard` installs still names the lost peer and exits 3. An
-    abort with every peer alive stays an abort. (The service's verdict is stubbed: one process.)"""
+    abort with every peer alive stays an abort, and so does one after the handler is released as the run leaves.
+    (The service's verdict is stubbed: one process.)"""
     script = ("import os, sys\n"
               "from nemo_jax.parallel import distributed as d\n"
               "d.lost_peers = lambda wait_s=0.0: [int(x) for x in sys.argv[1:]]\n"
               "d._STATE['command'] = 'sft'\n"
               "d._catch_abort()\n"
+              "if len(sys.argv) > 2: d._release_abort()\n"
               "os.abort()\n")
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
     lost = subprocess.run([sys.executable, "-c", script, "1"], capture_output=True, text=True, env=env, timeout=120)
     assert lost.returncode == 3 and "lost process(es) 1; stopping" in lost.stderr, (lost.returncode, lost.stderr)
     alive = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
     assert alive.returncode == -signal.SIGABRT and "lost" not in alive.stderr, (alive.returncode, alive.stderr)
+    # leaving (`_end_watch`): the peers disconnect on purpose, the handler is gone and an abort is an abort
+    left = subprocess.run([sys.executable, "-c", script, "1", "left"], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert left.returncode == -signal.SIGABRT and "lost" not in left.stderr, (left.returncode, left.stderr)

@@ -523,6 +523,15 @@ def _catch_abort():
     ctypes.CDLL(None).signal(signal.SIGABRT, handler)
 
 
+def _release_abort():
+    """SIGABRT's default action again (`_catch_abort` undone)."""
+    if _STATE.get("abort_handler") is not None:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None).signal(signal.SIGABRT, ctypes.c_void_p(0))  # SIG_DFL
+
+
 def _watch(leaving: threading.Event, poll_s: float = 0.5):
     """Poll the coordination service for lost peers until this process leaves."""
     while not leaving.is_set():
@@ -539,5 +548,6 @@ def _end_watch(timeout_s: float = 30.0):
     if "watchdog" not in _STATE:
         return
     _STATE["leaving"].set()
+    _release_abort()  # (leaving: the others disconnect on purpose; an abort now is no lost peer's doing)
     if _STATE["watchdog"] is not threading.current_thread():
         _STATE["watchdog"].join(timeout_s)
