@@ -661,9 +661,10 @@ def _stats(srv) -> dict:
 
 @pytest.mark.slow
 def test_clients_at_once_run_batched_and_equal_one_at_a_time(served):
-    """Four SDK clients stepping together (their forward_backward requests sent at once, so they wait in the queue
-    together and the server runs them as batched calls, which /api/v1/stats counts) train exactly as the same
-    clients (seeds, data) one after another: each step's loss and the logprobs after 1e-5."""
+    """Four SDK clients stepping together (their forward_backward requests sent at once while the worker is busy,
+    so they wait in the queue together and the server runs them as batched calls, which /api/v1/stats counts)
+    train exactly as the same clients (seeds, data) one after another: each step's loss and the logprobs after
+    1e-5."""
     srv = served
     data = {k: [_datum(s) for s in _seqs(20 + k, n=2 + k, length=10 + 7 * k)] for k in range(4)}
 
@@ -680,7 +681,12 @@ def test_clients_at_once_run_batched_and_equal_one_at_a_time(served):
         out = tc.forward(data[k], "cross_entropy").result().loss_fn_outputs
         return losses, [np.asarray(o["logprobs"].data) for o in out]
     before = _stats(srv)["batched"]["calls"]
-    together, errors, barrier = {}, [], threading.Barrier(4)
+    # each round starts with another client's large forward pass queued just before the four are let go: the worker
+    # is busy with it while their requests arrive, so they wait in the queue together however loaded the machine
+    blocker = srv.sdk().create_lora_training_client("tiny", rank=8, seed=99).result()
+    big = [_datum(s) for s in _seqs(40, n=32, length=100)]
+    together, errors = {}, []
+    barrier = threading.Barrier(4, action=lambda: blocker.forward(big, "cross_entropy"))
 
     def client(k):
         try:
