@@ -329,11 +329,13 @@ def cmd_demos(a):
 def cmd_serve(a):
     from nemo_jax.parallel.distributed import resolve
 
-    layout = resolve()  # (the environment's process layout: serve runs as one process)
-    if layout.num_processes > 1:
-        raise ValueError(f"nemo-jax serve runs as one process; this environment ({layout.source}) starts "
-                         f"{layout.num_processes}: start one (e.g. srun --ntasks 1, or without launch/local/run.sh). "
-                         "A server over several hosts is not supported yet (docs/tinker.md, Limits)")
+    layout = resolve()  # (the environment's process layout: over several processes, process 0 answers HTTP)
+    if layout.multi and not a.mesh:
+        raise ValueError(f"nemo-jax serve over {layout.num_processes} processes ({layout.source}) needs --mesh over "
+                         "all their devices (e.g. --mesh fsdp=4,tensor=2)")
+    if layout.multi and a.enable_runtime_lora_updating:
+        raise ValueError("--enable-runtime-lora-updating is not supported over several processes (load adapters "
+                         "with --adapters)")
     if not 0 < a.port < 65536:
         raise ValueError(f"--port {a.port}: expected 1..65535")
     if a.max_num_seqs < 1 or a.max_model_len < 2 or a.bucket < 1 or a.check_every < 1:

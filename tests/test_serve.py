@@ -51,9 +51,11 @@ def _env():
 
 class Server:
     """`nemo-jax serve ...` in a subprocess on a free port; `.client` is an openai.OpenAI on it (with `api_key`:
-    the server is started with it, every request sends it). `env`: more environment variables (over the tests')."""
+    the server is started with it, every request sends it). `env`: more environment variables (over the tests');
+    `launcher`: the command it runs under (launch/local/run.sh ... --: several processes)."""
 
-    def __init__(self, tmp, args, api_key: str | None = None, warm: bool = False, env: dict | None = None):
+    def __init__(self, tmp, args, api_key: str | None = None, warm: bool = False, env: dict | None = None,
+                 launcher=()):
         self.key = api_key
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.port = _free_port()
@@ -61,8 +63,8 @@ class Server:
         self.log = open(tmp / f"serve-{self.port}.log", "w+")
         env = dict(_env(), **(env or {}), **({"NEMO_JAX_API_KEY": api_key} if api_key else {}))
         args = list(args) + ([] if warm else ["--no-warmup"])  # (tests compile what they use, as they use it)
-        self.proc = subprocess.Popen([sys.executable, "-m", "nemo_jax.cli", "serve", *args, "--port", str(self.port)],
-                                     env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen([*launcher, sys.executable, "-m", "nemo_jax.cli", "serve", *args, "--port",
+                                      str(self.port)], env=env, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.time() + 600
         while time.time() < deadline:
             assert self.proc.poll() is None, self.output()

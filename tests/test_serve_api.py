@@ -634,20 +634,22 @@ def test_dropped_connections_are_counted_not_500s_and_not_logged(running, logged
     assert not any("Traceback" in x or "never retrieved" in x for x in lines) and len(lines) < 20, lines[:5]
 
 
-def test_serve_refuses_a_multi_process_layout(monkeypatch, capsys):
-    """Started as one of several processes (launch/local/run.sh, srun with several tasks), `nemo-jax serve` says
-    in one line that it runs as one process, before it binds or loads anything (each process would otherwise
-    serve on its own devices alone)."""
+def test_serve_over_processes_needs_a_mesh(monkeypatch, capsys):
+    """Started as one of several processes (launch/local/run.sh, srun with several tasks) without --mesh, or with
+    runtime adapter loading, `nemo-jax serve` says what is missing in one line, before it binds or loads anything
+    (tests/test_tinker_processes.py serves over two processes)."""
     from nemo_jax.cli import main
 
     monkeypatch.setenv("NEMO_JAX_COORDINATOR", "127.0.0.1:1")
     monkeypatch.setenv("NEMO_JAX_NUM_PROCESSES", "2")
     monkeypatch.setenv("NEMO_JAX_PROCESS_ID", "0")
-    with pytest.raises(SystemExit) as e:
-        main(["serve", "--ckpt", "x", "--tokenizer", "builtin:tiny", "--port", "1"])
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and "runs as one process" in err and "starts 2" in err, err
-    assert len(err.strip().splitlines()) == 1, err
+    for extra, words in (([], "needs --mesh over all their devices"),
+                         (["--mesh", "fsdp=2", "--enable-runtime-lora-updating", "--adapter-root", "/tmp"],
+                          "not supported over several processes")):
+        with pytest.raises(SystemExit) as e:
+            main(["serve", "--ckpt", "x", "--tokenizer", "builtin:tiny", "--port", "1", *extra])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and words in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_serve_checks_the_port_before_loading_warns_on_every_interface_and_says_ready_once_it_accepts(

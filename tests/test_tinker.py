@@ -394,10 +394,11 @@ def test_batched_clients_equal_one_at_a_time():
 class Server(ServeProcess):
     """`nemo-jax serve` with the Tinker API under `root` and the tests' key (test_serve's server process)."""
 
-    def __init__(self, tmp, hf: str, root: str, extra=(), env: dict | None = None):
+    def __init__(self, tmp, hf: str, root: str, extra=(), env: dict | None = None, launcher=()):
         super().__init__(tmp, ["--ckpt", hf, "--tinker-root", root, "--served-model-name", "tiny", "--max-model-len",
                                "128", "--max-num-seqs", "4", "--bucket", "32", "--max-request-mb", "1",
-                               "--tinker-max-rank", "16", "--shutdown-timeout", "1", *extra], api_key=KEY, env=env)
+                               "--tinker-max-rank", "16", "--shutdown-timeout", "1", *extra], api_key=KEY, env=env,
+                         launcher=launcher)
 
     def sdk(self):
         client = tinker.ServiceClient(base_url=self.url, api_key="tml-" + KEY)

@@ -17,6 +17,7 @@ from nemo_jax.lora import attach
 from nemo_jax.model import model as M
 from nemo_jax.model.cache import (init_decode_state, unstack_state)
 from nemo_jax.model.vision import check_images
+from nemo_jax.parallel.mesh import fetch
 from nemo_jax.generate.decode import _append, _committed, _keep_sharded, _mesh_of, _rows_on, _whole_on
 from nemo_jax.generate.sampler import TurnEnd
 from nemo_jax.generate.sampling import _pow2, MAX_STOP_BYTES, MIN_WIDTHS, RowSampling, sample_step, SamplingParams, token_table, TOP_LOGPROBS
@@ -644,7 +645,7 @@ class Engine:
                 _decode_steps(p, self._logits, self.state, self._done, self._budget, self._rowp, hist, tables,
                               self.cfg, self.opts, how, self.mesh, self.check_every)
             self._rowp = dict(self._rowp, count=count)
-            T, L, A, H, top = jax.device_get((T, L, A, H, top))
+            T, L, A, H, top = fetch((T, L, A, H, top))
             self.decode_steps += int(A.any(axis=1).sum())
         else:  # the reference: a dispatch per step
             steps, tops = [], []
@@ -656,13 +657,13 @@ class Engine:
                 steps.append((tok, lp, act, hit))
                 tops.append(top)
                 self.decode_steps += 1
-            T, L, A, H = (np.asarray(jnp.stack(x, 0)) for x in zip(*steps))
-            top = tuple(np.asarray(jnp.stack(x, 0)) for x in zip(*tops)) if how.top_n else None
+            T, L, A, H = (fetch(jnp.stack(x, 0)) for x in zip(*steps))
+            top = tuple(fetch(jnp.stack(x, 0)) for x in zip(*tops)) if how.top_n else None
         if extras:
             self._hist = hist
         if how.top_n:
             TI, TV = top
-        D = np.asarray(self._done)
+        D = fetch(self._done)
         self._pos += A.sum(0)
         self.tokens_sampled += int(A.sum())
         out = []

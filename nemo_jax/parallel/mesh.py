@@ -162,3 +162,14 @@ def all_gather_f32_grad(a, axis: str, dim: int):
 
     gather.defvjp(lambda x: (gather(x), None), bwd)
     return gather(a)
+
+
+def fetch(tree):
+    """Device arrays -> numpy (`jax.device_get`). Over several processes an array spanning other processes'
+    devices is gathered from them (`process_allgather`): a collective, so every process fetches the same arrays in
+    the same order (`nemo_jax.serve.replica` replays the calls that do)."""
+    if all(getattr(x, "is_fully_addressable", True) for x in jax.tree.leaves(tree)):
+        return jax.device_get(tree)
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.process_allgather(tree, tiled=True)

@@ -10,6 +10,7 @@ import itertools
 import os
 import stat
 import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 from nemo_jax.serve.openai import APIError
@@ -27,6 +28,7 @@ class AdapterRegistry:
         self.by_name: dict[str, Adapter] = {}
         self._loading: set[str] = set()  # names being loaded now (a second load of one name is refused)
         self._versions = itertools.count(1)
+        self._made: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # version -> Adapter, while held
         self._lock = threading.Lock()
         self._io = ThreadPoolExecutor(1, thread_name_prefix="adapter-io")  # never the shared executor
 
@@ -42,6 +44,22 @@ class AdapterRegistry:
         services over the same engine."""
         with self._lock:
             return next(self._versions)
+
+    def make(self, name: str, path: str, tree) -> Adapter:
+        """An Adapter of a new version over `tree` (on the device), findable by it while something holds it."""
+        a = Adapter(name, path, tree, self.next_version())
+        with self._lock:
+            self._made[a.version] = a
+        return a
+
+    def made(self, version: int) -> Adapter:
+        """The Adapter of `version` (made by `make`, still held)."""
+        with self._lock:
+            return self._made[version]
+
+    def tree_of(self, version: int):
+        """The tree of the adapters of `version` (0: the base alone, None)."""
+        return None if not version else self.made(version).tree
 
     def _confine(self, path) -> str:
         """A runtime-loaded adapter's path -> its real path under an --adapter-root (the same answer whether or
@@ -99,7 +117,7 @@ class AdapterRegistry:
                            param="lora_path") from None
         put = jnp.asarray if self.mesh is None else (lambda x: jax.device_put(x, jax.sharding.NamedSharding(
             self.mesh, jax.sharding.PartitionSpec())))
-        return Adapter(name, path, jax.tree.map(put, tree), self.next_version())
+        return self.make(name, path, jax.tree.map(put, tree))
 
     @contextlib.contextmanager
     def _reserving(self, name, replace: bool):

@@ -63,6 +63,10 @@ class ServerState:
         self.tokens = TokenRoutes(self)
         self.started = time.time()
         self.compiles = None  # a warmup.CompileCounter from ready on (serve): compiles on a request's path
+        # over several processes (serve.replica): the Leader (process 0) or a Follower, and the followers' replays
+        # of the services' units ({target: replay(method, args)}, filled by the services)
+        self.replica = None
+        self.replica_targets: dict = {}
 
     def _fatal(self, e: BaseException) -> None:
         self.fatal = e

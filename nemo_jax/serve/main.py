@@ -74,11 +74,24 @@ def serve(state: ServerState, app, *, host: str, port: int, log_level: str = "wa
 # ----------------------------------------------------------------------------- the command
 def cli_serve(a, adapters: dict[str, str], services=None) -> None:
     """`nemo-jax serve` (arguments checked by the CLI; `adapters`: {name: dir} from --adapters). `services(state,
-    tokenizer_dir)` -> the other services to mount over the served model (`app.Service`s: the Tinker API)."""
+    tokenizer_dir)` -> the other services to mount over the served model (`app.Service`s: the Tinker API). Over
+    several processes (`nemo_jax.parallel.distributed`'s layout), process 0 serves and the others follow it
+    (`nemo_jax.serve.replica`)."""
+    from nemo_jax.parallel import distributed
+
+    layout = distributed.initialize(None)
+    if not layout.multi:
+        return _serve(a, adapters, services)
+    with distributed.failure_guard("serve"):
+        _serve(a, adapters, services, process=distributed.process())
+
+
+def _serve(a, adapters: dict[str, str], services=None, process: tuple[int, int] = (0, 1)) -> None:
     require("fastapi", "serve", "nemo-jax serve")
     require("uvicorn", "serve", "nemo-jax serve")
-    sock = bind(a.host, a.port)  # a taken port fails now, before the model is loaded
-    if a.host in ("0.0.0.0", "::", "") and not a.api_key:
+    me, n = process
+    sock = bind(a.host, a.port) if me == 0 else None  # a taken port fails now, before the model is loaded
+    if me == 0 and a.host in ("0.0.0.0", "::", "") and not a.api_key:
         print(f"nemo-jax serve: warning: listening on every interface (--host {a.host}) without --api-key: anyone "
               "who can reach this port can use the model (set --api-key or NEMO_JAX_API_KEY)", file=sys.stderr,
               flush=True)
@@ -109,30 +122,45 @@ def cli_serve(a, adapters: dict[str, str], services=None) -> None:
                         adapter_roots=a.adapter_root if a.enable_runtime_lora_updating else None,
                         media_roots=a.allowed_local_media_path, request_timeout=a.request_timeout, vocab_bytes=vocab,
                         max_media_bytes=int(a.max_request_mb * 2 ** 20))
-    for n, path in adapters.items():
+    for n_, path in adapters.items():
         try:
-            state.adapters.load(n, path)
+            state.adapters.load(n_, path)
         except APIError as e:
-            raise ValueError(f"--adapters {n}={path}: {e}") from None
+            raise ValueError(f"--adapters {n_}={path}: {e}") from None
     if not a.no_warmup:  # every program a request can run, compiled (or loaded from the cache) before ready
         from nemo_jax.serve.warmup import warm_up
 
         w = warm_up(engine, [ad.tree for ad in state.adapters.loaded()])
         print(f"nemo-jax serve: warm-up done in {w.seconds:.1f} s ({w.compiled} programs compiled, {w.loaded} loaded "
               f"from the compilation cache{' at ' + cache if cache else ': off'})", flush=True)
+    if n > 1:  # the call log from here on: process 0 leads, the others replay (every process built the same)
+        from nemo_jax.serve import replica
+
+        state.replica = replica.Leader(n - 1) if me == 0 else replica.Follower(me)
+        if me == 0:
+            replica.replicate_engine(engine, state.replica)
     from nemo_jax.serve.warmup import CompileCounter
 
     state.compiles = CompileCounter().__enter__()  # (for the server's life)
     extra = list(services(state, tok_dir)) if services is not None else []
+    if me != 0:  # (a SIGTERM the launcher sends every process: the leader drains, then closes the log)
+        signal.signal(signal.SIGTERM, lambda *_: None)
+        state.replica.serve({"engine": replica.engine_target(engine, state.adapters), **state.replica_targets})
+        print(f"nemo-jax serve: process {me} of {n}: the leader closed the log; stopping", flush=True)
+        state.close()
+        return
     app = make_app(state, api_key=a.api_key, max_body=int(a.max_request_mb * 2 ** 20), services=extra)
     roots = state.adapters.roots
     gates = [f"API key {'on' if a.api_key else 'off'}",
              f"runtime adapters {'under ' + ', '.join(a.adapter_root) if roots is not None else 'off'}"]
     gates += [svc.line for svc in extra if svc.line]
+    over = f"; {n} processes, {jax.device_count()} devices" if n > 1 else ""
     line = (f"nemo-jax serve: {name} ({len(adapters)} adapter(s)) on http://{a.host}:{a.port}/v1 "
-            f"({a.max_num_seqs} rows x {a.max_model_len} positions; {'; '.join(gates)})")
+            f"({a.max_num_seqs} rows x {a.max_model_len} positions{over}; {'; '.join(gates)})")
     code = serve(state, app, host=a.host, port=a.port, log_level=a.log_level, shutdown_timeout=a.shutdown_timeout,
                  sock=sock, ready=lambda server: print(line, flush=True))  # (said once the socket accepts)
+    if state.replica is not None:
+        state.replica.close()
     if code:
         e = state.fatal
         print(f"nemo-jax serve: the engine failed ({type(e).__name__}: {e}); exiting with status 1 so that a "

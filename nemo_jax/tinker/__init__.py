@@ -26,6 +26,14 @@ def service_for(state, a, tokenizer_dir: str):
     svc = TinkerService(state, a.tinker_root, ckpt=a.ckpt, tokenizer_dir=a.tokenizer or tokenizer_dir,
                         max_rank=a.tinker_max_rank, max_tokens=a.tinker_max_tokens,
                         batch_clients=a.tinker_batch_clients)
+    if state.replica is not None:  # over several processes: its device work in the call log (tinker/replica.py)
+        from nemo_jax.serve.replica import Leader
+        from nemo_jax.tinker import replica
+
+        if isinstance(state.replica, Leader):
+            replica.leader(svc, state.replica)
+        else:
+            state.replica_targets[replica.TARGET] = replica.follower(svc, state.adapters)
     return Service(lambda app: mount(app, svc), KeyHeader("/api/v1/", b"x-api-key", (b"", b"tml-"),
                                                          "X-API-Key: tml-<key>"),
                    f"Tinker API on http://{a.host}:{a.port}/api/v1, state under {svc.store.root}")

@@ -25,6 +25,7 @@ import numpy as np
 from nemo_jax.kernels import select
 from nemo_jax.lora import LoraConfig, attach, init_adapters
 from nemo_jax.model.model import Options, unstack_layers
+from nemo_jax.parallel.mesh import fetch
 from nemo_jax.rl.learner import token_logprobs
 from nemo_jax.tinker.losses import LOSSES, token_losses
 from nemo_jax.train.optimizer import global_norm
@@ -125,7 +126,7 @@ class Learner:
         batch = {k: jnp.asarray(v) for k, v in batch.items()}
         out = self._fn(loss_fn, backward)(adapters, self.base, batch, conf)
         (_, (lp, per_row)), g = out if backward else (out, None)
-        return *jax.device_get((lp, per_row)), g
+        return *fetch((lp, per_row)), g
 
     def run_many(self, jobs: list[tuple], loss_fn: str, config: dict, backward: bool,
                  max_jobs: int = 8) -> list[tuple]:
@@ -152,7 +153,7 @@ class Learner:
                 ads = tuple(jobs[j][0] for j, *_ in call) + (jobs[call[0][0]][0],) * pad
                 batch = {k: jnp.asarray(np.stack([b[k] for b in batches + batches[:1] * pad])) for k in batches[0]}
                 (lp, per_row), g = self._many_fn(loss_fn, backward)(ads, self.base, batch, conf)
-                lp, per_row = jax.device_get((lp, per_row))
+                lp, per_row = fetch((lp, per_row))
             for c, (j, k, idx, _, _) in enumerate(call):
                 _collect((lp[c], per_row[c]), jobs[j][1], idx, res[j][0], res[j][1])
                 if backward:

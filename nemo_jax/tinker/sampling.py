@@ -78,7 +78,7 @@ class Sampling:
 
     def adapter(self, name: str, tree) -> Adapter:
         """Adapters to sample with, under a version of serve's (the scheduler tells adapter sets apart by it)."""
-        return Adapter(name, name, tree, self.s.adapters.next_version())
+        return self.s.adapters.make(name, name, tree)
 
     def forget_path(self, path: str) -> None:
         """Saved weights at `path` changed or went: a session made from it later reads it anew."""

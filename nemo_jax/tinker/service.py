@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nemo_jax.lora import LoraConfig, adapter_shardings
+from nemo_jax.parallel.mesh import fetch
 from nemo_jax.tinker import wire
 from nemo_jax.tinker.futures import FutureStore
 from nemo_jax.tinker.learner import Learner, adamw, new_adapters, zeros_like_trained
@@ -293,7 +294,7 @@ class TinkerService:
         grads, m.grads = m.grads, None
         params, mm, vv, norm, finite = adamw(m.adapters, grads, m.adam_m, m.adam_v, np.int32(m.step),
                                              {k: np.float32(v) for k, v in hp.items()})
-        norm, finite = jax.device_get((norm, finite))
+        norm, finite = fetch((norm, finite))
         if not finite:
             raise UserError(f"the gradient norm is {float(norm)} (not finite): the update was skipped; the adapters "
                             "and optimiser state are unchanged")

@@ -25,6 +25,7 @@ import numpy as np
 
 from nemo_jax.fsutil import atomic_write_text, read_marker
 from nemo_jax.model.spec import path_str
+from nemo_jax.parallel.mesh import fetch
 from nemo_jax.tinker.wire import UserError
 
 RUN_ID = re.compile(r"^[a-z0-9]{1,32}:train:[0-9]{1,9}$")
@@ -72,6 +73,7 @@ class Store:
     def __init__(self, root: str):
         self.root = os.path.realpath(root)
         os.makedirs(self.root, exist_ok=True)
+        self.read_only = False  # (a follower process of a server over several: it reads, the leader writes)
 
     def run_dir(self, run_id: str) -> str:
         return os.path.join(self.root, check_run_id(run_id).replace(":", "_"))
@@ -83,6 +85,8 @@ class Store:
 
     # ------------------------------------------------------------------ runs
     def write_run(self, run_id: str, record: dict) -> None:
+        if self.read_only:
+            return
         os.makedirs(self.run_dir(run_id), exist_ok=True)
         atomic_write_text(os.path.join(self.run_dir(run_id), RUN), json.dumps(record, indent=1))
 
@@ -123,17 +127,20 @@ class Store:
         record = {**meta, "tinker_path": tinker_path(run_id, kind, name), "checkpoint_type": KINDS[kind],
                   "created": now, "expires_at": None if not ttl else now + ttl}
         extra = {META: json.dumps(record, indent=1).encode()}
+        adapters = fetch(adapters)
         if optimizer is not None:
             m, v, step = optimizer
+            m, v = fetch(m), fetch(v)
             flat = {}
             for tag, tree in (("m", m), ("v", v)):
                 for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
                     if np.size(x):
                         flat[f"{tag}/{path_str(p)}"] = np.ascontiguousarray(np.asarray(x, np.float32))
             extra[OPTIMIZER] = st_save(flat, metadata={"step": str(int(step)), "format": "nemo_jax-tinker-adamw"})
+        if self.read_only:  # (a follower process: the leader writes what every process gathered)
+            return record["tinker_path"]
         try:
-            save_adapter_checkpoint(path, cfg, lora_cfg, jax.tree.map(np.asarray, adapters), overwrite=overwrite,
-                                    extra=extra)
+            save_adapter_checkpoint(path, cfg, lora_cfg, adapters, overwrite=overwrite, extra=extra)
         except OutputExistsError:
             raise UserError(f"checkpoint {tinker_path(run_id, kind, name)} exists (pass overwrite=True to replace "
                             "it)") from None
