@@ -819,3 +819,14 @@ def test_seq_order_chunk_merging_and_retries_over_raw_http(served):
     assert result(opt)["metrics"]["grad_norm:mean"] > 0  # it ran after both chunks' gradients
     after = deserialize_forward_backward_output(result(chunk(4, seqs[:1])))
     assert not np.allclose(np.asarray(after.loss_fn_outputs[0]["logprobs"].data), lps[0], atol=1e-4)
+
+
+# the SDK checks the sharded servers (tests/test_tinker_mesh.py, tests/test_tinker_processes.py) run too, against
+# their own `served` fixture: `globals().update(shared_checks())` there
+SDK_CHECKS = (test_sl_loop_loss_halves_and_logprobs_are_the_base, test_sampling_logprobs_stops_and_importance_sampling,
+              test_two_clients_at_once_and_a_new_client_starts_at_the_base,
+              test_clients_at_once_run_batched_and_equal_one_at_a_time)
+
+
+def shared_checks() -> dict:
+    return {f.__name__: f for f in SDK_CHECKS}

@@ -16,11 +16,9 @@ pytest.importorskip("tinker", reason="the Tinker API tests drive the official SD
 pytest.importorskip("fastapi", reason="nemo-jax serve needs fastapi + uvicorn")
 
 from helpers import FAST_COMPILE  # noqa: E402
-from test_tinker import (BATCH, Server, _tiny_cfg,  # noqa: E402,F401
-                         test_clients_at_once_run_batched_and_equal_one_at_a_time,
-                         test_sampling_logprobs_stops_and_importance_sampling,
-                         test_sl_loop_loss_halves_and_logprobs_are_the_base,
-                         test_two_clients_at_once_and_a_new_client_starts_at_the_base)
+from test_tinker import BATCH, Server, _tiny_cfg, shared_checks  # noqa: E402
+
+globals().update(shared_checks())  # test_tinker's SDK checks, against this module's `served`
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCH = [os.path.join(ROOT, "launch", "local", "run.sh"), "--processes", "2", "--devices-per-process", "4",

@@ -27,6 +27,8 @@ import sys
 import threading
 import traceback
 
+from nemo_jax.generate.sampling import SamplingParams
+
 KEY = "nemo-jax serve: the call log"
 ENGINE_METHODS = ("submit", "feed", "release", "step", "set_adapters")
 
@@ -140,7 +142,7 @@ def replicate_engine(engine, leader: Leader) -> None:
             if _name == "set_adapters":
                 sent = (args[1] if len(args) > 1 else kw["version"],)
             elif _name == "submit":
-                sent = (args[0], args[1] if len(args) > 1 else kw.get("sp"), kw.get("images"))
+                sent = (args[0], args[1] if len(args) > 1 else kw.get("sp", SamplingParams()), kw.get("images"))
             elif _name == "feed":
                 sent = (args[0], args[1], kw.get("images"))
             else:
@@ -155,8 +157,7 @@ def engine_target(engine, adapters):
         if method == "set_adapters":
             engine.set_adapters(adapters.tree_of(args[0]), args[0])
         elif method == "submit":
-            tokens, sp, images = args
-            engine.submit(tokens, sp, images=images) if sp is not None else engine.submit(tokens, images=images)
+            engine.submit(args[0], args[1], images=args[2])
         elif method == "feed":
             engine.feed(args[0], args[1], images=args[2])
         else:

@@ -63,7 +63,6 @@ class TinkerService:
                     Kind.OPTIM: self._optim, Kind.SAVE_STATE: self._save_state, Kind.SAVE_SAMPLER: self._save_sampler,
                     Kind.PROMPT_LOGPROBS: lambda items: self.sampling.prompt_logprobs(items),
                     Kind.REFUSED: lambda items: None}
-        self.batch_clients = batch_clients
         self.sequencer = Sequencer(self.futures, handlers, self.registry, batch_models=batch_clients)
         self.sampling = Sampling(serve_state, self.registry, self.sequencer, self.futures, self.store, self.learner)
 
@@ -275,7 +274,7 @@ class TinkerService:
         if not jobs:
             return None
         results = self.learner.run_many([(m.adapters, rows) for m, _, rows, _ in jobs], loss_fn, head.args["config"],
-                                        backward, max_jobs=self.batch_clients)
+                                        backward, max_jobs=self.sequencer.batch_models)
         for (m, items, _, owner), (lps, losses, grads) in zip(jobs, results):
             if backward:
                 m.grads = grads if m.grads is None else jax.tree.map(jnp.add, m.grads, grads)
