@@ -299,6 +299,14 @@ def log_view(layout: Layout):
           f"({local[0].platform}); global devices {jax.device_count()}", file=sys.stderr, flush=True)
 
 
+def coordination_client():
+    """The coordination service's client of this process (JAX keeps it in a private module: this is the one place
+    that reaches it): key-value store, barriers, live nodes."""
+    from jax._src import distributed as _dist
+
+    return _dist.global_state.client
+
+
 def lost_peers(wait_s: float = 0.0) -> list[int] | None:
     """Process ids the coordination service no longer counts as alive, polling up to wait_s seconds for one to
     be declared lost (a peer is declared lost once its heartbeat is missing for heartbeat_timeout).
@@ -306,9 +314,8 @@ def lost_peers(wait_s: float = 0.0) -> list[int] | None:
     import time
 
     import jax
-    from jax._src import distributed as _dist
 
-    client, n = _dist.global_state.client, jax.process_count()
+    client, n = coordination_client(), jax.process_count()
     deadline = time.monotonic() + wait_s
     while True:
         try:
@@ -340,9 +347,7 @@ def barrier(name: str, timeout_s: float):
     involved); an error naming it after `timeout_s`. A no-op in a single process."""
     if not _multi():
         return
-    from jax._src import distributed as _dist
-
-    _dist.global_state.client.wait_at_barrier(name, int(timeout_s * 1000))
+    coordination_client().wait_at_barrier(name, int(timeout_s * 1000))
 
 
 def share(sizes: list[int]) -> list[int]:
@@ -414,9 +419,7 @@ def writer_lock(path: str, command: str, timeout_s: float = 300.0):
         with runlock.hold(path, command) as holder:
             yield holder
         return
-    from jax._src import distributed as _dist
-
-    client = _dist.global_state.client
+    client = coordination_client()
     _STATE["locks"] = _STATE.get("locks", 0) + 1  # every process takes its locks in the same order
     key = f"nemo-jax write lock #{_STATE['locks']}"
     if process()[0] != 0:

@@ -28,6 +28,7 @@ import threading
 import traceback
 
 from nemo_jax.generate.sampling import SamplingParams
+from nemo_jax.parallel.distributed import coordination_client
 
 KEY = "nemo-jax serve: the call log"
 ENGINE_METHODS = ("submit", "feed", "release", "step", "set_adapters")
@@ -56,12 +57,6 @@ def _recv(sock: socket.socket):
     return None if body is None else pickle.loads(body)
 
 
-def _client():
-    from jax._src import distributed as _dist
-
-    return _dist.global_state.client
-
-
 class Leader:
     def __init__(self, followers: int, timeout_s: float = 300.0):
         """Listen on a free port of this host, publish host:port, and take `followers` connections (each says its
@@ -71,7 +66,7 @@ class Leader:
         srv.bind(("0.0.0.0", 0))
         srv.listen(followers)
         srv.settimeout(timeout_s)
-        _client().key_value_set(KEY, f"{socket.gethostname()}:{srv.getsockname()[1]}")
+        coordination_client().key_value_set(KEY, f"{socket.gethostname()}:{srv.getsockname()[1]}")
         self._socks: dict[int, socket.socket] = {}
         try:
             while len(self._socks) < followers:
@@ -107,7 +102,7 @@ class Leader:
 
 class Follower:
     def __init__(self, process_id: int, timeout_s: float = 300.0):
-        host, port = _client().blocking_key_value_get(KEY, int(timeout_s * 1000)).rsplit(":", 1)
+        host, port = coordination_client().blocking_key_value_get(KEY, int(timeout_s * 1000)).rsplit(":", 1)
         self.sock = socket.create_connection((host, int(port)), timeout=timeout_s)
         self.sock.settimeout(None)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
