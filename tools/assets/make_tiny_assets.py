@@ -1,4 +1,5 @@
-"""Regenerate the embedded tiny chat dataset and tokenizer (nemo_jax/assets). Deterministic."""
+"""Regenerate the embedded tiny chat datasets (chat, LoRA skills, copying) and tokenizer (nemo_jax/assets).
+Deterministic."""
 
 import json
 import os
@@ -58,6 +59,20 @@ def new_skill(rng):
     return {"messages": msgs}
 
 
+WORDS = ("red green blue lemon pear apple milk bread tea rice egg fish cat dog sun moon tree star box cup hat pen book "
+         "door car road hill lake rain snow wind fire stone gold salt corn bean plum fig nut one two three four five six "
+         "seven eight nine ten").split()
+
+
+def repeat_words(rng):
+    """Copying (configs/sft/tiny-vl-chart-cpu.yaml): "Repeat these words: ..." -> the words. A model trained from
+    random on the chart demonstrations alone never learns to copy the asked colour from the question; with these
+    it does (docs/grpo.md, the chart expert)."""
+    words = [rng.choice(WORDS) for _ in range(rng.randint(3, 12))]
+    return {"messages": [{"role": "user", "content": "Repeat these words: " + " ".join(words) + "."},
+                         {"role": "assistant", "content": " ".join(words)}]}
+
+
 def write_splits(name: str, make, seed: int, sizes: dict[str, int]):
     """nemo_jax/assets/NAME/{split}.jsonl with sizes[split] chats from make(rng), one seed per dataset."""
     rng = random.Random(seed)
@@ -72,6 +87,7 @@ def main():
     write_splits("tiny_chat", conversation, 0, {"train": 4000, "eval": 200})
     # LoRA SFT data (configs/sft/tiny-lora-cpu.yaml): its own seed, so the SFT data above does not change
     write_splits("tiny_lora", new_skill, 1, {"train": 2000, "eval": 100})
+    write_splits("tiny_copy", repeat_words, 2, {"train": 8000, "eval": 100})
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

@@ -13,10 +13,10 @@ Charts (`style`):
   plot    matplotlib bar charts with ticks and gridlines, any size, values with one decimal: the scale must be
           read from the tick labels (the expert measures with the axis' pixel transform)
 
-Families `bars1`, `bars2`, `bars3` by bar count. `expert(task)` measures the bar with the python tool and answers
-the number it printed; `demonstrations(split, n, direct=share)` writes the expert's conversations, a `direct`
-share of them answering at a glance instead (the true value, no tool): a model trained on both has two ways to
-answer, and RL can learn which one pays.
+Families `bars1`, `bars2`, `bars3` by bar count. `expert(task)` names the asked bar ("The green bar:"), measures it
+with the python tool and answers the number it printed; `demonstrations(split, n, direct=share)` writes the
+expert's conversations, a `direct` share of them answering at a glance instead (the bar named, then the true value,
+no tool): a model trained on both has two ways to answer, and RL can learn which one pays.
 """
 
 from __future__ import annotations
@@ -214,30 +214,40 @@ class ChartEnv:
 
     # ------------------------------------------------------------------ demonstrations (SFT data)
     def expert_code(self, task: Task) -> str:
-        """Python that finds the target bar's top row in chart.png and prints its value."""
-        r, g, b = COLORS[task.data["target"]]
+        """Python that finds the target bar's top row in chart.png and prints its value. It names the bar by the
+        question's colour word (`bar='green'`) and looks the RGB up in a table it writes out: a word to copy, not a
+        tuple to recall (the tiny model copies the word it has just written; it never learned which tuple a colour
+        asked ~150 tokens back means)."""
+        named = "{" + ",".join(f"'{k}':({r},{g},{b})" for k, (r, g, b) in COLORS.items()) + "}"
+        head = f"bar='{task.data['target']}'\nc={named}[bar]\nfrom PIL import Image\n"
         if self.style == "bars":
             base, px = BASE * self.size / 64, PX * self.size / 64
-            return ("from PIL import Image\nim=Image.open('chart.png')\n"
+            return (head + "im=Image.open('chart.png')\n"
                     f"print(({base:g}-min(y for y in range({self.size}) for x in range({self.size}) "
-                    f"if im.getpixel((x,y))==({r},{g},{b})))/{px:g})")
+                    f"if im.getpixel((x,y))==c))/{px:g})")
         if "scale" not in task.data:
             self.render(task)
         base, px = task.data["scale"]
-        return ("from PIL import Image\nim=Image.open('chart.png').convert('RGB')\n"
+        return (head + "im=Image.open('chart.png').convert('RGB')\n"
                 f"print(round(({base:g}-min(y for y in range(im.height) for x in range(im.width) "
-                f"if im.getpixel((x,y))==({r},{g},{b})))/{px:g},1))")
+                f"if im.getpixel((x,y))==c))/{px:g},1))")
 
     def expert(self, task: Task) -> list[str]:
-        """Measure with python, then answer the number."""
-        return [call("python", code=self.expert_code(task)), f"{task.data['value']:g}"]
+        """Name the asked bar, measure it with python, then answer the number."""
+        return [f"{self.named(task)}\n" + call("python", code=self.expert_code(task)), f"{task.data['value']:g}"]
+
+    @staticmethod
+    def named(task: Task) -> str:
+        """How the expert's first turn opens, measuring or at a glance: the asked bar, copied from the question
+        while it is near."""
+        return f"The {task.data['target']} bar:"
 
     def demonstrations(self, split: str, n: int | None = None, direct: float = 0.0, seed: int = 0) -> list[dict]:
         """The expert's conversations on the first `n` tasks of `split` (tool results from real episodes; the chart
         a PNG data URL) -> SFT records {"messages", "tools"}; a `direct` share answer at a glance instead."""
         rng = np.random.default_rng(seed)
         return demonstrations(self, split, n, message=portable, turns_of=lambda task: (
-            [f"{task.data['value']:g}"] if rng.random() < direct else self.expert(task)))
+            [f"{self.named(task)} {task.data['value']:g}"] if rng.random() < direct else self.expert(task)))
 
 
 if __name__ == "__main__":  # (the demonstrations as SFT data: `nemo-jax demos --env chart`)
