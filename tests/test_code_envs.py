@@ -194,7 +194,10 @@ def chart():
 
 def test_chart_expert_image_tools_and_grading(chart):
     task = chart.tasks("eval")[0]
-    obs, _ = play(chart, task, chart.expert(task))
+    turns = chart.expert(task)  # the bar named first, then by the same word in the code (what the tiny model copies)
+    named = task.data["target"]
+    assert turns[0].startswith(f"The {named} bar:\n<tool_call>") and f"bar='{named}'" in turns[0]
+    obs, _ = play(chart, task, turns)
     parts = obs[0].messages[0]["content"]
     assert parts[0]["type"] == "image" and parts[0]["image"].size == (64, 64)  # the chart in the prompt
     assert text(obs[1]).strip() == f"{task.data['value']:g}"  # python measured it

@@ -61,6 +61,8 @@ def test_start_gate_and_end_verdict():
     flat = start_gate({"pass@1": 0.36, "pass@2": 0.375}, 2, 0.05)
     assert len(flat) == 2 and "pass@2 - pass@1 = 0.015 < eval_min_headroom 0.05" in flat[1]
     assert "not measured" in start_gate({"pass@1": 0.3}, 1, 0.05)[0]
+    solved = start_gate({"pass@1": 0.953, "pass@2": 1.0}, 2, 0.05)  # a warm start at the ceiling: nothing to warm
+    assert len(solved) == 2 and "already succeeds in 0.953" in solved[1] and "warm-start" not in solved[1]
     rose = verdict([(0, 0.2), (10, 0.3), (20, 0.45)], 2, 20)
     assert rose == ["held-out pass@1 0.200 at step 0 -> 0.450 at step 20"]
     stuck = verdict([(0, 0.363), (60, 0.363)], 36, 60)

@@ -467,11 +467,15 @@ def demonstration_tokens(env, tok, cfg, n: int = 4) -> int:
 
 def start_gate(ev: dict, k: int, min_headroom: float) -> list[str]:
     """What the step-0 eval says of the start: its pass@1 and pass@k, and a warning when pass@k - pass@1 (how
-    often the start succeeds where it usually fails: what RL can sharpen) is below `min_headroom`."""
+    often the start succeeds where it usually fails: what RL can sharpen) is below `min_headroom`; when that is
+    because pass@1 is already within `min_headroom` of 1, the warning says the start has solved the task."""
     p1, pk = ev["pass@1"], ev[f"pass@{k}"]
     lines = [f"grpo: start: held-out pass@1 {p1:.3f}, pass@{k} {pk:.3f}"]
     if k < 2:
         lines[0] += " (eval_attempts 1: the headroom pass@k - pass@1 is not measured)"
+    elif 1 - p1 < min_headroom:
+        lines.append(f"grpo: warning: the start already succeeds in {p1:.3f} of held-out attempts: RL can add at "
+                     f"most {1 - p1:.3f} (below eval_min_headroom {min_headroom:g}); the held-out tasks are solved")
     elif pk - p1 < min_headroom:
         lines.append(f"grpo: warning: pass@{k} - pass@1 = {pk - p1:.3f} < eval_min_headroom {min_headroom:g}: the "
                      "start rarely succeeds where it usually fails, so RL has little to sharpen; warm-start the "
