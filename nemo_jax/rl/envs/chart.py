@@ -218,8 +218,8 @@ class ChartEnv:
         question's colour word (`bar='green'`) and looks the RGB up in a table it writes out: a word to copy, not a
         tuple to recall (the tiny model copies the word it has just written; it never learned which tuple a colour
         asked ~150 tokens back means)."""
-        named = "{" + ",".join(f"'{k}':({r},{g},{b})" for k, (r, g, b) in COLORS.items()) + "}"
-        head = f"bar='{task.data['target']}'\nc={named}[bar]\nfrom PIL import Image\n"
+        table = "{" + ",".join(f"'{k}':({r},{g},{b})" for k, (r, g, b) in COLORS.items()) + "}"
+        head = f"bar='{task.data['target']}'\nc={table}[bar]\nfrom PIL import Image\n"
         if self.style == "bars":
             base, px = BASE * self.size / 64, PX * self.size / 64
             return (head + "im=Image.open('chart.png')\n"
